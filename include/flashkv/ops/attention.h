@@ -1,0 +1,95 @@
+// The attention operators (SEMANTICS.md): one params struct per family, one entry point each,
+// the device chosen by the tensors (CPU tensors run the CPU kernels, CUDA tensors the CUDA ones).
+#pragma once
+
+#include <vector>
+
+#include "flashkv/core/buffer.h"
+#include "flashkv/core/tensor.h"
+#include "flashkv/plan/plan.h"
+
+namespace flashkv {
+
+// A batch's paged KV. K/V pools are NHD: k [num_slots, Hkv, D_qk], v [num_slots, Hkv, D_v],
+// dtype f32/f16/bf16/fp8_e4m3/fp8_e5m2 (both the same); slot s sits on page s / page_size.
+// Request i owns entries indices[indptr[i] .. indptr[i+1]): token slots when page_size == 1,
+// else page ids, the last page holding last_page_len[i] (1..page_size) tokens.
+struct PagedKV {
+  TensorView k, v;
+  TensorView indptr;         // i32 [B + 1]
+  TensorView indices;        // i32 [>= indptr[B]]
+  TensorView last_page_len;  // i32 [B]; required when page_size > 1
+  int page_size = 1;
+  float k_scale = 1.0f;  // value used = stored value * scale (fp8 KV; 1 otherwise)
+  float v_scale = 1.0f;
+};
+
+struct AttentionOptions {
+  bool causal = true;        // ignored when custom_mask is given
+  int window_left = -1;      // < 0: no window; else key j visible iff j >= p(q) - window_left
+  float logits_soft_cap = 0;  // > 0: s = cap * tanh(s / cap)
+  float sm_scale = 0;        // 0: 1 / sqrt(D_qk)
+  // Speculative-decoding tree mask: u8 (0/1), request i's [qo_len_i, kv_len_i] row-major matrix
+  // at element offset mask_indptr[i]. The operators require mask_indptr with a mask; the
+  // reference also accepts it absent (matrices packed back to back).
+  TensorView custom_mask;
+  TensorView mask_indptr;  // i32 [B + 1]
+};
+
+// Scratch memory an operator's plan needs: the uploaded plan and the partial states of split
+// work. Sized by the plan (plan.layout.total_bytes); run() never allocates.
+class Workspace {
+ public:
+  Workspace() = default;
+  Workspace(size_t bytes, Device device) : buffer_(bytes, device) {}
+  void* data() const { return buffer_.data(); }
+  size_t bytes() const { return buffer_.bytes(); }
+  Device device() const { return buffer_.device(); }
+  // Grows (reallocating, contents lost) when smaller than `bytes`.
+  void reserve(size_t bytes, Device device);
+  // Copies the plan part of `plan` into the workspace (CUDA: one async host-to-device copy on
+  // `stream` from a host staging buffer kept here; CPU: a memcpy). Call once per plan, before
+  // the runs that use it; the runs then read the plan only from here.
+  void upload(const Plan& plan, Stream stream = {});
+  // Id of the plan last uploaded (0: none).
+  uint64_t plan_id() const { return plan_id_; }
+
+ private:
+  Buffer buffer_;
+  std::vector<unsigned char> host_staging_;  // source of the async copy; outlives it
+  uint64_t plan_id_ = 0;
+};
+
+// Ragged prefill: q [Tq, Hq, D_qk] against contiguous k [Tk, Hkv, D_qk], v [Tk, Hkv, D_v];
+// request i owns q rows qo_indptr[i].. and k/v rows kv_indptr[i]..; out [Tq, Hq, D_v];
+// lse [Tq, Hq] f32 (optional, base 2).
+void ragged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorView& k,
+                    const TensorView& v, const TensorView& qo_indptr,
+                    const TensorView& kv_indptr, const AttentionOptions& opt,
+                    const TensorView& out, const TensorView& lse, Workspace& ws,
+                    Stream stream = {});
+
+// Paged prefill: q [Tq, Hq, D_qk] against the paged KV; query rows are the last qo_len
+// positions of each request (causal-with-prefix alignment).
+void paged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorView& qo_indptr,
+                   const PagedKV& kv, const AttentionOptions& opt, const TensorView& out,
+                   const TensorView& lse, Workspace& ws, Stream stream = {});
+
+// Paged decode: q [B, Hq, D_qk], one query row per request; out [B, Hq, D_v].
+void paged_decode(const DecodePlan& plan, const TensorView& q, const PagedKV& kv,
+                  const AttentionOptions& opt, const TensorView& out, const TensorView& lse,
+                  Workspace& ws, Stream stream = {});
+
+// Merges two states over disjoint KV sets: o [T, H, D], lse [T, H] f32 (base 2). `o`/`lse` may
+// be the same tensors as `o_a`/`lse_a`.
+void merge_state(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
+                 const TensorView& lse_b, const TensorView& o, const TensorView& lse,
+                 Stream stream = {});
+// Folds N states: states [T, N, H, D], lse [T, N, H] -> o [T, H, D], lse_out [T, H] (optional).
+void merge_states(const TensorView& states, const TensorView& lse, const TensorView& o,
+                  const TensorView& lse_out, Stream stream = {});
+
+// KV length (tokens) of request i of a paged KV whose index arrays are on the host.
+int64_t paged_kv_len(const PagedKV& kv, int64_t i);
+
+}  // namespace flashkv

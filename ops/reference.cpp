@@ -1,0 +1,207 @@
+#include "flashkv/ops/reference.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace flashkv::reference {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+// Reads row r, head h of a [rows, heads, dim] tensor as doubles times `scale`.
+void load_row(const TensorView& t, int64_t r, int64_t h, double scale, double* dst) {
+  const int64_t base = r * t.stride[0] + h * t.stride[1];
+  for (int64_t d = 0; d < t.shape[2]; ++d)
+    dst[d] = load_as_double(t.data, t.dtype, base + d * t.stride[2]) * scale;
+}
+
+struct Shapes {
+  int64_t hq, hkv, dqk, dv;
+};
+
+Shapes check_qkv(const TensorView& q, const TensorView& k, const TensorView& v) {
+  Expect(q, "q").ndim(3).on_host().float_dtype();
+  Expect(k, "k").ndim(3).on_host().dim(2, q.shape[2], "head_dim_qk");
+  Expect(v, "v").ndim(3).on_host().dim(1, k.shape[1], "num_kv_heads").dim(0, k.shape[0], "slots");
+  Expect(k, "k").dtype_in({DType::f32, DType::f16, DType::bf16, DType::fp8_e4m3, DType::fp8_e5m2});
+  Expect(v, "v").dtype(k.dtype);
+  FLASHKV_CHECK(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0, "num_qo_heads: expected a multiple of num_kv_heads ",
+                k.shape[1], ", got ", q.shape[1]);
+  return {q.shape[1], k.shape[1], q.shape[2], v.shape[2]};
+}
+
+// Attention of one request: query rows [q_begin, q_begin + q_len) of q, KV entries j = 0..kv_len-1
+// found at rows kv_row[j] of k/v. mask: the request's [q_len, kv_len] matrix or null.
+void attend_request(const TensorView& q, int64_t q_begin, int64_t q_len,
+                    const std::vector<int64_t>& kv_row, const TensorView& k, const TensorView& v,
+                    double k_scale, double v_scale, const AttentionOptions& opt,
+                    const uint8_t* mask, Result& out) {
+  const Shapes s{q.shape[1], k.shape[1], q.shape[2], v.shape[2]};
+  const int64_t group = s.hq / s.hkv;
+  const int64_t kv_len = static_cast<int64_t>(kv_row.size());
+  const double sm_scale = opt.sm_scale > 0 ? opt.sm_scale : 1.0 / std::sqrt(double(s.dqk));
+  // Dequantized K/V of the request: [kv_len, Hkv, D].
+  std::vector<double> kd(kv_len * s.hkv * s.dqk), vd(kv_len * s.hkv * s.dv);
+  for (int64_t j = 0; j < kv_len; ++j)
+    for (int64_t h = 0; h < s.hkv; ++h) {
+      load_row(k, kv_row[j], h, k_scale, &kd[(j * s.hkv + h) * s.dqk]);
+      load_row(v, kv_row[j], h, v_scale, &vd[(j * s.hkv + h) * s.dv]);
+    }
+  std::vector<double> qd(s.dqk), score(kv_len);
+  std::vector<char> allowed(kv_len);
+  for (int64_t qi = 0; qi < q_len; ++qi) {
+    const int64_t pos = kv_len - q_len + qi;  // absolute position of this query
+    for (int64_t j = 0; j < kv_len; ++j) {
+      bool ok = mask ? mask[qi * kv_len + j] != 0 : (!opt.causal || j <= pos);
+      if (opt.window_left >= 0 && j < pos - opt.window_left) ok = false;
+      allowed[j] = ok;
+    }
+    for (int64_t h = 0; h < s.hq; ++h) {
+      const int64_t kvh = h / group;
+      load_row(q, q_begin + qi, h, 1.0, qd.data());
+      double m = kNegInf;
+      for (int64_t j = 0; j < kv_len; ++j) {
+        if (!allowed[j]) continue;
+        const double* kr = &kd[(j * s.hkv + kvh) * s.dqk];
+        double dot = 0;
+        for (int64_t d = 0; d < s.dqk; ++d) dot += qd[d] * kr[d];
+        double sc = dot * sm_scale;
+        if (opt.logits_soft_cap > 0) sc = opt.logits_soft_cap * std::tanh(sc / opt.logits_soft_cap);
+        score[j] = sc;
+        m = std::max(m, sc);
+      }
+      double* o = &out.o[((q_begin + qi) * s.hq + h) * s.dv];
+      double& lse = out.lse[(q_begin + qi) * s.hq + h];
+      std::fill(o, o + s.dv, 0.0);
+      if (m == kNegInf) {
+        lse = kNegInf;
+        continue;
+      }
+      double sum = 0;
+      for (int64_t j = 0; j < kv_len; ++j) {
+        if (!allowed[j]) continue;
+        const double p = std::exp(score[j] - m);
+        sum += p;
+        const double* vr = &vd[(j * s.hkv + kvh) * s.dv];
+        for (int64_t d = 0; d < s.dv; ++d) o[d] += p * vr[d];
+      }
+      for (int64_t d = 0; d < s.dv; ++d) o[d] /= sum;
+      lse = (m + std::log(sum)) / std::log(2.0);
+    }
+  }
+}
+
+Result make_result(int64_t rows, const Shapes& s) {
+  Result r;
+  r.rows = rows;
+  r.heads = static_cast<int>(s.hq);
+  r.head_dim = static_cast<int>(s.dv);
+  r.o.assign(rows * s.hq * s.dv, 0.0);
+  r.lse.assign(rows * s.hq, kNegInf);
+  return r;
+}
+
+// The mask of request i, or null; checks it lies inside the mask tensor.
+const uint8_t* request_mask(const AttentionOptions& opt, int64_t i, int64_t* running,
+                            int64_t q_len, int64_t kv_len) {
+  if (!opt.custom_mask.defined()) return nullptr;
+  Expect(opt.custom_mask, "custom_mask").ndim(1).on_host().dtype(DType::u8);
+  const int64_t off = opt.mask_indptr.defined() ? index_at(opt.mask_indptr, i) : *running;
+  *running = off + q_len * kv_len;
+  FLASHKV_CHECK(off >= 0 && off + q_len * kv_len <= opt.custom_mask.numel(), "custom_mask: request ",
+                i, " needs elements [", off, ", ", off + q_len * kv_len, "), tensor has ",
+                opt.custom_mask.numel());
+  return static_cast<const uint8_t*>(opt.custom_mask.data) + off;
+}
+
+}  // namespace
+
+Result ragged_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& qo_indptr, const TensorView& kv_indptr,
+                        const AttentionOptions& opt, float k_scale, float v_scale) {
+  const Shapes s = check_qkv(q, k, v);
+  Expect(qo_indptr, "qo_indptr").ndim(1).on_host().index_dtype();
+  Expect(kv_indptr, "kv_indptr").ndim(1).on_host().index_dtype().dim(0, qo_indptr.numel(), "batch + 1");
+  Result out = make_result(q.shape[0], s);
+  const int64_t batch = qo_indptr.numel() - 1;
+  int64_t mask_running = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t qb = index_at(qo_indptr, i), qe = index_at(qo_indptr, i + 1);
+    const int64_t kb = index_at(kv_indptr, i), ke = index_at(kv_indptr, i + 1);
+    FLASHKV_CHECK(qb >= 0 && qb <= qe && qe <= q.shape[0], "qo_indptr: request ", i, " rows [", qb,
+                  ", ", qe, ") outside q's ", q.shape[0], " rows");
+    FLASHKV_CHECK(kb >= 0 && kb <= ke && ke <= k.shape[0], "kv_indptr: request ", i, " rows [", kb,
+                  ", ", ke, ") outside k's ", k.shape[0], " rows");
+    std::vector<int64_t> rows(ke - kb);
+    for (int64_t j = 0; j < ke - kb; ++j) rows[j] = kb + j;
+    const uint8_t* mask = request_mask(opt, i, &mask_running, qe - qb, ke - kb);
+    attend_request(q, qb, qe - qb, rows, k, v, k_scale, v_scale, opt, mask, out);
+  }
+  return out;
+}
+
+Result paged_attention(const TensorView& q, const TensorView& qo_indptr, const PagedKV& kv,
+                       const AttentionOptions& opt) {
+  const Shapes s = check_qkv(q, kv.k, kv.v);
+  Expect(kv.indptr, "kv.indptr").ndim(1).on_host().index_dtype();
+  Expect(kv.indices, "kv.indices").ndim(1).on_host().index_dtype();
+  FLASHKV_CHECK(kv.page_size >= 1, "page_size: expected >= 1, got ", kv.page_size);
+  const int64_t batch = kv.indptr.numel() - 1;
+  if (qo_indptr.defined()) {
+    Expect(qo_indptr, "qo_indptr").ndim(1).on_host().index_dtype().dim(0, batch + 1, "batch + 1");
+  } else {
+    Expect(q, "q").dim(0, batch, "batch (decode: one row per request)");
+  }
+  Result out = make_result(q.shape[0], s);
+  int64_t mask_running = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t qb = qo_indptr.defined() ? index_at(qo_indptr, i) : i;
+    const int64_t qe = qo_indptr.defined() ? index_at(qo_indptr, i + 1) : i + 1;
+    FLASHKV_CHECK(qb >= 0 && qb <= qe && qe <= q.shape[0], "qo_indptr: request ", i, " rows [", qb,
+                  ", ", qe, ") outside q's ", q.shape[0], " rows");
+    const int64_t kv_len = paged_kv_len(kv, i);
+    const int64_t e0 = index_at(kv.indptr, i);
+    std::vector<int64_t> rows(kv_len);
+    for (int64_t j = 0; j < kv_len; ++j) {
+      const int64_t entry = index_at(kv.indices, e0 + j / kv.page_size);
+      const int64_t slot = entry * kv.page_size + j % kv.page_size;
+      FLASHKV_CHECK(slot >= 0 && slot < kv.k.shape[0], "kv.indices: request ", i, " entry ",
+                    e0 + j / kv.page_size, " points at slot ", slot, ", pool has ", kv.k.shape[0]);
+      rows[j] = slot;
+    }
+    const uint8_t* mask = request_mask(opt, i, &mask_running, qe - qb, kv_len);
+    attend_request(q, qb, qe - qb, rows, kv.k, kv.v, kv.k_scale, kv.v_scale, opt, mask, out);
+  }
+  return out;
+}
+
+Result merge_states(const std::vector<Result>& parts) {
+  FLASHKV_CHECK(!parts.empty(), "merge_states: expected at least one state");
+  Result out = parts[0];
+  const int64_t n = out.rows * out.heads;
+  for (size_t p = 1; p < parts.size(); ++p)
+    FLASHKV_CHECK(parts[p].rows == out.rows && parts[p].heads == out.heads &&
+                      parts[p].head_dim == out.head_dim,
+                  "merge_states: state ", p, " has a different shape");
+  for (int64_t i = 0; i < n; ++i) {
+    double m = kNegInf;
+    for (const Result& r : parts) m = std::max(m, r.lse[i]);
+    double* o = &out.o[i * out.head_dim];
+    std::fill(o, o + out.head_dim, 0.0);
+    if (m == kNegInf) {
+      out.lse[i] = kNegInf;
+      continue;
+    }
+    double sum = 0;
+    for (const Result& r : parts) sum += std::exp2(r.lse[i] - m);
+    const double lse = m + std::log2(sum);
+    for (const Result& r : parts) {
+      const double w = std::exp2(r.lse[i] - lse);
+      for (int d = 0; d < out.head_dim; ++d) o[d] += w * r.o[i * out.head_dim + d];
+    }
+    out.lse[i] = lse;
+  }
+  return out;
+}
+
+}  // namespace flashkv::reference

@@ -1,0 +1,103 @@
+#include "test_util.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace flashkv::test {
+
+uint64_t test_seed(uint64_t salt) {
+  const char* env = std::getenv("FLASHKV_TEST_SEED");
+  const uint64_t base = env ? std::strtoull(env, nullptr, 10) : 20261129ull;
+  return base * 1000003ull + salt;
+}
+
+Tensor random_tensor(Rng& rng, std::initializer_list<int64_t> shape, DType dtype, double scale) {
+  return random_tensor(rng, std::vector<int64_t>(shape), dtype, scale);
+}
+
+Tensor random_tensor(Rng& rng, const std::vector<int64_t>& shape, DType dtype, double scale) {
+  Tensor t = Tensor::empty(shape, dtype);
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_double(t.data(), dtype, i, rng.normal() * scale);
+  return t;
+}
+
+void poison(const TensorView& t) {
+  FLASHKV_CHECK(t.device.is_cpu() && t.is_contiguous(), "poison: expected a contiguous host tensor");
+  if (is_float(t.dtype)) {
+    for (int64_t i = 0; i < t.numel(); ++i)
+      store_from_double(t.data, t.dtype, i, std::numeric_limits<double>::quiet_NaN());
+  } else {
+    std::memset(t.data, 0x7f, t.nbytes());
+  }
+}
+
+std::vector<int32_t> indptr_of(const std::vector<int32_t>& lengths) {
+  std::vector<int32_t> p(lengths.size() + 1, 0);
+  for (size_t i = 0; i < lengths.size(); ++i) p[i + 1] = p[i] + lengths[i];
+  return p;
+}
+
+namespace {
+void check_size(const TensorView& t, const std::vector<double>& ref) {
+  FLASHKV_CHECK(t.device.is_cpu() && t.is_contiguous(), "test metrics: expected a contiguous host tensor, got ",
+                t.str());
+  FLASHKV_CHECK(t.numel() == static_cast<int64_t>(ref.size()), "test metrics: tensor ", t.str(),
+                " vs reference of ", ref.size(), " elements");
+}
+}  // namespace
+
+double rel_error(const TensorView& out, const std::vector<double>& ref) {
+  check_size(out, ref);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = load_as_double(out.data, out.dtype, static_cast<int64_t>(i)) - ref[i];
+    num += d * d;
+    den += ref[i] * ref[i];
+  }
+  if (std::isnan(num)) return std::numeric_limits<double>::infinity();
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+double max_abs_error(const TensorView& out, const std::vector<double>& ref) {
+  check_size(out, ref);
+  double m = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = std::fabs(load_as_double(out.data, out.dtype, static_cast<int64_t>(i)) - ref[i]);
+    if (std::isnan(d)) return std::numeric_limits<double>::infinity();
+    m = std::max(m, d);
+  }
+  return m;
+}
+
+double lse_max_error(const TensorView& lse, const std::vector<double>& ref) {
+  check_size(lse, ref);
+  double m = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double a = load_as_double(lse.data, lse.dtype, static_cast<int64_t>(i));
+    if (std::isnan(a)) return std::numeric_limits<double>::infinity();
+    if (std::isinf(ref[i]) || std::isinf(a)) {
+      if (a != ref[i]) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    m = std::max(m, std::fabs(a - ref[i]));
+  }
+  return m;
+}
+
+bool has_nan(const TensorView& t) {
+  for (int64_t i = 0; i < t.numel(); ++i)
+    if (std::isnan(load_as_double(t.data, t.dtype, i))) return true;
+  return false;
+}
+
+void expect_close(const TensorView& out, const TensorView& lse, const reference::Result& ref,
+                  DType dtype, bool fp8_kv) {
+  const bool f32 = dtype == DType::f32 && !fp8_kv;
+  const double rel_tol = fp8_kv ? 5e-2 : (f32 ? 1e-5 : 1e-2);
+  EXPECT_FALSE(has_nan(out)) << "output has NaN (unwritten or bad arithmetic)";
+  EXPECT_LE(rel_error(out, ref.o), rel_tol);
+  if (!fp8_kv) EXPECT_LE(max_abs_error(out, ref.o), f32 ? 1e-4 : 2e-2);
+  if (lse.defined()) EXPECT_LE(lse_max_error(lse, ref.lse), f32 ? 1e-3 : 2e-2);
+}
+
+}  // namespace flashkv::test

@@ -1,0 +1,68 @@
+// Shared test helpers: seeded random tensors, NaN poisoning, the error metrics of SEMANTICS.md,
+// and GPU skipping.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashkv/core/buffer.h"
+#include "flashkv/ops/reference.h"
+
+namespace flashkv::test {
+
+// A seeded generator; the seed shows in every failure message through SCOPED_TRACE.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : seed_(seed), gen_(seed) {}
+  uint64_t seed() const { return seed_; }
+  int uniform_int(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen_); }
+  double normal() { return std::normal_distribution<double>(0.0, 1.0)(gen_); }
+  double uniform() { return std::uniform_real_distribution<double>(0.0, 1.0)(gen_); }
+  std::mt19937_64& gen() { return gen_; }
+
+ private:
+  uint64_t seed_;
+  std::mt19937_64 gen_;
+};
+
+// Seed for a test: FLASHKV_TEST_SEED if set, else a fixed value derived from `salt`.
+uint64_t test_seed(uint64_t salt);
+#define FLASHKV_SEEDED_RNG(rng, salt)                                  \
+  ::flashkv::test::Rng rng(::flashkv::test::test_seed(salt));          \
+  SCOPED_TRACE(::testing::Message() << "seed=" << rng.seed())
+
+// Host tensor of the given shape with unit-normal values (times `scale`), rounded to dtype.
+Tensor random_tensor(Rng& rng, std::initializer_list<int64_t> shape, DType dtype, double scale = 1.0);
+Tensor random_tensor(Rng& rng, const std::vector<int64_t>& shape, DType dtype, double scale = 1.0);
+// Fills every element with NaN (floats) or 0x7f.. patterns (integers): an unwritten output shows.
+void poison(const TensorView& t);
+// A host i32 tensor.
+inline Tensor i32_tensor(const std::vector<int32_t>& v) { return Tensor::from_i32(v); }
+// Prefix sums of lengths: {0, l0, l0+l1, ...}.
+std::vector<int32_t> indptr_of(const std::vector<int32_t>& lengths);
+
+// ||out - ref|| / ||ref|| over all elements (out: host tensor [rows, heads, dim]).
+double rel_error(const TensorView& out, const std::vector<double>& ref);
+double max_abs_error(const TensorView& out, const std::vector<double>& ref);
+// Max |lse - ref| where both finite; infinite where exactly one is -inf or either is NaN.
+double lse_max_error(const TensorView& lse, const std::vector<double>& ref);
+bool has_nan(const TensorView& t);
+
+// Checks out/lse against a reference result with the tolerances of SEMANTICS.md for `dtype`
+// (fp8_kv widens the output tolerance).
+void expect_close(const TensorView& out, const TensorView& lse, const reference::Result& ref,
+                  DType dtype, bool fp8_kv = false);
+
+// Skips the current test when no GPU is visible.
+#define FLASHKV_REQUIRE_GPU()                                             \
+  do {                                                                    \
+    if (!::flashkv::cuda_available()) GTEST_SKIP() << "no GPU visible";   \
+  } while (0)
+
+}  // namespace flashkv::test
