@@ -60,8 +60,8 @@ TEST(ReqToTokenPool, RowsComeAndGoAndWritesLandInTheirRow) {
   // Bad writes change nothing.
   EXPECT_THROW(pool.write(rows[1], 15, std::vector<int32_t>{1, 2}), Error);  // past the end
   EXPECT_THROW(pool.write(rows[1], -1, std::vector<int32_t>{1}), Error);
-  EXPECT_THROW(pool.write(3, 0, std::vector<int32_t>{1}), Error);   // row not allocated
-  EXPECT_THROW(pool.write(4, 0, std::vector<int32_t>{1}), Error);   // row out of range
+  EXPECT_THROW(pool.write(3, 0, std::vector<int32_t>{1}), Error);  // row not allocated
+  EXPECT_THROW(pool.write(4, 0, std::vector<int32_t>{1}), Error);  // row out of range
   EXPECT_THROW(pool.write(-1, 0, std::vector<int32_t>{1}), Error);
   Tensor wrong_dtype = Tensor::empty({2}, DType::i64);
   EXPECT_THROW(pool.write(rows[0], 0, wrong_dtype), Error);
@@ -69,9 +69,9 @@ TEST(ReqToTokenPool, RowsComeAndGoAndWritesLandInTheirRow) {
   EXPECT_EQ(pool.read(rows[1], 0, 16),
             (std::vector<int32_t>{0, 0, 0, 7, 8, 9, 0, 0, 0, 0, 0, 0, 0, 0, 5, 6}));
 
-  EXPECT_THROW(pool.free({3}), Error);        // not allocated
-  EXPECT_THROW(pool.free({0, 0}), Error);     // twice
-  EXPECT_THROW(pool.free({0, 9}), Error);     // one bad row: none freed
+  EXPECT_THROW(pool.free({3}), Error);     // not allocated
+  EXPECT_THROW(pool.free({0, 0}), Error);  // twice
+  EXPECT_THROW(pool.free({0, 9}), Error);  // one bad row: none freed
   EXPECT_EQ(pool.num_used(), 3);
   pool.free({rows[0], rows[2]});
   EXPECT_FALSE(pool.is_live(rows[0]));
@@ -150,9 +150,9 @@ TEST(PagedAllocator, ExtendFillsTheLastPageThenFreshPages) {
   EXPECT_EQ(c, (std::vector<int32_t>{13, 16, 17, 18, 19, 20}));
   EXPECT_EQ(alloc.pages_needed({{12, 15, 1}, {4, 7, 4}, {3, 6, 1}}), 2);
   // Inconsistent requests throw.
-  EXPECT_THROW(alloc.alloc_extend({{9, 11, 1}}), Error);   // offset 3, expected 0
-  EXPECT_THROW(alloc.alloc_extend({{9, 60, 1}}), Error);   // page of slot 60 is free
-  EXPECT_THROW(alloc.alloc_extend({{9, 2, 1}}), Error);    // reserved page 0
+  EXPECT_THROW(alloc.alloc_extend({{9, 11, 1}}), Error);  // offset 3, expected 0
+  EXPECT_THROW(alloc.alloc_extend({{9, 60, 1}}), Error);  // page of slot 60 is free
+  EXPECT_THROW(alloc.alloc_extend({{9, 2, 1}}), Error);   // reserved page 0
   EXPECT_THROW(alloc.alloc_extend({{-1, 0, 1}}), Error);
   EXPECT_THROW(alloc.alloc_extend({{0, 0, -1}}), Error);
   EXPECT_EQ(alloc.num_free_pages(), 11);
@@ -167,11 +167,11 @@ TEST(PagedAllocator, ExtendFillsTheLastPageThenFreshPages) {
   EXPECT_FALSE(alloc.is_live(21));
   EXPECT_THROW(alloc.free({23}), Error);
   EXPECT_THROW(alloc.free({0}), Error);
-  EXPECT_THROW(alloc.free({3}), Error);       // page 0
-  EXPECT_THROW(alloc.free({68}), Error);      // past the end
+  EXPECT_THROW(alloc.free({3}), Error);   // page 0
+  EXPECT_THROW(alloc.free({68}), Error);  // past the end
   EXPECT_THROW(alloc.free({-4}), Error);
-  EXPECT_THROW(alloc.free({4, 4}), Error);    // the same slot twice
-  EXPECT_THROW(alloc.free({4, 16}), Error);   // one bad slot: none freed
+  EXPECT_THROW(alloc.free({4, 4}), Error);   // the same slot twice
+  EXPECT_THROW(alloc.free({4, 16}), Error);  // one bad slot: none freed
   EXPECT_TRUE(alloc.is_live(4));
   EXPECT_THROW(PagedAllocator(63, 4), Error);
   EXPECT_THROW(PagedAllocator(64, 0), Error);
@@ -254,8 +254,8 @@ int64_t fresh_pages(int64_t prefix_len, int64_t num_new, int page_size) {
       if (swa == 0 || !alloc.is_swa_live(swa))
         return ::testing::AssertionFailure() << "full slot " << full << " -> dead SWA " << swa;
       if (swa % p != full % p)
-        return ::testing::AssertionFailure() << "full slot " << full << " -> SWA " << swa
-                                             << ": page offsets differ";
+        return ::testing::AssertionFailure()
+               << "full slot " << full << " -> SWA " << swa << ": page offsets differ";
       if (t % p == 0 || t == static_cast<size_t>(r.swa_released)) {
         if (!swa_pages.insert(swa / p).second)
           return ::testing::AssertionFailure() << "SWA page " << swa / p << " mapped twice";
@@ -272,8 +272,8 @@ int64_t fresh_pages(int64_t prefix_len, int64_t num_new, int page_size) {
   }
   const int64_t used_swa_pages = (alloc.swa_capacity() - alloc.num_free_swa()) / p;
   if (used_swa_pages != static_cast<int64_t>(swa_pages.size()))
-    return ::testing::AssertionFailure() << used_swa_pages << " SWA pages used, "
-                                         << swa_pages.size() << " mapped";
+    return ::testing::AssertionFailure()
+           << used_swa_pages << " SWA pages used, " << swa_pages.size() << " mapped";
   const TensorView& device_table = alloc.full_to_swa_table();
   if (device_table.data != table.data) return ::testing::AssertionFailure() << "CPU table copy";
   if (alloc.num_free() != std::min(alloc.num_free_full(), alloc.num_free_swa()))
@@ -359,7 +359,8 @@ void run_random_schedule(KVAllocator& alloc, SWAAllocator* swa, Rng& rng, int st
       }
     } else if (action < 95) {  // invalid frees: nothing changes
       expect_unchanged_after_throw([&] { alloc.free({0}); });
-      expect_unchanged_after_throw([&] { alloc.free({static_cast<int32_t>(alloc.capacity() + p)}); });
+      expect_unchanged_after_throw(
+          [&] { alloc.free({static_cast<int32_t>(alloc.capacity() + p)}); });
       for (size_t r = 0; r < reqs.size(); ++r) {
         if (reqs[r].slots.empty()) continue;
         const int32_t s = reqs[r].slots.front();
@@ -377,8 +378,7 @@ void run_random_schedule(KVAllocator& alloc, SWAAllocator* swa, Rng& rng, int st
       const ModelRequest& r = reqs[rng.uniform_int(0, static_cast<int>(reqs.size()) - 1)];
       const int64_t len = static_cast<int64_t>(r.slots.size());
       if (p > 1 && len % p != 0) {
-        expect_unchanged_after_throw(
-            [&] { alloc.alloc_extend({{len, r.slots.back() + 1, 1}}); });
+        expect_unchanged_after_throw([&] { alloc.alloc_extend({{len, r.slots.back() + 1, 1}}); });
       }
     }
     ASSERT_TRUE(check_allocator(alloc, reqs));
@@ -420,7 +420,7 @@ TEST(SWAAllocator, RandomScheduleKeepsTranslationConsistent) {
 }
 
 TEST(SWAAllocator, PairsSlotsAndReleasesWindowSlotsEarly) {
-  SWAAllocator alloc(16, 8, 2);  // full pages 1..8, SWA pages 1..4
+  SWAAllocator alloc(16, 8, 2);                    // full pages 1..8, SWA pages 1..4
   const std::vector<int32_t> a = *alloc.alloc(5);  // full pages 1, 2, 3
   EXPECT_EQ(a, (std::vector<int32_t>{2, 3, 4, 5, 6}));
   EXPECT_EQ(alloc.translate_full_to_swa(a), (std::vector<int32_t>{2, 3, 4, 5, 6}));
