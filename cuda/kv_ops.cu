@@ -46,15 +46,18 @@ __device__ __forceinline__ void append_row(const In* __restrict__ src, int64_t s
 
 // One block per token: writes its K row and V row at slot out_cache_loc[token].
 template <typename In, typename Out, int kVec>
-__global__ void __launch_bounds__(kAppendThreads) append_kv_kernel(const __grid_constant__ AppendKVParams p) {
+__global__ void __launch_bounds__(kAppendThreads)
+    append_kv_kernel(const __grid_constant__ AppendKVParams p) {
   const int64_t token = blockIdx.x;
   const int64_t slot = load_index(p.loc, p.loc_i64, token);
   if (slot < 0 || slot >= p.num_slots) return;
   append_row<In, Out, kVec>(static_cast<const In*>(p.k_new) + token * p.k_new_stride_n,
-                            p.k_new_stride_h, static_cast<Out*>(p.k_pool) + slot * p.k_pool_stride_n,
+                            p.k_new_stride_h,
+                            static_cast<Out*>(p.k_pool) + slot * p.k_pool_stride_n,
                             p.k_pool_stride_h, p.num_kv_heads, p.head_dim_qk, p.k_scale);
   append_row<In, Out, kVec>(static_cast<const In*>(p.v_new) + token * p.v_new_stride_n,
-                            p.v_new_stride_h, static_cast<Out*>(p.v_pool) + slot * p.v_pool_stride_n,
+                            p.v_new_stride_h,
+                            static_cast<Out*>(p.v_pool) + slot * p.v_pool_stride_n,
                             p.v_pool_stride_h, p.num_kv_heads, p.head_dim_v, p.v_scale);
 }
 
@@ -86,12 +89,18 @@ void launch_append(const AppendKVParams& p, cudaStream_t stream) {
 template <typename In>
 void launch_append_to_pool(const AppendKVParams& p, cudaStream_t stream) {
   switch (p.pool_dtype) {
-    case DType::f32: return launch_append<In, float>(p, stream);
-    case DType::f16: return launch_append<In, f16_t>(p, stream);
-    case DType::bf16: return launch_append<In, bf16_t>(p, stream);
-    case DType::fp8_e4m3: return launch_append<In, fp8_e4m3_t>(p, stream);
-    case DType::fp8_e5m2: return launch_append<In, fp8_e5m2_t>(p, stream);
-    default: throw_error(str_cat("append_kv: unsupported pool dtype ", dtype_name(p.pool_dtype)));
+    case DType::f32:
+      return launch_append<In, float>(p, stream);
+    case DType::f16:
+      return launch_append<In, f16_t>(p, stream);
+    case DType::bf16:
+      return launch_append<In, bf16_t>(p, stream);
+    case DType::fp8_e4m3:
+      return launch_append<In, fp8_e4m3_t>(p, stream);
+    case DType::fp8_e5m2:
+      return launch_append<In, fp8_e5m2_t>(p, stream);
+    default:
+      throw_error(str_cat("append_kv: unsupported pool dtype ", dtype_name(p.pool_dtype)));
   }
 }
 
@@ -99,7 +108,8 @@ constexpr int kGatherThreads = 256;
 
 // One block per request: copies its req_to_token range into its kv_indices range. A request
 // whose indices do not hold (see kv_ops.h) is skipped.
-__global__ void __launch_bounds__(kGatherThreads) build_kv_indices_kernel(const __grid_constant__ BuildKVIndicesParams p) {
+__global__ void __launch_bounds__(kGatherThreads)
+    build_kv_indices_kernel(const __grid_constant__ BuildKVIndicesParams p) {
   const int64_t i = blockIdx.x;
   const int64_t row = load_index(p.req_pool_indices, p.req_pool_indices_i64, i);
   const int64_t len = load_index(p.lens, p.lens_i64, i);
@@ -131,10 +141,17 @@ void append_kv(const AppendKVParams& p, Stream stream) {
   FLASHKV_CHECK(p.num_tokens <= INT32_MAX, "append_kv: at most 2^31 - 1 tokens per call, got ",
                 p.num_tokens);
   switch (p.new_dtype) {
-    case DType::f32: launch_append_to_pool<float>(p, s); break;
-    case DType::f16: launch_append_to_pool<f16_t>(p, s); break;
-    case DType::bf16: launch_append_to_pool<bf16_t>(p, s); break;
-    default: throw_error(str_cat("append_kv: unsupported k_new dtype ", dtype_name(p.new_dtype)));
+    case DType::f32:
+      launch_append_to_pool<float>(p, s);
+      break;
+    case DType::f16:
+      launch_append_to_pool<f16_t>(p, s);
+      break;
+    case DType::bf16:
+      launch_append_to_pool<bf16_t>(p, s);
+      break;
+    default:
+      throw_error(str_cat("append_kv: unsupported k_new dtype ", dtype_name(p.new_dtype)));
   }
   detail::cuda_check(cudaGetLastError(), "append_kv kernel launch");
 }

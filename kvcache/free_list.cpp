@@ -7,11 +7,11 @@
 
 namespace flashkv {
 
-IdFreeList::IdFreeList(int64_t first, int64_t count, const char* what) : first_(first), what_(what) {
-  FLASHKV_CHECK(first >= 0 && count >= 0 &&
-                    first + count <= int64_t{std::numeric_limits<int32_t>::max()} + 1,
-                what, " ids: expected a range inside int32 [0, 2^31), got first ", first,
-                ", count ", count);
+IdFreeList::IdFreeList(int64_t first, int64_t count, const char* what)
+    : first_(first), what_(what) {
+  FLASHKV_CHECK(
+      first >= 0 && count >= 0 && first + count <= int64_t{std::numeric_limits<int32_t>::max()} + 1,
+      what, " ids: expected a range inside int32 [0, 2^31), got first ", first, ", count ", count);
   live_.assign(static_cast<size_t>(count), 0);
   reset();
 }

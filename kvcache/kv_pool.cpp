@@ -15,8 +15,7 @@ KVPool::KVPool(const KVPoolConfig& config) : config_(config) {
   FLASHKV_CHECK(c.num_slots + c.page_size <= int64_t{std::numeric_limits<int32_t>::max()},
                 "KVPool: num_slots: slot ids are int32, got ", c.num_slots, " slots");
   FLASHKV_CHECK(c.num_layers >= 1, "KVPool: num_layers: expected >= 1, got ", c.num_layers);
-  FLASHKV_CHECK(c.num_kv_heads >= 1, "KVPool: num_kv_heads: expected >= 1, got ",
-                c.num_kv_heads);
+  FLASHKV_CHECK(c.num_kv_heads >= 1, "KVPool: num_kv_heads: expected >= 1, got ", c.num_kv_heads);
   FLASHKV_CHECK(c.head_dim_qk >= 1 && c.head_dim_v >= 1,
                 "KVPool: head_dim_qk/head_dim_v: expected >= 1, got ", c.head_dim_qk, "/",
                 c.head_dim_v);
@@ -41,8 +40,8 @@ size_t KVPool::bytes() const {
 }
 
 void KVPool::check_layer(int layer) const {
-  FLASHKV_CHECK(layer >= 0 && layer < num_layers(), "KVPool: layer: expected 0..",
-                num_layers() - 1, ", got ", layer);
+  FLASHKV_CHECK(layer >= 0 && layer < num_layers(), "KVPool: layer: expected 0..", num_layers() - 1,
+                ", got ", layer);
 }
 
 const TensorView& KVPool::k(int layer) const {

@@ -15,8 +15,8 @@ std::vector<int32_t> pages_of_slots(const std::vector<int32_t>& slots, int page_
     FLASHKV_CHECK(slot >= page_size, "free: slot ", slot,
                   page_size == 1 ? " is the reserved dummy slot"
                                  : " lies in the reserved page 0 (slot 0 is the dummy)");
-    FLASHKV_CHECK(slot / page_size <= num_pages, "free: slot ", slot, " out of range [",
-                  page_size, ", ", (num_pages + 1) * page_size, ")");
+    FLASHKV_CHECK(slot / page_size <= num_pages, "free: slot ", slot, " out of range [", page_size,
+                  ", ", (num_pages + 1) * page_size, ")");
     FLASHKV_CHECK(i == 0 || sorted[i - 1] != slot, "free: slot ", slot, " listed twice");
     const int32_t page = slot / page_size;
     if (pages.empty() || pages.back() != page) pages.push_back(page);
@@ -53,10 +53,10 @@ std::vector<int32_t> extend_slots(const std::vector<ExtendRequest>& requests, in
 
 PagedAllocator::PagedAllocator(int64_t num_slots, int page_size)
     : page_size_(page_size),
-      pages_(1,
-             page_size >= 1 && num_slots > 0 && num_slots % page_size == 0 ? num_slots / page_size
-                                                                           : 0,
-             "page") {
+      pages_(
+          1,
+          page_size >= 1 && num_slots > 0 && num_slots % page_size == 0 ? num_slots / page_size : 0,
+          "page") {
   FLASHKV_CHECK(page_size >= 1, "PagedAllocator: page_size: expected >= 1, got ", page_size);
   FLASHKV_CHECK(num_slots > 0 && num_slots % page_size == 0,
                 "PagedAllocator: num_slots: expected a positive multiple of page_size ", page_size,

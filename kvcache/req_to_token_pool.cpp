@@ -20,8 +20,8 @@ void ReqToTokenPool::check_range(const char* op, int32_t row, int64_t start, int
   FLASHKV_CHECK(rows_.is_live(row), "ReqToTokenPool::", op, ": row ", row,
                 rows_.contains(row) ? " is not allocated" : " is out of range");
   FLASHKV_CHECK(start >= 0 && n >= 0 && start + n <= max_context_len(), "ReqToTokenPool::", op,
-                ": token range [", start, ", ", start + n, ") outside [0, max_context_len = ",
-                max_context_len(), ")");
+                ": token range [", start, ", ", start + n,
+                ") outside [0, max_context_len = ", max_context_len(), ")");
 }
 
 int32_t* ReqToTokenPool::row_ptr(int32_t row, int64_t start) const {

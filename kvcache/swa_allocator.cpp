@@ -20,11 +20,10 @@ SWAAllocator::SWAAllocator(int64_t num_full_slots, int64_t num_swa_slots, int pa
     : page_size_(page_size),
       full_pages_(1, pages_of(num_full_slots, page_size, "num_full_slots"), "full page"),
       swa_pages_(1, pages_of(num_swa_slots, page_size, "num_swa_slots"), "SWA page") {
-  FLASHKV_CHECK(
-      (full_pages_.capacity() + 1) * page_size <= int64_t{INT32_MAX} &&
-          (swa_pages_.capacity() + 1) * page_size <= int64_t{INT32_MAX},
-      "SWAAllocator: slot ids are int32, got ", num_full_slots, " full and ", num_swa_slots,
-      " SWA slots");
+  FLASHKV_CHECK((full_pages_.capacity() + 1) * page_size <= int64_t{INT32_MAX} &&
+                    (swa_pages_.capacity() + 1) * page_size <= int64_t{INT32_MAX},
+                "SWAAllocator: slot ids are int32, got ", num_full_slots, " full and ",
+                num_swa_slots, " SWA slots");
   const int64_t full_rows = (full_pages_.capacity() + 1) * page_size;
   swa_page_of_.assign(static_cast<size_t>(full_pages_.capacity() + 1), 0);
   host_table_ = Tensor::empty({full_rows}, DType::i32);

@@ -43,15 +43,29 @@ void append_kv(const TensorView& k_new, const TensorView& v_new, const TensorVie
   Expect(k_new, "k_new").ndim(3).float_dtype().inner_contiguous();
   const Device dev = k_new.device;
   const int64_t num_tokens = k_new.shape[0], hkv = k_new.shape[1];
-  Expect(v_new, "v_new").ndim(3).device(dev).dtype(k_new.dtype).inner_contiguous()
-      .dim(0, num_tokens, "num_tokens").dim(1, hkv, "num_kv_heads");
-  const bool loc_i64 = check_index_vector(out_cache_loc, "out_cache_loc", dev, num_tokens,
-                                          "num_tokens");
-  Expect(k_pool, "k_pool").ndim(3).device(dev).inner_contiguous()
+  Expect(v_new, "v_new")
+      .ndim(3)
+      .device(dev)
+      .dtype(k_new.dtype)
+      .inner_contiguous()
+      .dim(0, num_tokens, "num_tokens")
+      .dim(1, hkv, "num_kv_heads");
+  const bool loc_i64 =
+      check_index_vector(out_cache_loc, "out_cache_loc", dev, num_tokens, "num_tokens");
+  Expect(k_pool, "k_pool")
+      .ndim(3)
+      .device(dev)
+      .inner_contiguous()
       .dtype_in({DType::f32, DType::f16, DType::bf16, DType::fp8_e4m3, DType::fp8_e5m2})
-      .dim(1, hkv, "num_kv_heads").dim(2, k_new.shape[2], "head_dim_qk");
-  Expect(v_pool, "v_pool").ndim(3).device(dev).dtype(k_pool.dtype).inner_contiguous()
-      .dim(0, k_pool.shape[0], "num_slots").dim(1, hkv, "num_kv_heads")
+      .dim(1, hkv, "num_kv_heads")
+      .dim(2, k_new.shape[2], "head_dim_qk");
+  Expect(v_pool, "v_pool")
+      .ndim(3)
+      .device(dev)
+      .dtype(k_pool.dtype)
+      .inner_contiguous()
+      .dim(0, k_pool.shape[0], "num_slots")
+      .dim(1, hkv, "num_kv_heads")
       .dim(2, v_new.shape[2], "head_dim_v");
   FLASHKV_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
                 "append_kv: k_scale/v_scale: expected finite values > 0, got ", k_scale, "/",
@@ -65,8 +79,8 @@ void append_kv(const TensorView& k_new, const TensorView& v_new, const TensorVie
   if (dev.is_cpu()) {
     for (int64_t t = 0; t < num_tokens; ++t) {
       const int64_t slot = index_at(out_cache_loc, t);
-      FLASHKV_CHECK(slot >= 0 && slot < num_slots, "out_cache_loc[", t, "]: expected a slot in [0, ",
-                    num_slots, "), got ", slot);
+      FLASHKV_CHECK(slot >= 0 && slot < num_slots, "out_cache_loc[", t,
+                    "]: expected a slot in [0, ", num_slots, "), got ", slot);
     }
   }
   if (num_tokens == 0) return;
@@ -115,7 +129,11 @@ void build_kv_indices(const TensorView& req_to_token, const TensorView& req_pool
   const bool lens_i64 = check_index_vector(lens, "lens", dev, batch, "batch size");
   const bool start_i64 =
       kv_start.defined() && check_index_vector(kv_start, "kv_start", dev, batch, "batch size");
-  Expect(kv_indptr, "kv_indptr").ndim(1).device(dev).dtype(DType::i32).contiguous()
+  Expect(kv_indptr, "kv_indptr")
+      .ndim(1)
+      .device(dev)
+      .dtype(DType::i32)
+      .contiguous()
       .dim(0, batch + 1, "batch size + 1");
   Expect(kv_indices, "kv_indices").ndim(1).device(dev).dtype(DType::i32).contiguous();
   const int64_t max_reqs = req_to_token.shape[0], max_context_len = req_to_token.shape[1];
@@ -137,8 +155,9 @@ void build_kv_indices(const TensorView& req_to_token, const TensorView& req_pool
                     i + 1, "] - kv_indptr[", i, "] == lens[", i, "] = ", len, ", got ",
                     indptr[i + 1], " - ", indptr[i]);
     }
-    FLASHKV_CHECK(indptr[batch] <= num_indices, "kv_indices: expected at least kv_indptr[B] = ",
-                  indptr[batch], " elements, got ", num_indices);
+    FLASHKV_CHECK(indptr[batch] <= num_indices,
+                  "kv_indices: expected at least kv_indptr[B] = ", indptr[batch], " elements, got ",
+                  num_indices);
   }
   if (batch == 0) return;
 

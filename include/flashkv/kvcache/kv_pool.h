@@ -19,7 +19,7 @@ struct KVPoolConfig {
   int num_layers = 1;
   int num_kv_heads = 1;
   int head_dim_qk = 128;
-  int head_dim_v = 0;  // 0: the same as head_dim_qk
+  int head_dim_v = 0;         // 0: the same as head_dim_qk
   DType dtype = DType::bf16;  // f32 / f16 / bf16 / fp8_e4m3 / fp8_e5m2
   Device device;
 };
@@ -37,8 +37,8 @@ class KVPool {
   int head_dim_v() const { return config_.head_dim_v; }
   DType dtype() const { return config_.dtype; }
   Device device() const { return config_.device; }
-  int64_t num_slots() const { return config_.num_slots; }  // usable slots
-  int64_t num_rows() const { return config_.num_slots + config_.page_size; }  // rows per tensor
+  int64_t num_slots() const { return config_.num_slots; }                      // usable slots
+  int64_t num_rows() const { return config_.num_slots + config_.page_size; }   // rows per tensor
   int64_t num_pages() const { return config_.num_slots / config_.page_size; }  // usable pages
   size_t bytes() const;  // memory of all layers' K and V
 

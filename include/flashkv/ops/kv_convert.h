@@ -69,7 +69,8 @@ FLASHKV_KV_HD uint32_t small_float_bits(float f) {
   const uint32_t a = u & 0x7fffffffu;
   const uint32_t exp_ones = (1u << kExp) - 1u;
   if (a > 0x7f800000u)  // NaN: the canonical quiet NaN, no sign (as core/dtype.cpp)
-    return kIeee ? (exp_ones << kMant) | (1u << (kMant - 1)) : (exp_ones << kMant) | ((1u << kMant) - 1u);
+    return kIeee ? (exp_ones << kMant) | (1u << (kMant - 1))
+                 : (exp_ones << kMant) | ((1u << kMant) - 1u);
   uint32_t mag;
   if (a == 0x7f800000u) {
     mag = 0xffffffffu;  // overflows below

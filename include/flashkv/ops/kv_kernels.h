@@ -13,15 +13,15 @@ namespace flashkv {
 
 // k_pool[loc[t], h, :] = k_new[t, h, :] / k_scale (and likewise V), rounded to the pool dtype.
 struct AppendKVParams {
-  const void* k_new = nullptr;  // [num_tokens, Hkv, D_qk]
-  const void* v_new = nullptr;  // [num_tokens, Hkv, D_v]
+  const void* k_new = nullptr;    // [num_tokens, Hkv, D_qk]
+  const void* v_new = nullptr;    // [num_tokens, Hkv, D_v]
   DType new_dtype = DType::bf16;  // f32 / f16 / bf16
   int64_t k_new_stride_n = 0, k_new_stride_h = 0;
   int64_t v_new_stride_n = 0, v_new_stride_h = 0;
   const void* loc = nullptr;  // [num_tokens] i32 or i64
   bool loc_i64 = false;
-  void* k_pool = nullptr;  // [num_slots, Hkv, D_qk]
-  void* v_pool = nullptr;  // [num_slots, Hkv, D_v]
+  void* k_pool = nullptr;          // [num_slots, Hkv, D_qk]
+  void* v_pool = nullptr;          // [num_slots, Hkv, D_v]
   DType pool_dtype = DType::bf16;  // f32 / f16 / bf16 / fp8_e4m3 / fp8_e5m2
   int64_t k_pool_stride_n = 0, k_pool_stride_h = 0;
   int64_t v_pool_stride_n = 0, v_pool_stride_h = 0;
