@@ -97,6 +97,23 @@ Fp8Tables build_fp8_tables() {
   return t;
 }
 
+// KV heads per task. A task of few rows per head (decode) is bound by memory, and reading all
+// heads of a slot together turns the per-head pieces (D elements at a stride of Hkv * D) into
+// contiguous runs; so such tasks take as many heads as still leave 4 tasks per thread. Tasks of
+// many rows are bound by compute and take one head (the most parallelism, the smallest state).
+int32_t heads_per_task(const AttentionParams& p, int threads) {
+  constexpr int kMemoryBoundRows = 16;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  int32_t max_q_len = 0;
+  for (int32_t i = 0; i < p.num_items; ++i) max_q_len = std::max(max_q_len, p.items[i].q_len);
+  if (int64_t{max_q_len} * group > kMemoryBoundRows) return 1;
+  for (int32_t heads = p.num_kv_heads; heads > 1; --heads)
+    if (p.num_kv_heads % heads == 0 &&
+        int64_t{p.num_items} * (p.num_kv_heads / heads) >= 4 * int64_t{threads})
+      return heads;
+  return 1;
+}
+
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
@@ -150,9 +167,10 @@ void attention(const AttentionParams& p) {
   FLASHKV_CHECK(kernel != nullptr, "cpu attention: no kernel for KV dtype ",
                 dtype_name(p.kv_dtype));
   ThreadPool& pool = ThreadPool::global();
-  const int64_t heads = p.num_kv_heads;
-  pool.parallel_for(int64_t{p.num_items} * heads, [&](int64_t t, int) {
-    kernel(p, p.items[t / heads], static_cast<int32_t>(t % heads));
+  const int32_t group = heads_per_task(p, pool.size());
+  const int64_t groups = p.num_kv_heads / group;
+  pool.parallel_for(int64_t{p.num_items} * groups, [&](int64_t t, int) {
+    kernel(p, p.items[t / groups], static_cast<int32_t>(t % groups) * group, group);
   });
   if (p.num_merges == 0) return;
   const PartialMergeKernel merge_partials = select_partial_merge(isa);

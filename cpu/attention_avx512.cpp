@@ -17,6 +17,9 @@
 #define FLASHKV_CPU_HAS_BF16 0
 #include "simd_avx512.h"
 #include "attention_kernel.h"
+#include "attention_loads.h"
+#include "attention_item.h"
+#include "merge_kernel.h"
 
 namespace flashkv::cpu::avx512 {
 ItemKernel item_kernel(DType kv_dtype) { return item_kernel_for<Avx512F32>(kv_dtype); }

@@ -18,6 +18,8 @@
 #define FLASHKV_CPU_HAS_BF16 1
 #include "simd_avx512.h"
 #include "attention_kernel.h"
+#include "attention_loads.h"
+#include "attention_item.h"
 
 namespace flashkv::cpu::avx512bf16 {
 ItemKernel item_kernel(DType kv_dtype) { return item_kernel_for<Avx512Bf16>(kv_dtype); }

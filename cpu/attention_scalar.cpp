@@ -4,6 +4,9 @@
 #define FLASHKV_CPU_ISA_NS scalar
 #include "simd_scalar.h"
 #include "attention_kernel.h"
+#include "attention_loads.h"
+#include "attention_item.h"
+#include "merge_kernel.h"
 
 namespace flashkv::cpu::scalar {
 ItemKernel item_kernel(DType kv_dtype) { return item_kernel_for<ScalarF32>(kv_dtype); }

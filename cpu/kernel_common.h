@@ -45,9 +45,11 @@ struct Fp8Tables {
 };
 const Fp8Tables& fp8_tables();
 
-// One (work item, KV head) task of a plan; one partial-state merge (all heads of one row of a
-// merge item); one row (all heads) of merge_state / merge_states.
-using ItemKernel = void (*)(const AttentionParams& p, const WorkItem& item, int32_t kv_head);
+// One task of a plan: a work item for KV heads head0 .. head0 + heads - 1; one partial-state
+// merge (all heads of one row of a merge item); one row (all heads) of merge_state /
+// merge_states.
+using ItemKernel = void (*)(const AttentionParams& p, const WorkItem& item, int32_t head0,
+                            int32_t heads);
 using PartialMergeKernel = void (*)(const AttentionParams& p, const MergeItem& m, int32_t row);
 using MergeRowKernel = void (*)(const MergeParams& p, int64_t row);
 

@@ -9,6 +9,7 @@ namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 
 struct Avx512Common {
   static constexpr int W = 16;
+  static constexpr int kBlockKeys = 32;  // keys per KV block
   using F = __m512;
 
   // Masks of the first n lanes (n may be <= 0 or past the width).
@@ -144,7 +145,7 @@ struct Avx512Common {
 
 struct Avx512F32 : Avx512Common {
   static constexpr int kPack = 1;
-  static constexpr int kQkRows = 8;  // 8 rows x 2 key vectors = 16 accumulators
+  static constexpr int kQkRows = 8;
   static constexpr int kPvRows = 6;  // 6 rows x 4 vectors of 16 dims = 24 accumulators
   static constexpr int kPvVecs = 4;
   using Step = float;

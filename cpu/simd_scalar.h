@@ -12,6 +12,7 @@ namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 struct ScalarF32 {
   static constexpr int W = 1;
   static constexpr int kPack = 1;
+  static constexpr int kBlockKeys = 32;  // keys per KV block
   // Register tiles of the micro-kernels (rows x key vectors, rows x output vectors).
   static constexpr int kQkRows = 1;
   static constexpr int kPvRows = 2;
