@@ -14,6 +14,7 @@
 #include "simd_avx2.h"
 #include "attention_kernel.h"
 #include "attention_loads.h"
+#include "attention_few_rows.h"
 #include "attention_item.h"
 #include "merge_kernel.h"
 

@@ -19,6 +19,7 @@
 #include "simd_avx512.h"
 #include "attention_kernel.h"
 #include "attention_loads.h"
+#include "attention_few_rows.h"
 #include "attention_item.h"
 
 namespace flashkv::cpu::avx512bf16 {

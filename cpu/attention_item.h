@@ -91,6 +91,11 @@ void run_item(const AttentionParams& p, const WorkItem& item, int32_t head0, int
   const size_t pos_at = layout.add<int>(size_t(chunk) * 3);
   const size_t allowed_at = layout.add<uint8_t>(p.custom_mask ? size_t(chunk) * BK : 0);
   const size_t rows_at = layout.add<int64_t>(2 * BK);
+  // The few-rows path: scores, and K rows converted to steps when stored in another type.
+  const bool few = chunk <= kFewRows;
+  constexpr bool kConvertK = !std::is_same_v<KvType, typename T::Native>;
+  const size_t scores_at = layout.add<float>(few ? size_t(chunk) * BK : 0);
+  const size_t staged_at = layout.add<Step>(few && kConvertK ? size_t(BK) * q_pitch : 0);
   char* scratch = static_cast<char*>(thread_scratch(layout.bytes()));
   Step* q_buf = reinterpret_cast<Step*>(scratch + q_at);
   float* o_buf = reinterpret_cast<float*>(scratch + o_at);
@@ -128,6 +133,9 @@ void run_item(const AttentionParams& p, const WorkItem& item, int32_t head0, int
   const int64_t window = p.window_left;
   const uint8_t* mask_base = p.custom_mask ? p.custom_mask + p.mask_indptr[req] : nullptr;
   const KvRows kv_rows(p, req);
+  // Bytes of a K / V row from the task's first head to the end of its last one.
+  const int64_t k_span = ((heads - 1) * p.k_stride_h + dqk) * kv_esz;
+  const int64_t v_span = ((heads - 1) * p.v_stride_h + dv) * kv_esz;
   const char* k_base = static_cast<const char*>(p.k);
   const char* v_base = static_cast<const char*>(p.v);
 
@@ -180,6 +188,14 @@ void run_item(const AttentionParams& p, const WorkItem& item, int32_t head0, int
           }
         }
       }
+      if (few && n_next > 0) {  // the next block's rows, all heads of the task, into L2
+        const char* k_next = k_base + head0 * p.k_stride_h * kv_esz;
+        const char* v_next = v_base + head0 * p.v_stride_h * kv_esz;
+        for (int i = 0; i < n_next; ++i) {
+          prefetch_l2(k_next + block_rows[cur ^ 1][i] * p.k_stride_n * kv_esz, k_span);
+          prefetch_l2(v_next + block_rows[cur ^ 1][i] * p.v_stride_n * kv_esz, v_span);
+        }
+      }
       for (int h = 0; h < heads; ++h) {
         const int64_t kv_head = head0 + h;
         const HeadRows k{k_base + kv_head * p.k_stride_h * kv_esz, p.k_stride_n * kv_esz,
@@ -188,11 +204,33 @@ void run_item(const AttentionParams& p, const WorkItem& item, int32_t head0, int
         const HeadRows v{v_base + kv_head * p.v_stride_h * kv_esz, p.v_stride_n * kv_esz,
                          static_cast<int>(dv * kv_esz), block_rows[cur], block_rows[cur ^ 1],
                          n_next};
-        pack_k<T, KvType>(k, n, dqk, steps_qk, const_cast<Step*>(base.kt), tables);
-        pack_v<T, KvType>(v, n, dv, dv_pad, const_cast<Step*>(base.vp), tables);
         const Tile<T> t = state.tile(base, h);
-        qk_rows(t, rows);
-        pv_rows(t, rows);
+        if (few) {
+          const char* key_rows[BK];
+          const char* value_rows[BK];
+          for (int i = 0; i < n; ++i) {
+            key_rows[i] = k.row(i);
+            value_rows[i] = v.row(i);
+          }
+          float* scores = reinterpret_cast<float*>(scratch + scores_at);
+          if constexpr (kConvertK) {
+            Step* staged = reinterpret_cast<Step*>(scratch + staged_at);
+            for (int i = 0; i < n; ++i) {
+              load_row_steps<T, KvType>(key_rows[i], dqk, q_pitch, staged + i * q_pitch, tables);
+              key_rows[i] = reinterpret_cast<const char*>(staged + i * q_pitch);
+            }
+            few_rows_qk<T, typename T::Native>(t, rows, key_rows, n, dqk, scores, tables);
+          } else {
+            few_rows_qk<T, KvType>(t, rows, key_rows, n, dqk, scores, tables);
+          }
+          few_rows_softmax(t, rows, scores);
+          few_rows_pv<T, KvType>(t, rows, value_rows, n, dv, tables);
+        } else {
+          pack_k<T, KvType>(k, n, dqk, steps_qk, const_cast<Step*>(base.kt), tables);
+          pack_v<T, KvType>(v, n, dv, dv_pad, const_cast<Step*>(base.vp), tables);
+          qk_rows(t, rows);
+          pv_rows(t, rows);
+        }
       }
     }
 

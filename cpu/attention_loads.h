@@ -50,6 +50,10 @@ struct KvRows {
   }
 };
 
+inline void prefetch_l2(const char* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
 // One KV head's K or V: row r starts at base + r * row_bytes. `next` lists the rows of the block
 // after the one being loaded: they are prefetched into L2 (not L1, which the tiles and the
 // running state fill) interleaved with the loads, so the memory system always has the next
@@ -65,8 +69,7 @@ struct HeadRows {
   const char* row(int i) const { return base + rows[i] * row_bytes; }
   void prefetch_next(int i) const {
     if (i >= n_next) return;
-    const char* r = base + next[i] * row_bytes;
-    for (int b = 0; b < line_bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
+    prefetch_l2(base + next[i] * row_bytes, line_bytes);
   }
 };
 

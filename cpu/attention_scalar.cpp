@@ -5,6 +5,7 @@
 #include "simd_scalar.h"
 #include "attention_kernel.h"
 #include "attention_loads.h"
+#include "attention_few_rows.h"
 #include "attention_item.h"
 #include "merge_kernel.h"
 

@@ -15,6 +15,7 @@ struct Avx2F32 {
   using F = __m256;
   using Step = float;
   using Vec = __m256;
+  using Native = float;
 
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float x) { return _mm256_set1_ps(x); }
@@ -139,6 +140,22 @@ struct Avx2F32 {
   static Vec vload(const Step* p) { return _mm256_loadu_ps(p); }
   static void vstore(Step* p, Vec v) { _mm256_storeu_ps(p, v); }
   static F madd(F acc, const Step* a, Vec b) { return _mm256_fmadd_ps(_mm256_broadcast_ss(a), b, acc); }
+  static F dot(F acc, Vec a, Vec b) { return _mm256_fmadd_ps(a, b, acc); }
+  // Lane i = sum of the lanes of a[i]: pairwise unpack-and-add, then across the two halves.
+  static F reduce_lanes(const F (&a)[W]) {
+    F s[4], t[2];
+    for (int i = 0; i < 4; ++i)
+      s[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                           _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; ++i) {
+      const __m256d x = _mm256_castps_pd(s[2 * i]), y = _mm256_castps_pd(s[2 * i + 1]);
+      t[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                           _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    // t[i]: half h holds the partial sums of a[4i .. 4i + 3] over lanes 4h .. 4h + 3.
+    return _mm256_add_ps(_mm256_permute2f128_ps(t[0], t[1], 0x20),
+                         _mm256_permute2f128_ps(t[0], t[1], 0x31));
+  }
   template <class Src>
   static Vec load_steps(const Src* p, int n, const Fp8Tables&) {
     return load_float(p, n);

@@ -103,6 +103,26 @@ struct Avx512Common {
     _mm256_mask_storeu_epi16(p, lanes16(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
   }
 
+  // Lane i = sum of the lanes of a[i]: pairwise unpack-and-add (16 -> 8 -> 4 vectors), then the
+  // four 128-bit lanes of each are summed and gathered.
+  static F reduce_lanes(const F (&a)[W]) {
+    F s[8], t[4];
+    for (int i = 0; i < 8; ++i)
+      s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                           _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+      const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+      t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    // t[i]: 128-bit lane k holds the partial sums of a[4i .. 4i + 3] over lanes 4k .. 4k + 3.
+    const F u01 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x44),
+                                _mm512_shuffle_f32x4(t[0], t[1], 0xEE));
+    const F u23 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x44),
+                                _mm512_shuffle_f32x4(t[2], t[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
+  }
+
   // 32 fp8 bytes (zero-extended to 16-bit lanes) -> 32 bf16 through the 128-entry magnitude
   // table (4 registers of 32 entries, two vpermi2w and a blend) plus the sign bit.
   static __m512i fp8_to_bf16(__m512i w, const uint16_t* table) {
@@ -150,11 +170,13 @@ struct Avx512F32 : Avx512Common {
   static constexpr int kPvVecs = 4;
   using Step = float;
   using Vec = __m512;
+  using Native = float;
 
   static Vec vzero() { return _mm512_setzero_ps(); }
   static Vec vload(const Step* p) { return _mm512_loadu_ps(p); }
   static void vstore(Step* p, Vec v) { _mm512_storeu_ps(p, v); }
   static F madd(F acc, const Step* a, Vec b) { return _mm512_fmadd_ps(_mm512_set1_ps(*a), b, acc); }
+  static F dot(F acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
   template <class Src>
   static Vec load_steps(const Src* p, int n, const Fp8Tables&) {
     return load_float(p, n);
@@ -188,6 +210,7 @@ struct Avx512Bf16 : Avx512Common {
   static constexpr int kPvVecs = 4;
   using Step = uint32_t;  // two bf16: (element 2i, element 2i + 1)
   using Vec = __m512i;
+  using Native = bf16_t;
 
   using Avx512Common::store_float;
   static void store_float(bf16_t* p, F v, int n) {
@@ -201,6 +224,7 @@ struct Avx512Bf16 : Avx512Common {
     return _mm512_dpbf16_ps(acc, (__m512bh)(_mm512_set1_epi32(static_cast<int>(*a))),
                             (__m512bh)(b));
   }
+  static F dot(F acc, Vec a, Vec b) { return _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(b)); }
   // Up to 32 elements of a row -> 16 steps, zero-padded.
   static Vec load_steps(const bf16_t* p, int n, const Fp8Tables&) {
     return _mm512_maskz_loadu_epi16(lanes32(n), p);

@@ -20,6 +20,7 @@ struct ScalarF32 {
   using F = float;
   using Step = float;
   using Vec = float;
+  using Native = float;  // the storage type whose rows load_steps reads without converting
 
   static F zero() { return 0.0f; }
   static F set1(float x) { return x; }
@@ -58,6 +59,10 @@ struct ScalarF32 {
   static Vec vload(const Step* p) { return *p; }
   static void vstore(Step* p, Vec v) { *p = v; }
   static F madd(F acc, const Step* a, Vec b) { return acc + *a * b; }
+  // acc + a . b per lane (both operands vectors of steps).
+  static F dot(F acc, Vec a, Vec b) { return acc + a * b; }
+  // Lane i of the result = the sum of the lanes of a[i].
+  static F reduce_lanes(const F (&a)[W]) { return a[0]; }
   template <class Src>
   static Vec load_steps(const Src* p, int n, const Fp8Tables&) {
     return load_float(p, n);
