@@ -15,31 +15,71 @@ namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 
 constexpr int kFewRows = 8;
 
-// Scores of n keys (row pointers `keys`) for every row: scores [rows, kBlockKeys].
+// Scores of n keys (row pointers `keys`) for every row: scores [rows, kBlockKeys]. Keys go
+// four at a time through a register tile of up to 4 rows x 4 keys, each K vector loaded once
+// for those rows; the per-key vectors are then reduced to lanes (one key per lane).
 template <class T, class Src>
 void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int dim,
                  float* scores, const Fp8Tables& tables) {
   using F = typename T::F;
   constexpr int W = T::W, P = T::kPack;
   const int vecs = t.q_pitch / W;
-  for (int k0 = 0; k0 < n; k0 += W) {
-    const int count = imin(W, n - k0);
-    for (int r = 0; r < rows; ++r) {
-      F acc[W];
-      FLASHKV_UNROLL
-      for (int i = 0; i < W; ++i) acc[i] = T::zero();
-      const typename T::Step* q = t.q + r * t.q_pitch;
-      for (int c = 0; c < vecs; ++c) {
-        const typename T::Vec qv = T::vload(q + c * W);
-        const int elems = dim - c * W * P;
-        FLASHKV_UNROLL
-        for (int i = 0; i < W; ++i)
-          if (i < count)
-            acc[i] = T::dot(acc[i], qv,
-                            T::load_steps(reinterpret_cast<const Src*>(keys[k0 + i]) + c * W * P,
-                                          elems, tables));
+  if constexpr (W < 4) {  // one lane: plain dot products
+    for (int j = 0; j < n; ++j)
+      for (int r = 0; r < rows; ++r) {
+        F acc = T::zero();
+        for (int c = 0; c < vecs; ++c)
+          acc = T::dot(acc, T::vload(t.q + r * t.q_pitch + c * W),
+                       T::load_steps(reinterpret_cast<const Src*>(keys[j]) + c * W * P,
+                                     dim - c * W * P, tables));
+        scores[r * T::kBlockKeys + j] = T::reduce_add(acc);
       }
-      T::store(scores + r * T::kBlockKeys + k0, T::reduce_lanes(acc));
+  } else {
+    for (int k0 = 0; k0 < n; k0 += W) {
+      for (int r0 = 0; r0 < rows; r0 += 4) {
+        const int rq = imin(4, rows - r0);
+        F quads[W / 4][4];  // [key quad][row]
+        FLASHKV_UNROLL
+        for (int qd = 0; qd < W / 4; ++qd) {
+          const int first = k0 + 4 * qd;
+          if (first >= n) {
+            FLASHKV_UNROLL
+            for (int r = 0; r < 4; ++r) quads[qd][r] = T::zero();
+            continue;
+          }
+          F acc[4][4];
+          FLASHKV_UNROLL
+          for (int r = 0; r < 4; ++r) {
+            FLASHKV_UNROLL
+            for (int i = 0; i < 4; ++i) acc[r][i] = T::zero();
+          }
+          const char* rows4[4];
+          FLASHKV_UNROLL
+          for (int i = 0; i < 4; ++i) rows4[i] = keys[first + i < n ? first + i : first];
+          for (int c = 0; c < vecs; ++c) {
+            const int elems = dim - c * W * P;
+            typename T::Vec k[4];
+            FLASHKV_UNROLL
+            for (int i = 0; i < 4; ++i)
+              k[i] = T::load_steps(reinterpret_cast<const Src*>(rows4[i]) + c * W * P, elems, tables);
+            FLASHKV_UNROLL
+            for (int r = 0; r < 4; ++r) {
+              if (r >= rq) break;
+              const typename T::Vec q = T::vload(t.q + (r0 + r) * t.q_pitch + c * W);
+              FLASHKV_UNROLL
+              for (int i = 0; i < 4; ++i) acc[r][i] = T::dot(acc[r][i], q, k[i]);
+            }
+          }
+          FLASHKV_UNROLL
+          for (int r = 0; r < 4; ++r) quads[qd][r] = T::reduce_quad(acc[r]);
+        }
+        for (int r = 0; r < rq; ++r) {
+          F t4[W / 4];
+          FLASHKV_UNROLL
+          for (int qd = 0; qd < W / 4; ++qd) t4[qd] = quads[qd][r];
+          T::store(scores + (r0 + r) * T::kBlockKeys + k0, T::finish_quads(t4));
+        }
+      }
     }
   }
 }

@@ -142,18 +142,17 @@ struct Avx2F32 {
   static void vstore(Step* p, Vec v) { _mm256_storeu_ps(p, v); }
   static F madd(F acc, const Step* a, Vec b) { return _mm256_fmadd_ps(_mm256_broadcast_ss(a), b, acc); }
   static F dot(F acc, Vec a, Vec b) { return _mm256_fmadd_ps(a, b, acc); }
-  // Lane i = sum of the lanes of a[i]: pairwise unpack-and-add, then across the two halves.
-  static F reduce_lanes(const F (&a)[W]) {
-    F s[4], t[2];
-    for (int i = 0; i < 4; ++i)
-      s[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                           _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 2; ++i) {
-      const __m256d x = _mm256_castps_pd(s[2 * i]), y = _mm256_castps_pd(s[2 * i + 1]);
-      t[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
-                           _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
-    }
-    // t[i]: half h holds the partial sums of a[4i .. 4i + 3] over lanes 4h .. 4h + 3.
+  // Sums of the lanes of 4 vectors, half done: 128-bit half h of the result holds, for
+  // i = 0..3, the sum of lanes 4h .. 4h + 3 of a[i].
+  static F reduce_quad(const F (&a)[4]) {
+    const F ab = _mm256_add_ps(_mm256_unpacklo_ps(a[0], a[1]), _mm256_unpackhi_ps(a[0], a[1]));
+    const F cd = _mm256_add_ps(_mm256_unpacklo_ps(a[2], a[3]), _mm256_unpackhi_ps(a[2], a[3]));
+    const __m256d x = _mm256_castps_pd(ab), y = _mm256_castps_pd(cd);
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  // Finishes 2 reduce_quad results: lane 4q + i = the full sum for vector i of quad q.
+  static F finish_quads(const F (&t)[W / 4]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(t[0], t[1], 0x20),
                          _mm256_permute2f128_ps(t[0], t[1], 0x31));
   }

@@ -111,19 +111,17 @@ struct Avx512Common {
     _mm256_mask_storeu_epi16(p, lanes16(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
   }
 
-  // Lane i = sum of the lanes of a[i]: pairwise unpack-and-add (16 -> 8 -> 4 vectors), then the
-  // four 128-bit lanes of each are summed and gathered.
-  static F reduce_lanes(const F (&a)[W]) {
-    F s[8], t[4];
-    for (int i = 0; i < 8; ++i)
-      s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                           _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
-      const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
-      t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                           _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    // t[i]: 128-bit lane k holds the partial sums of a[4i .. 4i + 3] over lanes 4k .. 4k + 3.
+  // Sums of the lanes of 4 vectors, half done: 128-bit lane l of the result holds, for
+  // i = 0..3, the sum of lanes 4l .. 4l + 3 of a[i] (pairwise unpack-and-add).
+  static F reduce_quad(const F (&a)[4]) {
+    const F ab = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const F cd = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    const __m512d x = _mm512_castps_pd(ab), y = _mm512_castps_pd(cd);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Finishes 4 reduce_quad results: lane 4q + i = the full sum for vector i of quad q.
+  static F finish_quads(const F (&t)[W / 4]) {
     const F u01 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x44),
                                 _mm512_shuffle_f32x4(t[0], t[1], 0xEE));
     const F u23 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x44),
