@@ -119,14 +119,17 @@ DeviceBatch to_device(const HostBatch& h) {
 }
 
 // Plans, runs on the GPU and checks against the reference. Returns the plan's merge count.
-size_t run_case(Rng& rng, const DecodeCase& c) {
+// plan_sms > 0 plans for that many SMs (few workers, so each runs many items in a row).
+size_t run_case(Rng& rng, const DecodeCase& c, int plan_sms = 0) {
   const HostBatch h = make_batch(rng, c);
   const DeviceBatch dv = to_device(h);
   const int64_t batch = static_cast<int64_t>(c.kv_lens.size());
   const BatchShape bs = shape_of(c, c.kv_lens);
   PlanOptions po;
   po.fixed_split_size = c.fixed_split_size;
-  const DecodePlan plan = plan_decode(bs, device_info(Device::cuda()), po);
+  DeviceInfo info = device_info(Device::cuda());
+  if (plan_sms > 0) info.num_sms = plan_sms;
+  const DecodePlan plan = plan_decode(bs, info, po);
   Workspace ws(std::max<size_t>(plan.layout.total_bytes, 256), Device::cuda());
   ws.upload(plan);
   Tensor out = Tensor::empty({batch, c.hq, c.d}, c.q_dtype);
@@ -247,6 +250,22 @@ TEST(CudaDecode, ForcedAndAutomaticSplits) {
   a.kv_lens = {9000, 4100};
   a.opt.logits_soft_cap = 30.0f;
   EXPECT_GT(run_case(rng, a), 0u);
+}
+
+// Two workers run a long list of items each: empty ones, one-token ones and split chunks of
+// one tile, so the copy pipeline runs across many item boundaries.
+TEST(CudaDecode, ManyItemsPerWorker) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 610);
+  DecodeCase c;
+  c.hq = 8;
+  c.hkv = 2;
+  c.kv_lens = {0, 33, 1, 0, 70, 16, 5, 0, 200, 2};
+  c.fixed_split_size = 32;
+  EXPECT_GT(run_case(rng, c, /*plan_sms=*/2), 0u);
+  c.kv_dtype = DType::fp8_e5m2;
+  c.fixed_split_size = 0;
+  run_case(rng, c, /*plan_sms=*/1);
 }
 
 TEST(CudaDecode, LongContexts) {
