@@ -1,7 +1,7 @@
 // CUDA paged-decode benchmark: the shapes of the decode issue, timed by CUDA-graph replay, against
 // the device-to-device copy bandwidth measured in the same run.
 //
-//   cuda_decode_bench [--quick] [--csv FILE] [--min-split N] [--blocks-per-sm N]
+//   cuda_decode_bench [--quick] [--small] [--csv FILE] [--min-split N] [--blocks-per-sm N]
 //
 // Per shape: one KV pool per input set (enough sets that they do not fit in L2 together), each a
 // shuffled page-size-1 layout; the plan is made in CUDA-graph mode and one graph holds one
@@ -101,6 +101,7 @@ struct Shape {
 
 struct Options {
   bool quick = false;
+  bool small_only = false;  // the four shapes with < 1M tokens x heads (bf16 only)
   int min_split = 0;
   int blocks_per_sm = 0;
   std::string csv;
@@ -213,11 +214,13 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") o.quick = true;
+    else if (a == "--small") o.small_only = true;
     else if (a == "--csv" && i + 1 < argc) o.csv = argv[++i];
     else if (a == "--min-split" && i + 1 < argc) o.min_split = std::atoi(argv[++i]);
     else if (a == "--blocks-per-sm" && i + 1 < argc) o.blocks_per_sm = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--quick] [--csv FILE] [--min-split N] [--blocks-per-sm N]\n",
+      std::fprintf(stderr,
+                   "usage: %s [--quick] [--small] [--csv FILE] [--min-split N] [--blocks-per-sm N]\n",
                    argv[0]);
       return 2;
     }
@@ -243,8 +246,12 @@ int main(int argc, char** argv) {
                                                {16, 4096},  {64, 4096},  {256, 2048},
                                                {64, 16384}, {8, 65536}};
   std::vector<Result> bf16;
-  for (auto [b, l] : bl) bf16.push_back(run_shape({32, 8, 128, b, l, DType::bf16}, o, copy_bps,
-                                                  prop.l2CacheSize, stream, csv));
+  for (auto [b, l] : bl) {
+    if (o.small_only && int64_t{b} * l > 65536) break;
+    bf16.push_back(run_shape({32, 8, 128, b, l, DType::bf16}, o, copy_bps, prop.l2CacheSize,
+                             stream, csv));
+  }
+  if (o.small_only) return 0;
   run_shape({8, 1, 128, 64, 4096, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv);
   run_shape({32, 32, 128, 64, 4096, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv);
   std::printf("fp8 e4m3 KV (tokens/s vs bf16):\n");

@@ -40,11 +40,21 @@ for step in $steps; do
       echo "== benchmark"
       "$BIN/cuda_decode_bench" --csv "$OUT/bench.csv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
       ;;
+    bench-small)
+      for split in 128 64; do
+        echo "== benchmark, small shapes, min split $split"
+        "$BIN/cuda_decode_bench" --small --min-split $split 2>&1 | tail -n +3
+      done
+      ;;
     sass)
       cuobjdump -sass "$BIN/cuda_decode_bench" > "$OUT/all.sass" 2>/dev/null
       echo "== SASS of the bf16 D=128 decode kernel (instruction counts)"
       awk '/Function : .*decode_kernel.*Li128ELNS0_6KvKindE0ELi1E.*nv_bfloat16/{f=1;next} /Function :/{f=0} f' "$OUT/all.sass" |
-        grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+[A-Z0-9_.]+' | awk '{print $2}' | sort | uniq -c | sort -rn | head -30
+        grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+[A-Z0-9_.]+' | awk '{print $2}' | sort | uniq -c | sort -rn | head -16
+      echo "== SASS of the fp8 e4m3 D=128 decode kernel (instruction counts)"
+      awk '/Function : .*decode_kernel.*Li128ELNS0_6KvKindE1ELi1E.*nv_bfloat16/{f=1;next} /Function :/{f=0} f' "$OUT/all.sass" |
+        grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+[A-Z0-9_.]+' | awk '{print $2}' | sort | uniq -c | sort -rn | head -16
+      rm -f "$OUT/all.sass"
       ;;
   esac
 done

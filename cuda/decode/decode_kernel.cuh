@@ -5,10 +5,12 @@
 // z = group of up to 8 * kNTiles query heads of that KV head (1 unless G > 8 * kNTiles). The
 // grid depends only on the plan's worker count, so a CUDA graph replays with any batch.
 //
-// Schedule: a CTA walks its items as one stream of KV tiles (kTileTokens tokens each), with a
-// kStages-deep cp.async pipeline that runs across item boundaries; the kv_indices of a tile are
-// loaded into registers one tile ahead of its data; the query rows of an item ride in the stage
-// of its first tile.
+// Schedule: a CTA walks its items as one stream of KV tiles (kTileTokens tokens each) through a
+// kStages-deep cp.async pipeline that runs across item boundaries. The kv_indices of a tile are
+// copied into a shared-memory ring kStages - 1 tiles before the tile's K/V copies are issued (in
+// the same commit group as an earlier tile's data), so neither the index fetch nor the K/V fetch
+// waits on the other; the query rows of an item ride in the stage of its first tile. K/V copies
+// carry an L2 evict-first hint: they are read once, and the plan and indices should stay cached.
 //
 // Math (per warp, per 16-token block; the CTA's warps take blocks round-robin and merge their
 // softmax states at the end of an item): tokens are the M side of the mma and query heads the N
@@ -16,13 +18,16 @@
 //   S^T[16 tok, 8 heads] = K[16, D] . Q^T[D, 8]            (mma m16n8k16, A = K from smem)
 //   online softmax per head column (base 2)
 //   O^T[D, 8 heads]    += V^T[D, 16] . P^T[16, 8]           (B = P^T by movmatrix of S^T)
-// fp8 KV is converted to the query's 16-bit type in registers; the head dim is permuted
-// consistently (Q loaded in the same order, O stored through the same map) so each thread's
-// fp8 bytes come from contiguous shared memory.
+// fp8 KV runs on f16 mma (every fp8 value is an f16; the hardware converts pairs): a bf16 query
+// is scaled by a power of two into f16 range once per item and the scale taken out of the
+// scores. The head dim is permuted consistently (Q loaded in the same order, O stored through
+// the same map) so each thread's fp8 bytes come from contiguous shared memory.
 #pragma once
 
-#include <cstdint>
 #include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
 
 #include "common/convert.cuh"
 #include "common/ptx.cuh"
@@ -73,20 +78,25 @@ struct DecodeCta {
   static constexpr int D = Tr::kHeadDim;
   static constexpr int NT = Tr::kHeads / 8;
   static constexpr int T = Tr::kTileTokens;
+  static constexpr bool kFp8 = kKv != KvKind::same16;
+  using MT = std::conditional_t<kFp8, half, QT>;  // mma operand type
 
   const AttentionParams& p;
   unsigned char* smem;
   int tid, warp, lane, r, c;  // r = lane / 4, c = lane % 4: the mma fragment coordinates
   int kv_head, heads, qh0;    // heads handled (<= kHeads) and the first one's global index
-  float score_scale, softcap_in, softcap_out;
+  float score_scale, softcap_in, softcap_out;  // for the whole kernel
+  float item_score_scale, item_softcap_in;       // the same over the item's query scale
+  uint64_t kv_policy;
 
-  // Producer: the tile being loaded next and the kv_indices of its rows (loaded one tile ahead).
+  // Three walks over the same tile stream: the indices (kStages - 1 tiles ahead of the data),
+  // the K/V data (kStages - 1 tiles ahead of the compute) and the compute.
   struct Cursor {
     int32_t item, last, pos;
     bool first;
     ItemView v;
-  } prod, cons;
-  int32_t raw_index[Tr::kPasses];
+  } ind, prod, cons;
+  int32_t ind_tile = 0, prod_tile = 0;  // tiles issued so far by each walk (ring positions)
 
   // Consumer state of this warp.
   uint32_t q_frag[Tr::kKSteps][NT][2];
@@ -100,38 +110,53 @@ struct DecodeCta {
   __device__ float* red() const {
     return reinterpret_cast<float*>(smem + kStages * Tr::kStageBytes + Tr::kOutBytes);
   }
+  __device__ int32_t* index_ring(int tile) const {
+    return reinterpret_cast<int32_t*>(smem + kStages * Tr::kStageBytes + Tr::kOutBytes +
+                                      Tr::kRedBytes) +
+           (tile % Tr::kIndexSlots) * T;
+  }
 
   // ---- schedule -------------------------------------------------------------------------------
 
-  // Moves the producer to the next item (from prod.item on) with KV to read.
-  __device__ void producer_seek() {
-    for (; prod.item < prod.last; ++prod.item) {
-      prod.v = load_item(p, prod.item);
-      if (prod.v.lo < prod.v.hi) {
-        prod.pos = prod.v.lo;
-        prod.first = true;
+  // Moves a walk to the first item (from c.item on) with KV to read.
+  __device__ void seek(Cursor& c) const {
+    for (; c.item < c.last; ++c.item) {
+      c.v = load_item(p, c.item);
+      if (c.v.lo < c.v.hi) {
+        c.pos = c.v.lo;
+        c.first = true;
         return;
       }
     }
   }
-
-  // Issues the kv_indices loads of the producer's tile into registers (used one tile later).
-  __device__ void prefetch_indices() {
-    if (prod.item >= prod.last) return;
-#pragma unroll
-    for (int i = 0; i < Tr::kPasses; ++i) {
-      const int32_t j = prod.pos + tid / Tr::kChunks + i * Tr::kRowsPerPass;
-      raw_index[i] = 0;
-      if (j < prod.v.hi) {
-        const int32_t e = p.page_size == 1 ? j : j / p.page_size;
-        raw_index[i] = __ldg(p.kv_indices + prod.v.entry_base + e);
-      }
+  __device__ void advance(Cursor& c) const {
+    c.first = false;
+    c.pos += T;
+    if (c.pos >= c.v.hi) {
+      ++c.item;
+      seek(c);
     }
   }
 
-  // Issues the async copies of the producer's tile into stage s (and the item's query rows when
-  // it is the item's first tile), advances the producer, and prefetches the next tile's indices.
-  // Always commits a group, so group counting stays uniform once the stream runs dry.
+  // Copies the kv_indices entries of the index walk's tile into its ring slot (one 4-byte copy
+  // per token; entry j / page_size for page size > 1), and advances the walk.
+  __device__ void fetch_indices() {
+    if (ind.item >= ind.last) return;
+    int32_t* ring = index_ring(ind_tile);
+    for (int row = tid; row < T; row += kThreads) {
+      const int32_t j = ind.pos + row;
+      const bool valid = j < ind.v.hi;
+      const int32_t e = p.page_size == 1 ? j : j / p.page_size;
+      ptx::cp_async_4(ptx::smem_addr(ring + row),
+                      p.kv_indices + (valid ? ind.v.entry_base + e : 0), valid);
+    }
+    ++ind_tile;
+    advance(ind);
+  }
+
+  // Issues the K/V copies of the data walk's tile into stage s (and the item's query rows when
+  // it is the item's first tile), then the index copies kStages - 1 tiles further on. Always
+  // commits a group, so group counting stays uniform once the stream runs dry.
   __device__ void produce(int s) {
     if (prod.item < prod.last) {
       unsigned char* st = stage_ptr(s);
@@ -142,38 +167,37 @@ struct DecodeCta {
                           (int64_t{kv_head} * p.k_stride_h) * Tr::kKvBytes + chunk * 16;
       const char* vbase = static_cast<const char*>(p.v) +
                           (int64_t{kv_head} * p.v_stride_h) * Tr::kKvBytes + chunk * 16;
+      const int32_t* ring = index_ring(prod_tile);
 #pragma unroll
       for (int i = 0; i < Tr::kPasses; ++i) {
         const int row = tid / Tr::kChunks + i * Tr::kRowsPerPass;
         const int32_t j = prod.pos + row;
         const bool valid = j < prod.v.hi;
-        int64_t slot = raw_index[i];
+        int64_t slot = ring[row];
         if (p.page_size > 1) slot = slot * p.page_size + j % p.page_size;
         slot = valid ? min(max(slot, int64_t{0}), p.num_kv_rows - 1) : 0;  // never out of bounds
         const uint32_t off = swizzled<Tr>(row, chunk);
-        ptx::cp_async_16(k_smem + off, kbase + slot * p.k_stride_n * Tr::kKvBytes, valid);
-        ptx::cp_async_16(v_smem + off, vbase + slot * p.v_stride_n * Tr::kKvBytes, valid);
+        ptx::cp_async_16_hint(k_smem + off, kbase + slot * p.k_stride_n * Tr::kKvBytes, valid,
+                              kv_policy);
+        ptx::cp_async_16_hint(v_smem + off, vbase + slot * p.v_stride_n * Tr::kKvBytes, valid,
+                              kv_policy);
       }
       if (prod.first) {
         // Q rows [kHeads, D] of the item; heads past `heads` are zero (they pad the mma N side).
         const uint32_t q_smem = k_smem + 2 * Tr::kTileBytes;
         constexpr int kQChunks = Tr::kQBytes / 16, kPerHead = D / 8;
-        for (int idx = tid; idx < kQChunks; idx += kThreads) {
-          const int h = idx / kPerHead, d8 = (idx % kPerHead) * 8;
+        for (int qc = tid; qc < kQChunks; qc += kThreads) {
+          const int h = qc / kPerHead, d8 = (qc % kPerHead) * 8;
           const bool valid = h < heads;
           const QT* src = static_cast<const QT*>(p.q) + int64_t{prod.v.row} * p.q_stride_n +
                           int64_t{qh0 + (valid ? h : 0)} * p.q_stride_h + d8;
-          ptx::cp_async_16(q_smem + idx * 16, src, valid);
+          ptx::cp_async_16(q_smem + qc * 16, src, valid);
         }
       }
-      prod.first = false;
-      prod.pos += T;
-      if (prod.pos >= prod.v.hi) {
-        ++prod.item;
-        producer_seek();
-      }
-      prefetch_indices();
+      ++prod_tile;
+      advance(prod);
     }
+    fetch_indices();
     ptx::cp_async_commit();
   }
 
@@ -197,21 +221,41 @@ struct DecodeCta {
 
   // Q^T as the mma B operand (k = head dim, n = heads), in the head-dim order the K fragments
   // use: natural for 16-bit KV (ldmatrix); for fp8, thread c's k-step s covers dims
-  // d0 = c * D / 4 + 4 s .. d0 + 3, paired (d0, d0 + 2) and (d0 + 1, d0 + 3) (see fp8x4_to_16).
+  // d0 = c * D / 4 + 4 s .. d0 + 3, as pairs (d0, d0 + 1) and (d0 + 2, d0 + 3). A bf16 query
+  // for fp8 KV is scaled by 2^e into f16 range (exact; every warp derives the same e from the
+  // largest |q| of the item) and the item's score scales divided by 2^e.
   __device__ void load_q_frags(const unsigned char* stage) {
-    const uint16_t* qs = reinterpret_cast<const uint16_t*>(stage + 2 * Tr::kTileBytes);
+    const QT* qs = reinterpret_cast<const QT*>(stage + 2 * Tr::kTileBytes);
+    float q_scale = 1.0f;
+    if constexpr (kFp8 && !std::is_same_v<QT, half>) {
+      float mx = 0.0f;
+      for (int i = lane; i < Tr::kHeads * D / 2; i += 32) {
+        const float2 x = unpack2<QT>(reinterpret_cast<const uint32_t*>(qs)[i]);
+        mx = fmaxf(mx, fmaxf(fabsf(x.x), fabsf(x.y)));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      // mx < 2^e_max; scaled to below 2^15 (f16 max is 65504).
+      if (mx > 0.0f && mx <= 3.0e38f) q_scale = ldexpf(1.0f, min(14 - ilogbf(mx), 126));
+    }
+    item_score_scale = score_scale / q_scale;
+    item_softcap_in = softcap_in / q_scale;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      const uint16_t* qh = qs + (8 * n + r) * D;
+      const QT* qh = qs + (8 * n + r) * D;
 #pragma unroll
       for (int s = 0; s < Tr::kKSteps; ++s) {
-        if constexpr (kKv == KvKind::same16) {
-          q_frag[s][n][0] = *reinterpret_cast<const uint32_t*>(qh + 16 * s + 2 * c);
-          q_frag[s][n][1] = *reinterpret_cast<const uint32_t*>(qh + 16 * s + 2 * c + 8);
+        const int d0 = kFp8 ? c * (D / 4) + 4 * s : 16 * s + 2 * c;
+        const int d1 = kFp8 ? d0 + 2 : d0 + 8;
+        const uint32_t x0 = *reinterpret_cast<const uint32_t*>(qh + d0);
+        const uint32_t x1 = *reinterpret_cast<const uint32_t*>(qh + d1);
+        if constexpr (std::is_same_v<MT, QT>) {
+          q_frag[s][n][0] = x0;
+          q_frag[s][n][1] = x1;
         } else {
-          const int d0 = c * (D / 4) + 4 * s;
-          q_frag[s][n][0] = uint32_t{qh[d0]} | (uint32_t{qh[d0 + 2]} << 16);
-          q_frag[s][n][1] = uint32_t{qh[d0 + 1]} | (uint32_t{qh[d0 + 3]} << 16);
+          const float2 a = unpack2<QT>(x0), b = unpack2<QT>(x1);
+          q_frag[s][n][0] = pack2<MT>(a.x * q_scale, a.y * q_scale);
+          q_frag[s][n][1] = pack2<MT>(b.x * q_scale, b.y * q_scale);
         }
       }
     }
@@ -219,13 +263,15 @@ struct DecodeCta {
 
   // ---- one 16-token block ---------------------------------------------------------------------
 
-  // S^T = K . Q^T for tokens [16 b, 16 b + 16) of the stage.
+  // S^T = K . Q^T for tokens [16 b, 16 b + 16) of the stage, accumulated in two halves (even
+  // and odd k-steps) to halve the dependent mma chain.
   __device__ void scores(uint32_t k_smem, int b, float (&s)[NT][4]) const {
+    float s2[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
-    if constexpr (kKv == KvKind::same16) {
+      for (int e = 0; e < 4; ++e) s[n][e] = s2[n][e] = 0.0f;
+    if constexpr (!kFp8) {
       const int mat = lane / 8;
       const int row = 16 * b + (lane % 8) + 8 * (mat % 2);
 #pragma unroll
@@ -233,7 +279,7 @@ struct DecodeCta {
         uint32_t a[4];
         ptx::ldmatrix_x4(a, k_smem + swizzled<Tr>(row, 2 * ks + mat / 2));
 #pragma unroll
-        for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<QT>(s[n], a, q_frag[ks][n]);
+        for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<MT>(ks % 2 ? s2[n] : s[n], a, q_frag[ks][n]);
       }
     } else {
       // Thread c reads bytes [c D/4, (c + 1) D/4) of token rows r and r + 8.
@@ -249,18 +295,23 @@ struct DecodeCta {
       }
 #pragma unroll
       for (int ks = 0; ks < Tr::kKSteps; ++ks) {
-        uint32_t a[4];
-        fp8x4_to_16<kKv, QT>(ka[ks], a[0], a[2]);
-        fp8x4_to_16<kKv, QT>(kb[ks], a[1], a[3]);
+        const uint32_t a[4] = {fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(ka[ks])),
+                               fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(kb[ks])),
+                               fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(ka[ks] >> 16)),
+                               fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(kb[ks] >> 16))};
 #pragma unroll
-        for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<QT>(s[n], a, q_frag[ks][n]);
+        for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<MT>(ks % 2 ? s2[n] : s[n], a, q_frag[ks][n]);
       }
     }
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] += s2[n][e];
   }
 
   // O^T += V^T . P^T for tokens [16 b, 16 b + 16) of the stage.
   __device__ void accumulate(uint32_t v_smem, int b, const uint32_t (&pb)[NT][2]) {
-    if constexpr (kKv == KvKind::same16) {
+    if constexpr (!kFp8) {
       const int mat = lane / 8;
       const int row = 16 * b + (lane % 8) + 8 * (mat / 2);
 #pragma unroll
@@ -268,7 +319,7 @@ struct DecodeCta {
         uint32_t a[4];
         ptx::ldmatrix_x4_trans(a, v_smem + swizzled<Tr>(row, 2 * i + mat % 2));
 #pragma unroll
-        for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<QT>(o[i][n], a, pb[n]);
+        for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<MT>(o[i][n], a, pb[n]);
       }
     } else {
       // Thread (r, c) reads bytes [r D/8, (r + 1) D/8) of token rows 2c, 2c+1, 2c+8, 2c+9; m-tile
@@ -296,13 +347,16 @@ struct DecodeCta {
       for (int w = 0; w < kWords; ++w) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          // Byte pairs (token 2c, token 2c+1) of dims 4w + 2e and 4w + 2e + 1.
-          const uint32_t sel = e == 0 ? 0x5410u : 0x7632u;
-          uint32_t a[4];
-          fp8x4_to_16<kKv, QT>(__byte_perm(x[0][w], x[1][w], sel), a[0], a[1]);
-          fp8x4_to_16<kKv, QT>(__byte_perm(x[2][w], x[3][w], sel), a[2], a[3]);
+          // Byte pairs (token 2c, token 2c + 1) of dim 4w + 2e (low half) and 4w + 2e + 1.
+          const uint32_t sel = e == 0 ? 0x5140u : 0x7362u;
+          const uint32_t lo = __byte_perm(x[0][w], x[1][w], sel);
+          const uint32_t hi = __byte_perm(x[2][w], x[3][w], sel);
+          const uint32_t a[4] = {fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(lo)),
+                                 fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(lo >> 16)),
+                                 fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(hi)),
+                                 fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(hi >> 16))};
 #pragma unroll
-          for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<QT>(o[2 * w + e][n], a, pb[n]);
+          for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<MT>(o[2 * w + e][n], a, pb[n]);
         }
       }
     }
@@ -310,7 +364,7 @@ struct DecodeCta {
 
   // The dim of O^T fragment element (m-tile i, e >= 2 ? row r + 8 : row r).
   __device__ int out_dim(int i, int e) const {
-    if constexpr (kKv == KvKind::same16) return 16 * i + r + (e >= 2 ? 8 : 0);
+    if constexpr (!kFp8) return 16 * i + r + (e >= 2 ? 8 : 0);
     else return r * (D / 8) + 2 * i + (e >= 2 ? 1 : 0);
   }
 
@@ -324,7 +378,8 @@ struct DecodeCta {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[n][e];
-        x = softcap_in > 0.0f ? softcap_out * ptx::tanh_fast(x * softcap_in) : x * score_scale;
+        x = softcap_in > 0.0f ? softcap_out * ptx::tanh_fast(x * item_softcap_in)
+                              : x * item_score_scale;
         s[n][e] = (r + (e >= 2 ? 8 : 0)) < valid ? x : -INFINITY;
       }
     // Online softmax per head column; the 8 lanes sharing c hold one column's 16 tokens.
@@ -350,8 +405,8 @@ struct DecodeCta {
           o[i][n][j + 2] *= corr;
         }
       }
-      pb[n][0] = ptx::movmatrix_trans(pack2<QT>(pr[0], pr[1]));
-      pb[n][1] = ptx::movmatrix_trans(pack2<QT>(pr[2], pr[3]));
+      pb[n][0] = ptx::movmatrix_trans(pack2<MT>(pr[0], pr[1]));
+      pb[n][1] = ptx::movmatrix_trans(pack2<MT>(pr[2], pr[3]));
     }
     accumulate(k_smem + Tr::kTileBytes, b, pb);
   }
@@ -363,8 +418,8 @@ struct DecodeCta {
   __device__ void store(const ItemView& v, const float* inv, const float* lse, bool empty) {
     constexpr int kPerHead = D / 8;
     const float* ob = out_buf();
-    for (int idx = tid; idx < heads * kPerHead; idx += kThreads) {
-      const int h = idx / kPerHead, d = (idx % kPerHead) * 8;
+    for (int i = tid; i < heads * kPerHead; i += kThreads) {
+      const int h = i / kPerHead, d = (i % kPerHead) * 8;
       float x[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) x[k] = empty ? 0.0f : ob[h * Tr::kOutStride + d + k] * inv[h];
@@ -469,16 +524,25 @@ struct DecodeCta {
   }
 
   __device__ void run(int32_t first_item, int32_t last_item) {
-    prod.item = cons.item = first_item;
-    prod.last = cons.last = last_item;
-    producer_seek();
-    prefetch_indices();
+    ind.item = prod.item = cons.item = first_item;
+    ind.last = prod.last = cons.last = last_item;
+    seek(ind);
+    seek(prod);
+    // Prologue: the indices of the first kStages - 1 tiles (waited for: nothing else can start),
+    // then their K/V copies, each with the indices kStages - 1 tiles further on.
+    for (int t = 0; t < kStages - 1; ++t) fetch_indices();
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    __syncthreads();
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) produce(s);
     consumer_seek();
     int stage = 0;
     uint32_t tile_count = 0;
     while (cons.item < cons.last) {
+      // Tile tile_count's data group (and the index group of tile tile_count + kStages - 1,
+      // committed with it) is complete; the barrier also retires the stage and ring slot
+      // about to be refilled.
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
       produce((stage + kStages - 1) % kStages);
@@ -529,6 +593,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   cta.score_scale = qk_scale * kLog2e;
   cta.softcap_in = p.logits_soft_cap > 0.0f ? qk_scale / p.logits_soft_cap : 0.0f;
   cta.softcap_out = p.logits_soft_cap * kLog2e;
+  cta.kv_policy = ptx::make_evict_first_policy();
   cta.run(p.worker_indptr[blockIdx.x], p.worker_indptr[blockIdx.x + 1]);
 }
 

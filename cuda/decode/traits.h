@@ -33,18 +33,20 @@ struct Traits {
   static constexpr int kOutStride = D + 4;  // floats per head of the finalize buffer
   static constexpr int kOutBytes = kHeads * kOutStride * 4;
   static constexpr int kRedBytes = (2 * kWarps + 2) * kHeads * 4;
+  static constexpr int kIndexSlots = kStages;  // kv_indices ring (see decode_kernel.cuh)
   // KV tokens per pipeline stage: as many 16-token blocks as fit the budget, at most 8 copy
   // passes of the whole CTA per stage.
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kFitTokens =
-      ((kSmemBudget - kOutBytes - kRedBytes) / kStages - kQBytes) / (2 * kRowBytes) / 16 * 16;
+      ((kSmemBudget - kOutBytes - kRedBytes) / kStages - kQBytes) / (2 * kRowBytes + 4) / 16 * 16;
   static constexpr int kTileTokens =
       kFitTokens < 8 * kRowsPerPass ? kFitTokens : 8 * kRowsPerPass;
   static constexpr int kPasses = kTileTokens / kRowsPerPass;
   static constexpr int kBlocks = kTileTokens / 16;
   static constexpr int kTileBytes = kTileTokens * kRowBytes;
   static constexpr int kStageBytes = 2 * kTileBytes + kQBytes;  // K tile, V tile, Q slot
-  static constexpr int kSmemBytes = kStages * kStageBytes + kOutBytes + kRedBytes;
+  static constexpr int kIndexBytes = kIndexSlots * kTileTokens * 4;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kOutBytes + kRedBytes + kIndexBytes;
   static_assert(kTileTokens >= 16 && kTileTokens % kRowsPerPass == 0, "tile shape");
   static_assert(kSmemBytes <= kSmemBudget, "shared memory budget");
 };
