@@ -21,23 +21,11 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes));
 }
-// The same with an L2 cache policy (from make_evict_first_policy): data read once.
-__device__ __forceinline__ void cp_async_16_hint(uint32_t dst, const void* src, bool valid,
-                                                 uint64_t policy) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
-               "l"(src), "r"(src_bytes), "l"(policy));
-}
 // 4 bytes global -> shared (.ca: the only form for sizes under 16); zero-fills when !valid.
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
   const int src_bytes = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes));
-}
-__device__ __forceinline__ uint64_t make_evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most `kPending` of this thread's committed groups are still in flight.

@@ -9,8 +9,8 @@
 // kStages-deep cp.async pipeline that runs across item boundaries. The kv_indices of a tile are
 // copied into a shared-memory ring kStages - 1 tiles before the tile's K/V copies are issued (in
 // the same commit group as an earlier tile's data), so neither the index fetch nor the K/V fetch
-// waits on the other; the query rows of an item ride in the stage of its first tile. K/V copies
-// carry an L2 evict-first hint: they are read once, and the plan and indices should stay cached.
+// waits on the other; the query rows of an item ride in the stage of its first tile. The ring
+// has kStages + 1 slots: the prologue issues two tiles' copies with no barrier in between.
 //
 // Math (per warp, per 16-token block; the CTA's warps take blocks round-robin and merge their
 // softmax states at the end of an item): tokens are the M side of the mma and query heads the N
@@ -87,7 +87,6 @@ struct DecodeCta {
   int kv_head, heads, qh0;    // heads handled (<= kHeads) and the first one's global index
   float score_scale, softcap_in, softcap_out;  // for the whole kernel
   float item_score_scale, item_softcap_in;       // the same over the item's query scale
-  uint64_t kv_policy;
 
   // Three walks over the same tile stream: the indices (kStages - 1 tiles ahead of the data),
   // the K/V data (kStages - 1 tiles ahead of the compute) and the compute.
@@ -177,10 +176,8 @@ struct DecodeCta {
         if (p.page_size > 1) slot = slot * p.page_size + j % p.page_size;
         slot = valid ? min(max(slot, int64_t{0}), p.num_kv_rows - 1) : 0;  // never out of bounds
         const uint32_t off = swizzled<Tr>(row, chunk);
-        ptx::cp_async_16_hint(k_smem + off, kbase + slot * p.k_stride_n * Tr::kKvBytes, valid,
-                              kv_policy);
-        ptx::cp_async_16_hint(v_smem + off, vbase + slot * p.v_stride_n * Tr::kKvBytes, valid,
-                              kv_policy);
+        ptx::cp_async_16(k_smem + off, kbase + slot * p.k_stride_n * Tr::kKvBytes, valid);
+        ptx::cp_async_16(v_smem + off, vbase + slot * p.v_stride_n * Tr::kKvBytes, valid);
       }
       if (prod.first) {
         // Q rows [kHeads, D] of the item; heads past `heads` are zero (they pad the mma N side).
@@ -593,7 +590,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   cta.score_scale = qk_scale * kLog2e;
   cta.softcap_in = p.logits_soft_cap > 0.0f ? qk_scale / p.logits_soft_cap : 0.0f;
   cta.softcap_out = p.logits_soft_cap * kLog2e;
-  cta.kv_policy = ptx::make_evict_first_policy();
   cta.run(p.worker_indptr[blockIdx.x], p.worker_indptr[blockIdx.x + 1]);
 }
 

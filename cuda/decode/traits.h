@@ -33,12 +33,13 @@ struct Traits {
   static constexpr int kOutStride = D + 4;  // floats per head of the finalize buffer
   static constexpr int kOutBytes = kHeads * kOutStride * 4;
   static constexpr int kRedBytes = (2 * kWarps + 2) * kHeads * 4;
-  static constexpr int kIndexSlots = kStages;  // kv_indices ring (see decode_kernel.cuh)
+  static constexpr int kIndexSlots = kStages + 1;  // kv_indices ring (see decode_kernel.cuh)
   // KV tokens per pipeline stage: as many 16-token blocks as fit the budget, at most 8 copy
   // passes of the whole CTA per stage.
   static constexpr int kRowsPerPass = kThreads / kChunks;
-  static constexpr int kFitTokens =
-      ((kSmemBudget - kOutBytes - kRedBytes) / kStages - kQBytes) / (2 * kRowBytes + 4) / 16 * 16;
+  static constexpr int kTokenStep = kRowsPerPass > 16 ? kRowsPerPass : 16;  // both powers of 2
+  static constexpr int kFitTokens = ((kSmemBudget - kOutBytes - kRedBytes) / kStages - kQBytes) /
+                                    (2 * kRowBytes + 8) / kTokenStep * kTokenStep;
   static constexpr int kTileTokens =
       kFitTokens < 8 * kRowsPerPass ? kFitTokens : 8 * kRowsPerPass;
   static constexpr int kPasses = kTileTokens / kRowsPerPass;
