@@ -44,8 +44,10 @@ __global__ void fill_random(unsigned char* dst, size_t n, uint32_t seed, int fp8
     h *= 2246822519u;
     h ^= h >> 13;
     uint16_t v;
-    if (fp8) v = static_cast<uint16_t>(h & 0xb7b7u);  // sign, exponent <= 6, any mantissa
-    else v = static_cast<uint16_t>(0x3f00u | (h & 0x80ffu));  // bf16 in +-[0.5, 2)
+    if (fp8)
+      v = static_cast<uint16_t>(h & 0xb7b7u);  // sign, exponent <= 6, any mantissa
+    else
+      v = static_cast<uint16_t>(0x3f00u | (h & 0x80ffu));  // bf16 in +-[0.5, 2)
     reinterpret_cast<uint16_t*>(dst)[i] = v;
   }
 }
@@ -85,10 +87,10 @@ double copy_bandwidth(cudaStream_t s) {
   check(cudaMalloc(&b, bytes), "malloc");
   fill(a, bytes, 1, false);
   check(cudaDeviceSynchronize(), "sync");
-  for (int i = 0; i < 3; ++i) check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s), "copy");
-  const float ms = median_ms(s, 10, [&] {
+  for (int i = 0; i < 3; ++i)
     check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s), "copy");
-  });
+  const float ms = median_ms(
+      s, 10, [&] { check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s), "copy"); });
   cudaFree(a);
   cudaFree(b);
   return 2.0 * bytes / (ms * 1e-3);
@@ -193,11 +195,12 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
   r.tbps = kv_bytes / (r.us * 1e-6) / 1e12;
   r.tokens_per_s = tokens / (r.us * 1e-6);
   const double floor_us = kv_bytes / copy_bps * 1e6;
-  std::printf("%3d/%2d/%3d %-8s %4dx%-6d %9.1f MB %5d sets  items %4zu merges %3zu  %9.2f us  "
-              "(floor %8.2f)  %5.2f TB/s  %5.1f%% of copy\n",
-              sh.hq, sh.hkv, sh.d, dtype_name(sh.kv_dtype), sh.batch, sh.kv_len, kv_bytes / 1e6,
-              sets, plan.items.size(), plan.merges.size(), r.us, floor_us, r.tbps,
-              100.0 * kv_bytes / (r.us * 1e-6) / copy_bps);
+  std::printf(
+      "%3d/%2d/%3d %-8s %4dx%-6d %9.1f MB %5d sets  items %4zu merges %3zu  %9.2f us  "
+      "(floor %8.2f)  %5.2f TB/s  %5.1f%% of copy\n",
+      sh.hq, sh.hkv, sh.d, dtype_name(sh.kv_dtype), sh.batch, sh.kv_len, kv_bytes / 1e6, sets,
+      plan.items.size(), plan.merges.size(), r.us, floor_us, r.tbps,
+      100.0 * kv_bytes / (r.us * 1e-6) / copy_bps);
   std::fflush(stdout);
   if (csv)
     std::fprintf(csv, "%d,%d,%d,%s,%d,%d,%.0f,%d,%zu,%zu,%.3f,%.3f,%.4f,%.4f\n", sh.hq, sh.hkv,
@@ -213,15 +216,21 @@ int main(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--quick") o.quick = true;
-    else if (a == "--small") o.small_only = true;
-    else if (a == "--csv" && i + 1 < argc) o.csv = argv[++i];
-    else if (a == "--min-split" && i + 1 < argc) o.min_split = std::atoi(argv[++i]);
-    else if (a == "--blocks-per-sm" && i + 1 < argc) o.blocks_per_sm = std::atoi(argv[++i]);
+    if (a == "--quick")
+      o.quick = true;
+    else if (a == "--small")
+      o.small_only = true;
+    else if (a == "--csv" && i + 1 < argc)
+      o.csv = argv[++i];
+    else if (a == "--min-split" && i + 1 < argc)
+      o.min_split = std::atoi(argv[++i]);
+    else if (a == "--blocks-per-sm" && i + 1 < argc)
+      o.blocks_per_sm = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr,
-                   "usage: %s [--quick] [--small] [--csv FILE] [--min-split N] [--blocks-per-sm N]\n",
-                   argv[0]);
+      std::fprintf(
+          stderr,
+          "usage: %s [--quick] [--small] [--csv FILE] [--min-split N] [--blocks-per-sm N]\n",
+          argv[0]);
       return 2;
     }
   }
@@ -234,22 +243,22 @@ int main(int argc, char** argv) {
   cudaStream_t stream;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   const double copy_bps = copy_bandwidth(stream);
-  std::printf("device: %s, %d SMs, L2 %d MB; copy bandwidth %.2f TB/s (read + write)\n",
-              prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_bps / 1e12);
+  std::printf("device: %s, %d SMs, L2 %d MB; copy bandwidth %.2f TB/s (read + write)\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_bps / 1e12);
   std::printf("options: min_split %d, blocks_per_sm %d (0 = planner default)\n", o.min_split,
               o.blocks_per_sm);
   FILE* csv = o.csv.empty() ? nullptr : std::fopen(o.csv.c_str(), "w");
   if (csv)
-    std::fprintf(csv, "hq,hkv,d,kv_dtype,batch,kv_len,kv_bytes,sets,items,merges,us,floor_us,"
-                      "tbps,frac_copy\n");
-  const std::vector<std::pair<int, int>> bl = {{1, 1024},   {1, 4096},   {1, 32768},
-                                               {16, 4096},  {64, 4096},  {256, 2048},
-                                               {64, 16384}, {8, 65536}};
+    std::fprintf(csv,
+                 "hq,hkv,d,kv_dtype,batch,kv_len,kv_bytes,sets,items,merges,us,floor_us,"
+                 "tbps,frac_copy\n");
+  const std::vector<std::pair<int, int>> bl = {{1, 1024},  {1, 4096},   {1, 32768},  {16, 4096},
+                                               {64, 4096}, {256, 2048}, {64, 16384}, {8, 65536}};
   std::vector<Result> bf16;
   for (auto [b, l] : bl) {
     if (o.small_only && int64_t{b} * l > 65536) break;
-    bf16.push_back(run_shape({32, 8, 128, b, l, DType::bf16}, o, copy_bps, prop.l2CacheSize,
-                             stream, csv));
+    bf16.push_back(
+        run_shape({32, 8, 128, b, l, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv));
   }
   if (o.small_only) return 0;
   run_shape({8, 1, 128, 64, 4096, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv);
@@ -258,8 +267,8 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < bl.size(); ++i) {
     const auto [b, l] = bl[i];
     if (o.quick && int64_t{b} * l < 65536) continue;
-    const Result r = run_shape({32, 8, 128, b, l, DType::fp8_e4m3}, o, copy_bps,
-                               prop.l2CacheSize, stream, csv);
+    const Result r =
+        run_shape({32, 8, 128, b, l, DType::fp8_e4m3}, o, copy_bps, prop.l2CacheSize, stream, csv);
     std::printf("    -> %.2fx bf16 tokens/s\n", r.tokens_per_s / bf16[i].tokens_per_s);
   }
   if (csv) std::fclose(csv);

@@ -39,8 +39,9 @@ __global__ void __launch_bounds__(kMergeThreads)
     const WorkItem it = p.items[i];
     if (it.partial < 0) continue;
     const int32_t n = p.kv_indptr[it.request + 1] - p.kv_indptr[it.request];
-    const int32_t kv_len =
-        p.page_size == 1 || n <= 0 ? max(n, 0) : (n - 1) * p.page_size + p.last_page_len[it.request];
+    const int32_t kv_len = p.page_size == 1 || n <= 0
+                               ? max(n, 0)
+                               : (n - 1) * p.page_size + p.last_page_len[it.request];
     if (it.kv_end < kv_len) continue;  // not the request's last chunk
     const int32_t chunks = it.chunk + 1;
     const int64_t base = int64_t{it.partial} - int64_t{it.chunk} * it.q_len;
@@ -127,9 +128,12 @@ LaunchFn pick_tiles(int group) {
 template <int D, typename QT>
 LaunchFn pick_kv(DType kv, int group) {
   switch (kv) {
-    case DType::fp8_e4m3: return pick_tiles<D, QT, KvKind::e4m3>(group);
-    case DType::fp8_e5m2: return pick_tiles<D, QT, KvKind::e5m2>(group);
-    default: return pick_tiles<D, QT, KvKind::same16>(group);
+    case DType::fp8_e4m3:
+      return pick_tiles<D, QT, KvKind::e4m3>(group);
+    case DType::fp8_e5m2:
+      return pick_tiles<D, QT, KvKind::e5m2>(group);
+    default:
+      return pick_tiles<D, QT, KvKind::same16>(group);
   }
 }
 
@@ -150,16 +154,16 @@ LaunchFn select(const AttentionParams& p) {
   FLASHKV_CHECK(p.q_dtype == DType::bf16 || p.q_dtype == DType::f16,
                 "paged_decode (CUDA): q dtype ", dtype_name(p.q_dtype),
                 " is unsupported on CUDA (expected bf16 or f16)");
-  const bool kv_ok = p.kv_dtype == p.q_dtype || p.kv_dtype == DType::fp8_e4m3 ||
-                     p.kv_dtype == DType::fp8_e5m2;
-  FLASHKV_CHECK(kv_ok, "paged_decode (CUDA): kv dtype ", dtype_name(p.kv_dtype),
-                " with q dtype ", dtype_name(p.q_dtype), " is unsupported");
+  const bool kv_ok =
+      p.kv_dtype == p.q_dtype || p.kv_dtype == DType::fp8_e4m3 || p.kv_dtype == DType::fp8_e5m2;
+  FLASHKV_CHECK(kv_ok, "paged_decode (CUDA): kv dtype ", dtype_name(p.kv_dtype), " with q dtype ",
+                dtype_name(p.q_dtype), " is unsupported");
   FLASHKV_CHECK(p.head_dim_qk == p.head_dim_v, "paged_decode (CUDA): head_dim_v: expected ",
                 p.head_dim_qk, " (the same as head_dim_qk), got ", p.head_dim_v);
   FLASHKV_CHECK(p.num_kv_heads > 0 && p.num_qo_heads % p.num_kv_heads == 0,
                 "paged_decode (CUDA): num_qo_heads must be a multiple of num_kv_heads");
-  FLASHKV_CHECK(p.num_kv_heads <= 65535, "paged_decode (CUDA): num_kv_heads: expected <= 65535, got ",
-                p.num_kv_heads);
+  FLASHKV_CHECK(p.num_kv_heads <= 65535,
+                "paged_decode (CUDA): num_kv_heads: expected <= 65535, got ", p.num_kv_heads);
   // 16-byte vectors: rows of q, o, k and v must start on 16-byte boundaries.
   const int64_t kv_bytes = is_fp8(p.kv_dtype) ? 1 : 2;
   FLASHKV_CHECK(aligned16(p.q) && aligned16(p.o) && p.q_stride_n % 8 == 0 &&
@@ -173,13 +177,16 @@ LaunchFn select(const AttentionParams& p) {
   const int group = p.num_qo_heads / p.num_kv_heads;
   switch (p.head_dim_qk) {
 #if FLASHKV_HEAD_DIM_64
-    case 64: return pick_q<64>(p, group);
+    case 64:
+      return pick_q<64>(p, group);
 #endif
 #if FLASHKV_HEAD_DIM_128
-    case 128: return pick_q<128>(p, group);
+    case 128:
+      return pick_q<128>(p, group);
 #endif
 #if FLASHKV_HEAD_DIM_256
-    case 256: return pick_q<256>(p, group);
+    case 256:
+      return pick_q<256>(p, group);
 #endif
     default:
       throw_error(str_cat("paged_decode (CUDA): head_dim ", p.head_dim_qk,
@@ -198,8 +205,10 @@ void paged_decode(const AttentionParams& p, Stream stream) {
   // partial states.
   const bool may_merge = p.num_merges > 0 || (p.cuda_graph && p.partial_lse != p.partial_o);
   if (!may_merge) return;
-  if (p.q_dtype == DType::bf16) launch_merge<__nv_bfloat16>(p, s);
-  else launch_merge<half>(p, s);
+  if (p.q_dtype == DType::bf16)
+    launch_merge<__nv_bfloat16>(p, s);
+  else
+    launch_merge<half>(p, s);
 }
 
 }  // namespace flashkv::cuda

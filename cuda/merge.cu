@@ -68,9 +68,15 @@ void merge(const MergeParams& p, Stream stream) {
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const dim3 grid(static_cast<unsigned>(blocks)), block(kMergeWarps * 32);
   switch (p.dtype) {
-    case DType::f32: merge_kernel<float><<<grid, block, 0, s>>>(p); break;
-    case DType::bf16: merge_kernel<__nv_bfloat16><<<grid, block, 0, s>>>(p); break;
-    default: merge_kernel<half><<<grid, block, 0, s>>>(p); break;
+    case DType::f32:
+      merge_kernel<float><<<grid, block, 0, s>>>(p);
+      break;
+    case DType::bf16:
+      merge_kernel<__nv_bfloat16><<<grid, block, 0, s>>>(p);
+      break;
+    default:
+      merge_kernel<half><<<grid, block, 0, s>>>(p);
+      break;
   }
   detail::cuda_check(cudaGetLastError(), "merge_state (CUDA): kernel launch");
 }

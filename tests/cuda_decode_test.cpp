@@ -114,8 +114,8 @@ struct DeviceBatch {
 };
 DeviceBatch to_device(const HostBatch& h) {
   const Device gpu = Device::cuda();
-  return {h.q.to(gpu), h.k.to(gpu), h.v.to(gpu), h.indptr.to(gpu), h.indices.to(gpu),
-          h.last_page_len.to(gpu)};
+  return {h.q.to(gpu),      h.k.to(gpu),       h.v.to(gpu),
+          h.indptr.to(gpu), h.indices.to(gpu), h.last_page_len.to(gpu)};
 }
 
 // Plans, runs on the GPU and checks against the reference. Returns the plan's merge count.
@@ -368,7 +368,8 @@ TEST(CudaDecode, GraphReplayWithANewBatch) {
     SCOPED_TRACE(testing::Message() << "round " << round);
     const std::vector<int32_t>& lens = batches[round];
     // The batch's pages: a random subset of the pool's pages, shuffled.
-    std::vector<int32_t> pages(pool.indices.ptr<int32_t>(), pool.indices.ptr<int32_t>() + max_pages);
+    std::vector<int32_t> pages(pool.indices.ptr<int32_t>(),
+                               pool.indices.ptr<int32_t>() + max_pages);
     std::shuffle(pages.begin(), pages.end(), rng.gen());
     std::vector<int32_t> n_pages(batch), last(batch, 1);
     for (int64_t i = 0; i < batch; ++i) {
@@ -427,7 +428,8 @@ reference::Result result_of(const Tensor& o, const Tensor& lse) {
   r.heads = static_cast<int>(o.size(1));
   r.head_dim = static_cast<int>(o.size(2));
   for (int64_t i = 0; i < o.numel(); ++i) r.o.push_back(load_as_double(o.data(), o.dtype(), i));
-  for (int64_t i = 0; i < lse.numel(); ++i) r.lse.push_back(load_as_double(lse.data(), DType::f32, i));
+  for (int64_t i = 0; i < lse.numel(); ++i)
+    r.lse.push_back(load_as_double(lse.data(), DType::f32, i));
   return r;
 }
 
@@ -455,7 +457,8 @@ TEST(CudaMerge, MergeStateMatchesReference) {
       Tensor lb = random_lse(rng, {rows, heads}, 3, heads);
       const auto ref = reference::merge_states({result_of(oa, la), result_of(ob, lb)});
       Tensor oa_d = oa.to(gpu), ob_d = ob.to(gpu), la_d = la.to(gpu), lb_d = lb.to(gpu);
-      Tensor o = Tensor::empty({rows, heads, dim}, dt), l = Tensor::empty({rows, heads}, DType::f32);
+      Tensor o = Tensor::empty({rows, heads, dim}, dt),
+             l = Tensor::empty({rows, heads}, DType::f32);
       test::poison(o);
       test::poison(l);
       Tensor o_d = in_place ? oa_d : o.to(gpu), l_d = in_place ? la_d : l.to(gpu);
@@ -476,18 +479,21 @@ TEST(CudaMerge, MergeStatesMatchesReference) {
       Tensor lse = random_lse(rng, {rows, n, heads}, 2, n * heads);
       std::vector<reference::Result> parts;
       for (int64_t s = 0; s < n; ++s) {
-        Tensor o = Tensor::empty({rows, heads, dim}, dt), l = Tensor::empty({rows, heads}, DType::f32);
+        Tensor o = Tensor::empty({rows, heads, dim}, dt),
+               l = Tensor::empty({rows, heads}, DType::f32);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t h = 0; h < heads; ++h) {
             for (int64_t d = 0; d < dim; ++d)
-              store_from_double(o.data(), dt, (r * heads + h) * dim + d,
-                                load_as_double(states.data(), dt, ((r * n + s) * heads + h) * dim + d));
+              store_from_double(
+                  o.data(), dt, (r * heads + h) * dim + d,
+                  load_as_double(states.data(), dt, ((r * n + s) * heads + h) * dim + d));
             l.ptr<float>()[r * heads + h] = lse.ptr<float>()[(r * n + s) * heads + h];
           }
         parts.push_back(result_of(o, l));
       }
       const auto ref = reference::merge_states(parts);
-      Tensor o = Tensor::empty({rows, heads, dim}, dt), l = Tensor::empty({rows, heads}, DType::f32);
+      Tensor o = Tensor::empty({rows, heads, dim}, dt),
+             l = Tensor::empty({rows, heads}, DType::f32);
       test::poison(o);
       test::poison(l);
       Tensor o_d = o.to(gpu), l_d = l.to(gpu);

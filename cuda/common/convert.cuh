@@ -40,24 +40,32 @@ __device__ __forceinline__ float2 unpack2<half>(uint32_t x) {
 template <typename T>
 __device__ __forceinline__ float to_f32(T x);
 template <>
-__device__ __forceinline__ float to_f32<float>(float x) { return x; }
+__device__ __forceinline__ float to_f32<float>(float x) {
+  return x;
+}
 template <>
 __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) {
   return __bfloat162float(x);
 }
 template <>
-__device__ __forceinline__ float to_f32<half>(half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32<half>(half x) {
+  return __half2float(x);
+}
 
 template <typename T>
 __device__ __forceinline__ T from_f32(float x);
 template <>
-__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+__device__ __forceinline__ float from_f32<float>(float x) {
+  return x;
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 template <>
-__device__ __forceinline__ half from_f32<half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ half from_f32<half>(float x) {
+  return __float2half_rn(x);
+}
 
 // Two fp8 values (the low byte first) to an f16x2: exact, since every e4m3 and e5m2 value is an
 // f16 value. sm_89+ converts in hardware; older targets move the byte into the high half of the

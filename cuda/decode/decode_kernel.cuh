@@ -86,7 +86,7 @@ struct DecodeCta {
   int tid, warp, lane, r, c;  // r = lane / 4, c = lane % 4: the mma fragment coordinates
   int kv_head, heads, qh0;    // heads handled (<= kHeads) and the first one's global index
   float score_scale, softcap_in, softcap_out;  // for the whole kernel
-  float item_score_scale, item_softcap_in;       // the same over the item's query scale
+  float item_score_scale, item_softcap_in;     // the same over the item's query scale
 
   // Three walks over the same tile stream: the indices (kStages - 1 tiles ahead of the data),
   // the K/V data (kStages - 1 tiles ahead of the compute) and the compute.
@@ -117,8 +117,9 @@ struct DecodeCta {
 
   // ---- schedule -------------------------------------------------------------------------------
 
-  // Moves a walk to the first item (from c.item on) with KV to read.
-  __device__ void seek(Cursor& c) const {
+  // Moves a walk to the first item (from c.item on) with KV to read; the compute walk
+  // (finish_empty) also stores the result of every empty item it passes (O = 0, LSE = -inf).
+  __device__ void seek(Cursor& c, bool finish_empty = false) {
     for (; c.item < c.last; ++c.item) {
       c.v = load_item(p, c.item);
       if (c.v.lo < c.v.hi) {
@@ -126,9 +127,13 @@ struct DecodeCta {
         c.first = true;
         return;
       }
+      if (finish_empty) {
+        const float* unused = red();  // an empty item reads neither buffer
+        store(c.v, unused, unused, true);
+      }
     }
   }
-  __device__ void advance(Cursor& c) const {
+  __device__ void advance(Cursor& c) {
     c.first = false;
     c.pos += T;
     if (c.pos >= c.v.hi) {
@@ -142,12 +147,12 @@ struct DecodeCta {
   __device__ void fetch_indices() {
     if (ind.item >= ind.last) return;
     int32_t* ring = index_ring(ind_tile);
-    for (int row = tid; row < T; row += kThreads) {
+    for (int row = tid; row < T; row += Tr::kThreads) {
       const int32_t j = ind.pos + row;
       const bool valid = j < ind.v.hi;
       const int32_t e = p.page_size == 1 ? j : j / p.page_size;
-      ptx::cp_async_4(ptx::smem_addr(ring + row),
-                      p.kv_indices + (valid ? ind.v.entry_base + e : 0), valid);
+      ptx::cp_async_4(ptx::smem_addr(ring + row), p.kv_indices + (valid ? ind.v.entry_base + e : 0),
+                      valid);
     }
     ++ind_tile;
     advance(ind);
@@ -183,7 +188,7 @@ struct DecodeCta {
         // Q rows [kHeads, D] of the item; heads past `heads` are zero (they pad the mma N side).
         const uint32_t q_smem = k_smem + 2 * Tr::kTileBytes;
         constexpr int kQChunks = Tr::kQBytes / 16, kPerHead = D / 8;
-        for (int qc = tid; qc < kQChunks; qc += kThreads) {
+        for (int qc = tid; qc < kQChunks; qc += Tr::kThreads) {
           const int h = qc / kPerHead, d8 = (qc % kPerHead) * 8;
           const bool valid = h < heads;
           const QT* src = static_cast<const QT*>(p.q) + int64_t{prod.v.row} * p.q_stride_n +
@@ -335,8 +340,7 @@ struct DecodeCta {
 #pragma unroll
           for (int q = 0; q < kWords / 4; ++q) {
             const uint4 v = ptx::lds128(v_smem + swizzled<Tr>(rows[t], r * (kWords / 4) + q));
-            x[t][4 * q] = v.x, x[t][4 * q + 1] = v.y, x[t][4 * q + 2] = v.z,
-                     x[t][4 * q + 3] = v.w;
+            x[t][4 * q] = v.x, x[t][4 * q + 1] = v.y, x[t][4 * q + 2] = v.z, x[t][4 * q + 3] = v.w;
           }
         }
       }
@@ -361,8 +365,10 @@ struct DecodeCta {
 
   // The dim of O^T fragment element (m-tile i, e >= 2 ? row r + 8 : row r).
   __device__ int out_dim(int i, int e) const {
-    if constexpr (!kFp8) return 16 * i + r + (e >= 2 ? 8 : 0);
-    else return r * (D / 8) + 2 * i + (e >= 2 ? 1 : 0);
+    if constexpr (!kFp8)
+      return 16 * i + r + (e >= 2 ? 8 : 0);
+    else
+      return r * (D / 8) + 2 * i + (e >= 2 ? 1 : 0);
   }
 
   __device__ void block(const unsigned char* stage, int b, int valid) {
@@ -415,7 +421,7 @@ struct DecodeCta {
   __device__ void store(const ItemView& v, const float* inv, const float* lse, bool empty) {
     constexpr int kPerHead = D / 8;
     const float* ob = out_buf();
-    for (int i = tid; i < heads * kPerHead; i += kThreads) {
+    for (int i = tid; i < heads * kPerHead; i += Tr::kThreads) {
       const int h = i / kPerHead, d = (i % kPerHead) * 8;
       float x[8];
 #pragma unroll
@@ -445,10 +451,10 @@ struct DecodeCta {
 
   // Merges the warps' states of the finished item (in warp order: deterministic) and stores it.
   __device__ void finalize(const ItemView& v) {
-    float* red_m = red();                             // [kWarps][kHeads]
-    float* red_l = red_m + kWarps * Tr::kHeads;       // [kWarps][kHeads]
-    float* fin_inv = red_l + kWarps * Tr::kHeads;     // [kHeads]
-    float* fin_lse = fin_inv + Tr::kHeads;            // [kHeads]
+    float* red_m = red();                              // [Tr::kWarps][kHeads]
+    float* red_l = red_m + Tr::kWarps * Tr::kHeads;    // [Tr::kWarps][kHeads]
+    float* fin_inv = red_l + Tr::kWarps * Tr::kHeads;  // [kHeads]
+    float* fin_lse = fin_inv + Tr::kHeads;             // [kHeads]
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -472,10 +478,10 @@ struct DecodeCta {
         const int h = 8 * n + 2 * c + j;
         float mx = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_m[w * Tr::kHeads + h]);
+        for (int w = 0; w < Tr::kWarps; ++w) mx = fmaxf(mx, red_m[w * Tr::kHeads + h]);
         float sum = 0.0f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
+        for (int w = 0; w < Tr::kWarps; ++w) {
           const float mw = red_m[w * Tr::kHeads + h];
           if (mw != -INFINITY) sum += red_l[w * Tr::kHeads + h] * ptx::exp2_fast(mw - mx);
         }
@@ -486,7 +492,7 @@ struct DecodeCta {
         }
       }
     float* ob = out_buf();
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < Tr::kWarps; ++w) {
       if (warp == w) {
 #pragma unroll
         for (int i = 0; i < Tr::kMTiles; ++i)
@@ -506,20 +512,6 @@ struct DecodeCta {
 
   // ---- the whole CTA --------------------------------------------------------------------------
 
-  // Moves the consumer to the next item with KV (from cons.item on), finishing empty ones.
-  __device__ void consumer_seek() {
-    for (; cons.item < cons.last; ++cons.item) {
-      cons.v = load_item(p, cons.item);
-      if (cons.v.lo < cons.v.hi) {
-        cons.pos = cons.v.lo;
-        cons.first = true;
-        return;
-      }
-      const float* unused = red();  // an empty item reads neither buffer
-      store(cons.v, unused, unused, true);
-    }
-  }
-
   __device__ void run(int32_t first_item, int32_t last_item) {
     ind.item = prod.item = cons.item = first_item;
     ind.last = prod.last = cons.last = last_item;
@@ -533,7 +525,7 @@ struct DecodeCta {
     __syncthreads();
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) produce(s);
-    consumer_seek();
+    seek(cons, /*finish_empty=*/true);
     int stage = 0;
     uint32_t tile_count = 0;
     while (cons.item < cons.last) {
@@ -552,7 +544,7 @@ struct DecodeCta {
       const int valid = min(T, cons.v.hi - cons.pos);
 #pragma unroll
       for (int b = 0; b < Tr::kBlocks; ++b) {
-        if (static_cast<int>((tile_count * Tr::kBlocks + b) % kWarps) != warp) continue;
+        if (static_cast<int>((tile_count * Tr::kBlocks + b) % Tr::kWarps) != warp) continue;
         if (valid > 16 * b) block(st, b, valid - 16 * b);
       }
       stage = (stage + 1) % kStages;
@@ -561,7 +553,7 @@ struct DecodeCta {
       if (cons.pos >= cons.v.hi) {
         finalize(cons.v);
         ++cons.item;
-        consumer_seek();
+        seek(cons, /*finish_empty=*/true);
       }
     }
     ptx::cp_async_wait<0>();
@@ -569,7 +561,7 @@ struct DecodeCta {
 };
 
 template <class Tr, typename QT, KvKind kKv>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(Tr::kThreads, 2)
     decode_kernel(const __grid_constant__ AttentionParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   // Every CTA of the persistent grid is resident: dependents (the merge) may be scheduled now
@@ -600,16 +592,16 @@ void launch_decode(const AttentionParams& p, cudaStream_t stream) {
   // Raising the dynamic shared-memory limit is per device and idempotent; it is cheap, and not
   // a stream operation (so it is legal during graph capture).
   static_assert(Tr::kSmemBytes <= 227 * 1024, "shared memory");
-  detail::cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          Tr::kSmemBytes),
-                     "paged_decode: cudaFuncSetAttribute");
+  detail::cuda_check(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes),
+      "paged_decode: cudaFuncSetAttribute");
   // Two CTAs per SM need the largest shared-memory carveout.
   detail::cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                           cudaSharedmemCarveoutMaxShared),
                      "paged_decode: cudaFuncSetAttribute");
   const int group = p.num_qo_heads / p.num_kv_heads;
   const dim3 grid(p.num_workers, p.num_kv_heads, (group + Tr::kHeads - 1) / Tr::kHeads);
-  kernel<<<grid, kThreads, Tr::kSmemBytes, stream>>>(p);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   detail::cuda_check(cudaGetLastError(), "paged_decode: kernel launch");
 }
 
