@@ -299,7 +299,7 @@ MatmulKernel pick_kernel(const std::string& want) {
   (void)bf16;
   (void)avx2;
   if (want.empty()) return portable;
-  FLASHKV_CHECK(want == "portable", "cpu_matmul: '", want, "' needs an x86-64 CPU");
+  FLASHKV_CHECK(want == "portable", "cpu_matmul: this CPU has no '", want, "' (not x86-64)");
 #endif
   FLASHKV_CHECK(want == "portable", "cpu_matmul: expected '', avx512bf16, avx2 or portable, got '",
                 want, "'");
