@@ -52,6 +52,9 @@ struct AttentionParams {
   const int32_t* mask_indptr = nullptr;  // [B + 1], required with custom_mask
 
   // The plan, as uploaded into the workspace (device copy on CUDA), and partial-state buffers.
+  // Under a CUDA graph the counts below are frozen at capture: kernels then read the current
+  // ones from `plan_header` (and a merge pass sized for layout.max_merges finds empty merges).
+  const PlanHeader* plan_header = nullptr;
   const WorkItem* items = nullptr;
   const int32_t* worker_indptr = nullptr;
   const MergeItem* merges = nullptr;
