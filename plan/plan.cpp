@@ -440,10 +440,10 @@ void set_layout(const BatchShape& b, Plan* p) {
 
 void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& o, bool decode,
                  Plan* out) {
+  Plan& p = *out;
+  p.id = 0;  // unusable until planning completes (a throw leaves it so)
   validate(b, o, dev, decode);
   Scratch& s = scratch();
-  Plan& p = *out;
-  p.id = 0;  // unusable until planning completes
   p.batch_size = b.batch_size;
   p.num_qo_tokens = decode ? b.batch_size : b.qo_indptr[b.batch_size];
   p.num_qo_heads = b.num_qo_heads;
