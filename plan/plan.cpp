@@ -24,6 +24,7 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <utility>
 
 #include "flashkv/core/error.h"
 
@@ -61,7 +62,7 @@ int64_t item_cost(const WorkItem& it) {
 struct Scratch {
   std::vector<WorkItem> tiles;  // one item per (request, query tile), in request order
   std::vector<WorkItem> split;  // the tiles cut into KV chunks (used when a chunk is set)
-  std::vector<uint64_t> cost;
+  std::vector<uint64_t> tile_cost, split_cost;  // item_cost of each
   std::vector<uint8_t> key;
   std::vector<uint32_t> order;
   std::vector<uint64_t> tree;  // see balance()
@@ -70,6 +71,18 @@ struct Scratch {
 Scratch& scratch() {
   static thread_local Scratch s;
   return s;
+}
+
+// The first i in [0, n) for which ok(i) is false, or -1. One branch-free pass first: on good
+// input (the case to be fast) the loop vectorizes; a second pass finds the culprit.
+template <typename Ok>
+int32_t first_failing(int32_t n, Ok ok) {
+  bool all = true;
+  for (int32_t i = 0; i < n; ++i) all &= ok(i);
+  if (all) return -1;
+  for (int32_t i = 0; i < n; ++i)
+    if (!ok(i)) return i;
+  return -1;
 }
 
 void validate(const BatchShape& b, const PlanOptions& o, const DeviceInfo& dev, bool decode) {
@@ -84,16 +97,18 @@ void validate(const BatchShape& b, const PlanOptions& o, const DeviceInfo& dev, 
   FLASHKV_CHECK(b.page_size >= 1, "page_size: expected >= 1, got ", b.page_size);
   FLASHKV_CHECK(b.batch_size == 0 || b.kv_len != nullptr, "kv_len: expected an array of ",
                 b.batch_size, " lengths, got null");
-  for (int32_t i = 0; i < b.batch_size; ++i)
-    FLASHKV_CHECK(b.kv_len[i] >= 0, "kv_len: request ", i, ": expected >= 0, got ", b.kv_len[i]);
+  const int32_t* kv = b.kv_len;
+  if (const int32_t i = first_failing(b.batch_size, [&](int32_t i) { return kv[i] >= 0; }); i >= 0)
+    throw_error(str_cat("kv_len: request ", i, ": expected >= 0, got ", kv[i]));
   if (!decode) {
-    FLASHKV_CHECK(b.qo_indptr != nullptr, "qo_indptr: expected ", int64_t{b.batch_size} + 1,
+    const int32_t* qo = b.qo_indptr;
+    FLASHKV_CHECK(qo != nullptr, "qo_indptr: expected ", int64_t{b.batch_size} + 1,
                   " values, got null");
-    FLASHKV_CHECK(b.qo_indptr[0] >= 0, "qo_indptr: expected [0] >= 0, got ", b.qo_indptr[0]);
-    for (int32_t i = 0; i < b.batch_size; ++i)
-      FLASHKV_CHECK(b.qo_indptr[i] <= b.qo_indptr[i + 1],
-                    "qo_indptr: expected non-decreasing values, got [", i, "] = ", b.qo_indptr[i],
-                    " > [", i + 1, "] = ", b.qo_indptr[i + 1]);
+    FLASHKV_CHECK(qo[0] >= 0, "qo_indptr: expected [0] >= 0, got ", qo[0]);
+    if (const int32_t i = first_failing(b.batch_size, [&](int32_t i) { return qo[i] <= qo[i + 1]; });
+        i >= 0)
+      throw_error(str_cat("qo_indptr: expected non-decreasing values, got [", i, "] = ", qo[i],
+                          " > [", i + 1, "] = ", qo[i + 1]));
   }
   FLASHKV_CHECK(o.q_tile >= 0, "q_tile: expected >= 0 (0: the device's default), got ", o.q_tile);
   FLASHKV_CHECK(o.fixed_split_size >= 0, "fixed_split_size: expected >= 0 (0: automatic), got ",
@@ -123,9 +138,11 @@ void validate(const BatchShape& b, const PlanOptions& o, const DeviceInfo& dev, 
                     "max_kv_len: graph mode with fixed_split_size needs the longest KV length "
                     "(> 0), got ",
                     o.max_kv_len);
-      for (int32_t i = 0; i < b.batch_size; ++i)
-        FLASHKV_CHECK(b.kv_len[i] <= o.max_kv_len, "kv_len: request ", i, " has ", b.kv_len[i],
-                      " entries, past the graph capacity max_kv_len = ", o.max_kv_len);
+      const int32_t cap = o.max_kv_len;
+      if (const int32_t i = first_failing(b.batch_size, [&](int32_t i) { return kv[i] <= cap; });
+          i >= 0)
+        throw_error(str_cat("kv_len: request ", i, " has ", kv[i],
+                            " entries, past the graph capacity max_kv_len = ", cap));
     }
   }
 }
@@ -168,27 +185,34 @@ struct TileStats {
 
 // One item per (request, q_tile rows), KV trimmed to what the tile's rows can see.
 TileStats build_tiles(const BatchShape& b, bool decode, int32_t q_tile,
-                      std::vector<WorkItem>* tiles) {
+                      std::vector<WorkItem>* tiles, std::vector<uint64_t>* costs) {
   TileStats st;
   if (decode) {
     tiles->resize(b.batch_size);
+    costs->resize(b.batch_size);
     WorkItem* t = tiles->data();
+    uint64_t* cost = costs->data();
     for (int32_t r = 0; r < b.batch_size; ++r) {
       const int32_t kv_len = b.kv_len[r];
       // The row sits at position kv_len - 1: causal trims nothing.
-      const int32_t lo = b.window_left >= 0 ? std::max(0, kv_len - 1 - b.window_left) : 0;
-      t[r] = {r, r, 1, std::min(lo, kv_len), kv_len, -1, 0, 0};
-      const int64_t cost = item_cost(t[r]);
-      st.longest = std::max<int64_t>(st.longest, t[r].kv_end - t[r].kv_begin);
-      st.largest_cost = std::max(st.largest_cost, cost);
-      st.total_cost += cost;
+      const int32_t lo =
+          b.window_left >= 0 ? std::clamp(kv_len - 1 - b.window_left, 0, kv_len) : 0;
+      t[r] = {r, r, 1, lo, kv_len, -1, 0, 0};
+      cost[r] = static_cast<uint64_t>(kv_len - lo + kItemOverhead);
+      st.longest = std::max<int64_t>(st.longest, kv_len - lo);
+      st.total_cost += static_cast<int64_t>(cost[r]);
     }
+    st.largest_cost = st.longest + kItemOverhead;
     return st;
   }
   // Room for the most tiles the rows can make (no division per request), trimmed below.
-  tiles->resize(max_tiles_of(b.qo_indptr[b.batch_size] - b.qo_indptr[0], b.batch_size, q_tile));
+  const int64_t room =
+      max_tiles_of(b.qo_indptr[b.batch_size] - b.qo_indptr[0], b.batch_size, q_tile);
+  tiles->resize(room);
+  costs->resize(room);
   WorkItem* const first = tiles->data();
   WorkItem* t = first;
+  uint64_t* cost = costs->data();
   for (int32_t r = 0; r < b.batch_size; ++r) {
     const int32_t q0 = b.qo_indptr[r];
     const int32_t q_len = b.qo_indptr[r + 1] - q0;
@@ -203,13 +227,15 @@ TileStats build_tiles(const BatchShape& b, bool decode, int32_t q_tile,
           b.window_left >= 0 ? std::clamp<int64_t>(first_pos - b.window_left, 0, kv_len) : 0;
       const int64_t hi = b.causal ? std::clamp<int64_t>(last_pos + 1, lo, kv_len) : kv_len;
       *t = {r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1, 0, 0};
-      const int64_t cost = item_cost(*t++);
+      const int64_t c = item_cost(*t++);
+      *cost++ = static_cast<uint64_t>(c);
       st.longest = std::max(st.longest, hi - lo);
-      st.largest_cost = std::max(st.largest_cost, cost);
-      st.total_cost += cost;
+      st.largest_cost = std::max(st.largest_cost, c);
+      st.total_cost += c;
     }
   }
   tiles->resize(t - first);
+  costs->resize(t - first);
   return st;
 }
 
@@ -241,7 +267,8 @@ int64_t auto_chunk(const std::vector<WorkItem>& tiles, const TileStats& st, int6
 }
 
 // Cuts the tiles into chunks; fills `items` (planning order), the merges and the partial rows.
-void split_tiles(const std::vector<WorkItem>& tiles, int64_t chunk, std::vector<WorkItem>* items,
+void split_tiles(const std::vector<WorkItem>& tiles, const std::vector<uint64_t>& tile_costs,
+                 int64_t chunk, std::vector<WorkItem>* items, std::vector<uint64_t>* costs,
                  std::vector<MergeItem>* merges, int64_t* partial_rows) {
   // Count first: the sizes must fit the int32 fields before anything is written.
   int64_t num_items = 0, num_merges = 0, rows = 0;
@@ -257,14 +284,18 @@ void split_tiles(const std::vector<WorkItem>& tiles, int64_t chunk, std::vector<
                 " tokens make ", num_items, " items and ", rows,
                 " partial rows, past the int32 range of the plan");
   items->resize(num_items);
+  costs->resize(num_items);
   merges->resize(num_merges);
   WorkItem* it = items->data();
+  uint64_t* cost = costs->data();
   MergeItem* m = merges->data();
   int32_t base = 0;
-  for (const WorkItem& t : tiles) {
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const WorkItem& t = tiles[i];
     const int64_t n = num_chunks(t.kv_begin, t.kv_end, chunk);
     if (n == 1) {
       *it++ = t;
+      *cost++ = tile_costs[i];
       continue;
     }
     const int64_t first = t.kv_begin / chunk;
@@ -279,6 +310,7 @@ void split_tiles(const std::vector<WorkItem>& tiles, int64_t chunk, std::vector<
                static_cast<int32_t>(base + c * t.q_len),
                static_cast<int32_t>(c),
                0};
+      *cost++ = static_cast<uint64_t>(t.q_len * (hi - lo + kItemOverhead));
     }
     *m++ = {t.q_begin, t.q_len, base, static_cast<int32_t>(n)};
     base += static_cast<int32_t>(n * t.q_len);
@@ -296,18 +328,70 @@ uint8_t cost_key(uint64_t cost, int top) {
   return static_cast<uint8_t>((relative << 4) | ((cost >> (e - 4)) & 15));
 }
 
+// The LPT loop, for the items order[begin, end), over a tournament tree of 2^kDepth leaves (see
+// balance()). The depth is a template argument so that the walk up unrolls into a straight
+// chain of loads and branch-free minimums.
+struct LptState {
+  const uint32_t* order;
+  const uint64_t* cost;
+  int shift;
+  uint64_t* tree;
+  int32_t* owner;
+  int32_t* per_worker;
+};
+constexpr uint64_t kWorkerMask = (uint64_t{1} << kWorkerBits) - 1;
+
+template <int kDepth>
+void lpt_walk(const LptState& st, uint32_t begin, uint32_t end) {
+  constexpr uint32_t kLeaves = 1u << kDepth;
+  const uint32_t* const order = st.order;
+  const uint64_t* const cost = st.cost;
+  const int shift = st.shift;
+  uint64_t* const tree = st.tree;
+  int32_t* const owner = st.owner;
+  int32_t* const per_worker = st.per_worker;
+  uint64_t least = tree[1];
+  for (uint32_t j = begin; j < end; ++j) {
+    const uint32_t i = order[j];
+    const uint32_t w = static_cast<uint32_t>(least & kWorkerMask);
+    owner[i] = static_cast<int32_t>(w);
+    ++per_worker[w];
+    uint64_t entry = least + (std::max<uint64_t>(1, cost[i] >> shift) << kWorkerBits);
+    uint32_t node = kLeaves + w;
+    tree[node] = entry;
+#pragma GCC unroll 32
+    for (int level = 0; level < kDepth; ++level) {
+      entry = std::min(entry, tree[node ^ 1]);
+      node >>= 1;
+      tree[node] = entry;
+    }
+    least = entry;
+  }
+}
+
+template <size_t... kDepths>
+void lpt_walk_dispatch(int depth, const LptState& st, uint32_t begin, uint32_t end,
+                       std::index_sequence<kDepths...>) {
+  using Walk = void (*)(const LptState&, uint32_t, uint32_t);
+  static constexpr Walk kWalks[] = {&lpt_walk<static_cast<int>(kDepths)>...};
+  kWalks[depth](st, begin, end);
+}
+
+void lpt_walk_for_depth(int depth, const LptState& st, uint32_t begin, uint32_t end) {
+  // depth <= kWorkerBits, since workers <= kMaxWorkers.
+  lpt_walk_dispatch(depth, st, begin, end, std::make_index_sequence<kWorkerBits + 1>());
+}
+
 // LPT: items costliest first, each to the least-loaded worker (ties: the lowest id); writes
 // the items grouped by worker (each worker's in planning order) into p->items and
 // p->worker_indptr. Needs more items than workers; `largest` bounds every item's cost.
-void balance(const std::vector<WorkItem>& items, int32_t num_workers, uint64_t largest, Scratch& s,
-             Plan* p) {
+void balance(const std::vector<WorkItem>& items, const uint64_t* cost, int32_t num_workers,
+             uint64_t largest, Scratch& s, Plan* p) {
   const uint32_t n = static_cast<uint32_t>(items.size());
   const WorkItem* src = items.data();
-  s.cost.resize(n);
   s.key.resize(n);
   s.order.resize(n);
   s.owner.resize(n);
-  uint64_t* cost = s.cost.data();
   uint8_t* key = s.key.data();
   uint32_t* order = s.order.data();
   int32_t* owner = s.owner.data();
@@ -319,15 +403,15 @@ void balance(const std::vector<WorkItem>& items, int32_t num_workers, uint64_t l
   const int top = bit_width(largest) - 1;
   uint32_t count[256][2] = {};
   uint64_t total = 0;
+  uint8_t lowest = 255;
   for (uint32_t i = 0; i < n; ++i) {
-    const uint64_t c = static_cast<uint64_t>(item_cost(src[i]));
-    cost[i] = c;
-    total += c;
-    key[i] = cost_key(c, top);
+    total += cost[i];
+    key[i] = cost_key(cost[i], top);
+    lowest = std::min(lowest, key[i]);
     ++count[key[i]][i & 1];
   }
   uint32_t next = 0;
-  for (int k = 255; k >= 0; --k) {
+  for (int k = 255; k >= lowest; --k) {
     const uint32_t even = count[k][0], odd = count[k][1];
     count[k][0] = next;
     count[k][1] = next + even;
@@ -343,8 +427,9 @@ void balance(const std::vector<WorkItem>& items, int32_t num_workers, uint64_t l
   auto entry_of = [&](uint32_t i, uint64_t load) {
     return load + (std::max<uint64_t>(1, cost[i] >> shift) << kWorkerBits);
   };
-  int32_t leaves = 1;
-  while (leaves < num_workers) leaves *= 2;
+  int depth = 0;
+  while ((1 << depth) < num_workers) ++depth;
+  const int32_t leaves = 1 << depth;
   // tree[leaves + w]: worker w's entry (padding leaves: never the minimum); tree[i] for
   // 1 <= i < leaves: the minimum of its two children.
   s.tree.assign(2 * static_cast<size_t>(leaves), UINT64_MAX);
@@ -359,22 +444,8 @@ void balance(const std::vector<WorkItem>& items, int32_t num_workers, uint64_t l
     tree[leaves + w] = entry_of(order[w], static_cast<uint64_t>(w));
   }
   for (int32_t i = leaves - 1; i >= 1; --i) tree[i] = std::min(tree[2 * i], tree[2 * i + 1]);
-  constexpr uint64_t kWorkerMask = (uint64_t{1} << kWorkerBits) - 1;
-  uint64_t least = tree[1];
-  for (uint32_t j = num_workers; j < n; ++j) {
-    const uint32_t i = order[j];
-    const int32_t w = static_cast<int32_t>(least & kWorkerMask);
-    owner[i] = w;
-    ++per_worker[w];
-    uint64_t entry = entry_of(i, least);
-    int32_t node = leaves + w;
-    tree[node] = entry;
-    for (; node > 1; node >>= 1) {
-      entry = std::min(entry, tree[node ^ 1]);
-      tree[node >> 1] = entry;
-    }
-    least = entry;
-  }
+  const LptState state{order, cost, shift, tree, owner, per_worker};
+  lpt_walk_for_depth(depth, state, num_workers, n);
 
   // 3. Group by worker.
   int32_t* indptr = p->worker_indptr.data();
@@ -457,7 +528,7 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   const int32_t max_workers = max_workers_of(b, dev, o);
 
   // 1. Tiles, with KV trimmed to what their rows can see.
-  const TileStats stats = build_tiles(b, decode, p.q_tile, &s.tiles);
+  const TileStats stats = build_tiles(b, decode, p.q_tile, &s.tiles, &s.tile_cost);
   p.num_tiles = static_cast<int32_t>(s.tiles.size());
 
   // 2. The chunk size: chunks never cut a page, and are multiples of the kernel's KV tile.
@@ -474,11 +545,14 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
 
   // 3. Items (planning order) and merges.
   const std::vector<WorkItem>* items = &s.tiles;
+  const std::vector<uint64_t>* costs = &s.tile_cost;
   p.merges.clear();
   p.num_partial_rows = 0;
   if (chunk > 0) {
-    split_tiles(s.tiles, chunk, &s.split, &p.merges, &p.num_partial_rows);
+    split_tiles(s.tiles, s.tile_cost, chunk, &s.split, &s.split_cost, &p.merges,
+                &p.num_partial_rows);
     items = &s.split;
+    costs = &s.split_cost;
   }
   const int32_t num_items = static_cast<int32_t>(items->size());
 
@@ -492,7 +566,7 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
     for (int32_t w = 0; w <= W; ++w) p.worker_indptr[w] = std::min(w, num_items);
     p.items.assign(items->begin(), items->end());
   } else {
-    balance(*items, W, static_cast<uint64_t>(stats.largest_cost), s, &p);
+    balance(*items, costs->data(), W, static_cast<uint64_t>(stats.largest_cost), s, &p);
   }
 
   // 5. Workspace layout (capacities in graph mode).
