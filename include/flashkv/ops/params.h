@@ -59,9 +59,9 @@ struct AttentionParams {
   const int32_t* worker_indptr = nullptr;
   const MergeItem* merges = nullptr;
   int32_t num_items = 0, num_merges = 0, num_workers = 0;
-  // CUDA-graph mode: a captured launch replays with other batches, so the kernel must take the
-  // item and merge counts from plan_header and worker ranges from worker_indptr, and use a grid
-  // of num_workers CTAs (x) that does not depend on the batch.
+  // The plan is a CUDA-graph plan: launches must not depend on the batch (grids from
+  // num_workers only; a merge pass whenever the layout has room for partial states, since a
+  // replayed batch may split where the captured one did not).
   bool cuda_graph = false;
   int32_t max_merges = 0;  // merge capacity of the layout (graph mode: the merge grid's size)
   float* partial_o = nullptr;    // [partial_rows, Hq, D_v]
