@@ -245,9 +245,11 @@ void check_problem(const Problem& pr, Rng& rng) {
   const Inputs in = make_inputs(pr, rng);
   auto [out, lse] = run_on_gpu(pr, in, nullptr);
   AttentionOptions ref_opt = options_of(pr);
+  Tensor mask_indptr;  // owns what ref_opt.mask_indptr views
   if (pr.custom_mask) {
+    mask_indptr = Tensor::from_i32(in.mask_indptr);
     ref_opt.custom_mask = in.mask;
-    ref_opt.mask_indptr = Tensor::from_i32(in.mask_indptr);
+    ref_opt.mask_indptr = mask_indptr;
   }
   const bool fp8 = is_fp8(pr.kv_dtype);
   const TensorView no_lse;
