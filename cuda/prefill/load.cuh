@@ -16,12 +16,12 @@ namespace flashkv::cuda::prefill_detail {
 // (t % 8) + 8k of rows t / 8 + 16i. A row's 8 threads then write one 128-byte group of 8
 // chunks, and the swizzled chunk ((t % 8) ^ row % 8) + 8k is the same for all of a thread's rows,
 // so its shared-memory offsets are one base plus constants.
-constexpr int kLoadRowsPerPass = kPrefillThreads / 8;
+constexpr int kLoadRowsPerPass = kWgThreads / 8;
 
 __device__ __forceinline__ int load_row_of(int tid) { return tid >> 3; }
 __device__ __forceinline__ int load_swizzled_chunk_of(int tid) { return (tid ^ (tid >> 3)) & 7; }
 
-// Q rows of the block -> swizzled sQ [kCtaRows, D_qk]. Padding rows are zero-filled.
+// Q rows of the block -> swizzled sQ [kWgRows, D_qk]. Padding rows are zero-filled.
 template <typename Cfg>
 __device__ __forceinline__ void load_q(const AttentionParams& p, const RowBlock& b, int kv_head,
                                        int group, typename Cfg::Q* sq, int tid) {
@@ -29,7 +29,7 @@ __device__ __forceinline__ void load_q(const AttentionParams& p, const RowBlock&
   const QT* q = static_cast<const QT*>(p.q);
   const int r0 = load_row_of(tid), sw = load_swizzled_chunk_of(tid);
 #pragma unroll
-  for (int i = 0; i < Cfg::kCtaRows / kLoadRowsPerPass; ++i) {
+  for (int i = 0; i < Cfg::kWgRows / kLoadRowsPerPass; ++i) {
     const int row = r0 + i * kLoadRowsPerPass;
     const bool valid = row < b.rows;
     const int x = b.row0 + row;
@@ -97,41 +97,46 @@ __device__ __forceinline__ void load_operand_fp8(const unsigned char* src,
   }
 }
 
-// Issues the copies of KV tile [j0, j0 + kKvTile) into pipeline stage `stage` (16-bit KV:
-// swizzled tiles; fp8 KV: plain staging tiles). Keys at or past b.kv_hi are zero-filled.
-template <typename Cfg>
-__device__ __forceinline__ void load_kv_tile(const AttentionParams& p, const RowBlock& b,
-                                             int kv_head, int j0, unsigned char* smem, int stage,
-                                             int tid) {
+// Issues the copies of one operand (K: kDim = D_qk, or V: D_v) of KV tile [j0, j0 + kKvTile)
+// into `dst` (16-bit KV: a swizzled tile; fp8 KV: a plain staging tile). Keys at or past b.kv_hi
+// are zero-filled.
+template <typename Cfg, int kDim>
+__device__ __forceinline__ void load_kv_operand(const AttentionParams& p, const RowBlock& b,
+                                                const void* base, int64_t stride_n,
+                                                int64_t head_off, int j0, unsigned char* dst,
+                                                int tid) {
   using QT = typename Cfg::Q;
   constexpr int kRowsPerPass = Cfg::kFp8 ? 32 : kLoadRowsPerPass;
   constexpr int kRows = Cfg::kKvTile / kRowsPerPass;
   const int r0 = Cfg::kFp8 ? (tid >> 2) : load_row_of(tid);
-  int64_t k_rows[kRows], v_rows[kRows];
+  int64_t rows[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int j = j0 + r0 + i * kRowsPerPass;
-    if (j < b.kv_hi) {
-      const int64_t row = kv_row_of(p, b.request, j);
-      k_rows[i] = row * p.k_stride_n + kv_head * p.k_stride_h;
-      v_rows[i] = row * p.v_stride_n + kv_head * p.v_stride_h;
-    } else {
-      k_rows[i] = v_rows[i] = -1;
-    }
+    rows[i] = j < b.kv_hi ? kv_row_of(p, b.request, j) * stride_n + head_off : -1;
   }
-  if constexpr (Cfg::kFp8) {
-    load_operand_fp8<Cfg, Cfg::kDqk>(static_cast<const unsigned char*>(p.k), k_rows,
-                                     smem + Cfg::kK8Offset + stage * Cfg::kK8StageBytes, tid);
-    load_operand_fp8<Cfg, Cfg::kDv>(static_cast<const unsigned char*>(p.v), v_rows,
-                                    smem + Cfg::kV8Offset + stage * Cfg::kV8StageBytes, tid);
-  } else {
-    load_operand_16<Cfg, Cfg::kDqk>(
-        static_cast<const QT*>(p.k), k_rows,
-        reinterpret_cast<QT*>(smem + Cfg::kKOffset + stage * Cfg::kKStageBytes), tid);
-    load_operand_16<Cfg, Cfg::kDv>(
-        static_cast<const QT*>(p.v), v_rows,
-        reinterpret_cast<QT*>(smem + Cfg::kVOffset + stage * Cfg::kVStageBytes), tid);
-  }
+  if constexpr (Cfg::kFp8)
+    load_operand_fp8<Cfg, kDim>(static_cast<const unsigned char*>(base), rows, dst, tid);
+  else
+    load_operand_16<Cfg, kDim>(static_cast<const QT*>(base), rows, reinterpret_cast<QT*>(dst), tid);
+}
+
+// K (or V) of KV tile [j0, j0 + kKvTile) into pipeline stage `stage` of a warp group's tiles.
+template <typename Cfg>
+__device__ __forceinline__ void load_k_tile(const AttentionParams& p, const RowBlock& b,
+                                            int kv_head, int j0, unsigned char* smem, int stage,
+                                            int tid) {
+  unsigned char* dst = Cfg::kFp8 ? smem + Cfg::kK8Offset + stage * Cfg::kK8StageBytes
+                                 : smem + Cfg::kKOffset + stage * Cfg::kKStageBytes;
+  load_kv_operand<Cfg, Cfg::kDqk>(p, b, p.k, p.k_stride_n, kv_head * p.k_stride_h, j0, dst, tid);
+}
+template <typename Cfg>
+__device__ __forceinline__ void load_v_tile(const AttentionParams& p, const RowBlock& b,
+                                            int kv_head, int j0, unsigned char* smem, int stage,
+                                            int tid) {
+  unsigned char* dst = Cfg::kFp8 ? smem + Cfg::kV8Offset + stage * Cfg::kV8StageBytes
+                                 : smem + Cfg::kVOffset + stage * Cfg::kVStageBytes;
+  load_kv_operand<Cfg, Cfg::kDv>(p, b, p.v, p.v_stride_n, kv_head * p.v_stride_h, j0, dst, tid);
 }
 
 // fp8 staging tile [kKvTile, kDim] bytes -> swizzled 16-bit tile (exact; the scales are applied
@@ -142,9 +147,9 @@ __device__ __forceinline__ void widen_fp8_tile(const unsigned char* src, typenam
   using QT = typename Cfg::Q;
   constexpr int kSrcChunks = Cfg::kKvTile * kDim / 16;  // 16 fp8 values each
 #pragma unroll
-  for (int i = 0; i < (kSrcChunks + kPrefillThreads - 1) / kPrefillThreads; ++i) {
-    const int c = tid + i * kPrefillThreads;
-    if (kSrcChunks % kPrefillThreads != 0 && c >= kSrcChunks) break;
+  for (int i = 0; i < (kSrcChunks + kWgThreads - 1) / kWgThreads; ++i) {
+    const int c = tid + i * kWgThreads;
+    if (kSrcChunks % kWgThreads != 0 && c >= kSrcChunks) break;
     const int row = c / (kDim / 16), chunk16 = c % (kDim / 16);
     const uint4 raw = *reinterpret_cast<const uint4*>(src + row * kDim + chunk16 * 16);
     const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};

@@ -75,11 +75,30 @@ __device__ __forceinline__ void qk_product(const FragmentAddresses<Cfg>& fa, uin
   }
 }
 
-// o[mt][dt] += P[warp rows of tile mt, all keys of the tile] . V[keys, dims dt*8 .. dt*8+7].
-// P is s rounded to the 16-bit type: the C fragments of key tiles 2kk and 2kk+1 are exactly the
-// A fragment of the k16 step kk. v_stage: byte offset of the V tile's pipeline stage.
+// P (the softmax numerators s) rounded to the 16-bit type, as MMA A fragments: the C fragments
+// of key tiles 2kk and 2kk+1 are exactly the A fragment of k16 step kk.
 template <typename Cfg>
-__device__ __forceinline__ void pv_product(const float (&s)[Cfg::kMTiles][Cfg::kKvTile / 8][4],
+using PFragments = uint32_t[Cfg::kMTiles][Cfg::kKvTile / 16][4];
+
+template <typename Cfg>
+__device__ __forceinline__ void pack_p(const float (&s)[Cfg::kMTiles][Cfg::kKvTile / 8][4],
+                                       PFragments<Cfg>& pf) {
+  using QT = typename Cfg::Q;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk) {
+      pf[mt][kk][0] = Pack2<QT>::from_floats(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      pf[mt][kk][1] = Pack2<QT>::from_floats(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      pf[mt][kk][2] = Pack2<QT>::from_floats(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      pf[mt][kk][3] = Pack2<QT>::from_floats(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+}
+
+// o[mt][dt] += P[warp rows of tile mt, all keys of the tile] . V[keys, dims dt*8 .. dt*8+7].
+// v_stage: byte offset of the V tile's pipeline stage.
+template <typename Cfg>
+__device__ __forceinline__ void pv_product(const PFragments<Cfg>& pf,
                                            const FragmentAddresses<Cfg>& fa, uint32_t v_stage,
                                            float (&o)[Cfg::kMTiles][Cfg::kDv / 8][4]) {
   using QT = typename Cfg::Q;
@@ -88,26 +107,17 @@ __device__ __forceinline__ void pv_product(const float (&s)[Cfg::kMTiles][Cfg::k
 #pragma unroll
   for (int q = 0; q < 4; ++q) v.x[q] += v_stage;
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk) {
-    uint32_t a[Cfg::kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
-      a[mt][0] = Pack2<QT>::from_floats(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-      a[mt][1] = Pack2<QT>::from_floats(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-      a[mt][2] = Pack2<QT>::from_floats(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-      a[mt][3] = Pack2<QT>::from_floats(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-    }
+  for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
 #pragma unroll
     for (int np = 0; np < Cfg::kDv / 16; ++np) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, v.at(np, kk * 16 * kRowBytes));
 #pragma unroll
       for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
-        mma_16816<QT>(o[mt][2 * np], a[mt], b[0], b[1]);
-        mma_16816<QT>(o[mt][2 * np + 1], a[mt], b[2], b[3]);
+        mma_16816<QT>(o[mt][2 * np], pf[mt][kk], b[0], b[1]);
+        mma_16816<QT>(o[mt][2 * np + 1], pf[mt][kk], b[2], b[3]);
       }
     }
-  }
 }
 
 // Soft cap on the logits: s = cap * tanh(s * scale / cap) (scale = sm_scale * k_scale). The

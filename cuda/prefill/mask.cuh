@@ -17,13 +17,13 @@ __device__ __forceinline__ int kv_len_of(const AttentionParams& p, int request) 
   return (n - 1) * p.page_size + p.last_page_len[request];
 }
 
-// One block of up to kCtaRows packed rows of a work item, for one KV head. Packed row x of the
-// item is token x / G (relative to item.q_begin) of query head kv_head * G + x % G.
+// One block of up to a warp group's tile of packed rows of a work item, for one KV head. Packed row
+// x of the item is token x / G (relative to item.q_begin) of query head kv_head * G + x % G.
 struct RowBlock {
   int request;
   int q_begin;        // absolute Q/O row of the item's first token
   int row0;           // first packed row of this block inside the item
-  int rows;           // packed rows in this block (<= kCtaRows)
+  int rows;           // packed rows in this block (<= the warp group tile)
   int partial;        // item.partial (-1: final output)
   int pos0;           // KV position of the item's first token: kv_len - q_len_req + local offset
   int kv_len;         // the request's KV length (the custom mask's row length)

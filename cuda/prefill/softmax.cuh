@@ -24,10 +24,20 @@ struct OnlineSoftmax {
   }
 
   // Folds the tile's logits s into the state: s becomes p (unnormalised probabilities) and the
-  // output accumulators o are rescaled by 2^((m_old - m_new) * c).
+  // output accumulators o are rescaled when the reference max moves.
+  //
+  // Lazy rescaling: the max that the exponentials are taken against is raised only when the
+  // tile's max exceeds it by more than kRescaleLog2 (in base-2 units), so p stays <= 2^8 and
+  // nothing overflows, while most tiles after the first few skip the O rescale (a warp-uniform
+  // branch). The result is exact: l and O share the same reference, and LSE uses it too.
+  static constexpr float kRescaleLog2 = 8.0f;
+
   template <int kNTiles, int kDvTiles>
   __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4],
                                          float (&o)[kMTiles][kDvTiles][4], float c) {
+    const float neg_inf = -__int_as_float(0x7f800000);
+    float corr[kMTiles][2];
+    bool raise_any = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -38,11 +48,15 @@ struct OnlineSoftmax {
           m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        // A row that has seen no visible key keeps m = -inf; use 0 as its offset so that
+        // First visible key: -inf -> finite gives +inf > threshold. Still nothing visible:
+        // (-inf) - (-inf) is NaN, which compares false, and the max stays -inf.
+        const bool raise = (m - row_max[mt][h]) * c > kRescaleLog2;
+        corr[mt][h] = raise ? fast_exp2(row_max[mt][h] * c - m * c) : 1.0f;
+        if (raise) row_max[mt][h] = m;
+        raise_any |= raise;
+        // A row that has seen no visible key keeps max -inf; use 0 as its offset so that
         // 2^(-inf - 0) = 0 rather than NaN.
-        const float m_scaled = m == -__int_as_float(0x7f800000) ? 0.0f : m * c;
-        const float corr = fast_exp2(row_max[mt][h] * c - m_scaled);
-        row_max[mt][h] = m;
+        const float m_scaled = row_max[mt][h] == neg_inf ? 0.0f : row_max[mt][h] * c;
         float sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
@@ -50,13 +64,19 @@ struct OnlineSoftmax {
           s[mt][nt][2 * h + 1] = fast_exp2(fmaf(s[mt][nt][2 * h + 1], c, -m_scaled));
           sum += s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
         }
-        row_sum[mt][h] = row_sum[mt][h] * corr + sum;
-#pragma unroll
-        for (int dt = 0; dt < kDvTiles; ++dt) {
-          o[mt][dt][2 * h] *= corr;
-          o[mt][dt][2 * h + 1] *= corr;
-        }
+        row_sum[mt][h] = row_sum[mt][h] * corr[mt][h] + sum;
       }
+    if (__any_sync(0xffffffffu, raise_any)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < kDvTiles; ++dt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            o[mt][dt][2 * h] *= corr[mt][h];
+            o[mt][dt][2 * h + 1] *= corr[mt][h];
+          }
+    }
   }
 
   // After the last tile: the row's total over the quad, and LSE (base 2) of the logits.
