@@ -143,7 +143,7 @@ struct Row {
 };
 
 PrefillPlan make_plan(const std::vector<int32_t>& qo, const std::vector<int32_t>& kv_len,
-                      bool causal, int page_size, bool default_q_tile = false) {
+                      bool causal, int page_size) {
   BatchShape bs;
   bs.batch_size = static_cast<int32_t>(kv_len.size());
   bs.qo_indptr = qo.data();
@@ -154,7 +154,7 @@ PrefillPlan make_plan(const std::vector<int32_t>& qo, const std::vector<int32_t>
   bs.page_size = page_size;
   bs.causal = causal;
   PlanOptions po;
-  if (!default_q_tile) po.q_tile = cuda::prefill_cta_rows(kD, kD) / (kHq / kHkv);
+  po.q_tile = cuda::prefill_cta_rows(kD, kD) / (kHq / kHkv);
   return plan_prefill(bs, device_info(Device::cuda()), po);
 }
 
@@ -165,7 +165,7 @@ std::vector<int32_t> indptr(const std::vector<int>& lens) {
 }
 
 // Causal self-attention of `batch` requests of `len` tokens (ragged).
-Row bench_causal(int batch, int len, int iters, bool default_q_tile = false) {
+Row bench_causal(int batch, int len, int iters) {
   const std::vector<int> lens(batch, len);
   const auto qo = indptr(lens);
   const int64_t tokens = qo.back();
@@ -175,15 +175,14 @@ Row bench_causal(int batch, int len, int iters, bool default_q_tile = false) {
   Tensor lse = Tensor::empty({tokens, kHq}, DType::f32, Device::cuda());
   Tensor qo_t = Tensor::from_i32(qo, Device::cuda());
   const std::vector<int32_t> kv_len(lens.begin(), lens.end());
-  PrefillPlan plan = make_plan(qo, kv_len, true, 1, default_q_tile);
+  PrefillPlan plan = make_plan(qo, kv_len, true, 1);
   Workspace ws(plan.layout.total_bytes, Device::cuda());
   ws.upload(plan);
   AttentionOptions opt;
   const double us =
       median_us([&] { ragged_prefill(plan, q, k, v, qo_t, qo_t, opt, out, lse, ws); }, iters);
   const std::vector<int> zero(batch, 0);
-  const std::string name = "causal " + std::to_string(batch) + "x" + std::to_string(len) +
-                           (default_q_tile ? " (planner's default q_tile)" : "");
+  const std::string name = "causal " + std::to_string(batch) + "x" + std::to_string(len);
   return {name, us, attention_flops(lens, zero) / us * 1e-6};
 }
 
@@ -295,7 +294,6 @@ int main(int argc, char** argv) {
     std::vector<Row> rows;
     for (auto [b, n] : {std::pair{1, 8192}, std::pair{4, 4096}, std::pair{1, 16384}})
       rows.push_back(bench_causal(b, n, iters));
-    rows.push_back(bench_causal(1, 8192, iters, true));
     for (auto [b, pre, fresh] : {std::tuple{4, 3072, 1024}, std::tuple{16, 4096, 256}}) {
       auto r = bench_extend(b, pre, fresh, iters);
       rows.insert(rows.end(), r.begin(), r.end());

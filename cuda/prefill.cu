@@ -2,13 +2,11 @@
 // what no variant supports before anything is launched, then runs the plan's items and the merge
 // pass of split items.
 //
-// What callers pass: any PrefillPlan is computed correctly. The kernel is fastest when each
-// worker's items give both of a CTA's warp groups a block of packed rows (q_tile tokens x G
-// query heads) that fills a group's tile: PlanOptions.q_tile = prefill_cta_rows(D_qk, D_v) / G,
-// i.e. 256 / G for D_v <= 128 and 128 / G for D_v = 256 (an item then feeds both groups). The
-// planner's CUDA default, 128 / G, also fills the tiles when workers get two or more items.
-// blocks_per_sm = 2 (the default) gives two rounds of CTAs (one CTA per SM at a time), which the
-// longest-first balance of the planner keeps even.
+// What callers pass: any PrefillPlan is computed correctly, but the kernel is fastest when an
+// item's packed rows (q_tile tokens x G query heads) fill the CTA's row tile exactly:
+// PlanOptions.q_tile = prefill_cta_rows(D_qk, D_v) / G, i.e. 128 / G for D_v <= 128 (the
+// planner's CUDA default) and 64 / G for D_v = 256; blocks_per_sm = 2 (the default) matches the
+// kernel's two CTAs per SM. Larger items are run in several row blocks by one CTA.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -116,7 +114,7 @@ LaunchFn select(const AttentionParams& p) {
 
 int prefill_cta_rows(int head_dim_qk, int head_dim_v) {
   (void)head_dim_qk;
-  return 2 * prefill_detail::prefill_wg_rows(head_dim_v);
+  return prefill_detail::prefill_cta_rows_of(head_dim_v);
 }
 
 void prefill(const AttentionParams& p, Stream stream) {

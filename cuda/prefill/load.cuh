@@ -16,12 +16,12 @@ namespace flashkv::cuda::prefill_detail {
 // (t % 8) + 8k of rows t / 8 + 16i. A row's 8 threads then write one 128-byte group of 8
 // chunks, and the swizzled chunk ((t % 8) ^ row % 8) + 8k is the same for all of a thread's rows,
 // so its shared-memory offsets are one base plus constants.
-constexpr int kLoadRowsPerPass = kWgThreads / 8;
+constexpr int kLoadRowsPerPass = kPrefillThreads / 8;
 
 __device__ __forceinline__ int load_row_of(int tid) { return tid >> 3; }
 __device__ __forceinline__ int load_swizzled_chunk_of(int tid) { return (tid ^ (tid >> 3)) & 7; }
 
-// Q rows of the block -> swizzled sQ [kWgRows, D_qk]. Padding rows are zero-filled.
+// Q rows of the block -> swizzled sQ [kCtaRows, D_qk]. Padding rows are zero-filled.
 template <typename Cfg>
 __device__ __forceinline__ void load_q(const AttentionParams& p, const RowBlock& b, int kv_head,
                                        int group, typename Cfg::Q* sq, int tid) {
@@ -29,7 +29,7 @@ __device__ __forceinline__ void load_q(const AttentionParams& p, const RowBlock&
   const QT* q = static_cast<const QT*>(p.q);
   const int r0 = load_row_of(tid), sw = load_swizzled_chunk_of(tid);
 #pragma unroll
-  for (int i = 0; i < Cfg::kWgRows / kLoadRowsPerPass; ++i) {
+  for (int i = 0; i < Cfg::kCtaRows / kLoadRowsPerPass; ++i) {
     const int row = r0 + i * kLoadRowsPerPass;
     const bool valid = row < b.rows;
     const int x = b.row0 + row;
@@ -43,22 +43,6 @@ __device__ __forceinline__ void load_q(const AttentionParams& p, const RowBlock&
       cp_async_16(sq + row * Cfg::kDqk + (sw + 8 * k) * 8, valid ? src + 64 * k : src,
                   valid ? 16 : 0);
   }
-}
-
-// Row of K/V (pool slot or ragged row) holding KV position j of the request, clamped into the
-// tensor so that a bad index can never address outside it.
-__device__ __forceinline__ int64_t kv_row_of(const AttentionParams& p, int request, int j) {
-  int64_t row;
-  const int base = p.kv_indptr[request];
-  if (!p.paged) {
-    row = static_cast<int64_t>(base) + j;
-  } else if (p.page_size == 1) {
-    row = p.kv_indices[base + j];
-  } else {
-    const int page = j / p.page_size;
-    row = static_cast<int64_t>(p.kv_indices[base + page]) * p.page_size + (j - page * p.page_size);
-  }
-  return min(max(row, int64_t{0}), p.num_kv_rows - 1);
 }
 
 // Copies one operand (K or V) of a KV tile whose rows this thread loads: `rows[i]` is the element
@@ -97,46 +81,76 @@ __device__ __forceinline__ void load_operand_fp8(const unsigned char* src,
   }
 }
 
-// Issues the copies of one operand (K: kDim = D_qk, or V: D_v) of KV tile [j0, j0 + kKvTile)
-// into `dst` (16-bit KV: a swizzled tile; fp8 KV: a plain staging tile). Keys at or past b.kv_hi
-// are zero-filled.
-template <typename Cfg, int kDim>
-__device__ __forceinline__ void load_kv_operand(const AttentionParams& p, const RowBlock& b,
-                                                const void* base, int64_t stride_n,
-                                                int64_t head_off, int j0, unsigned char* dst,
-                                                int tid) {
-  using QT = typename Cfg::Q;
-  constexpr int kRowsPerPass = Cfg::kFp8 ? 32 : kLoadRowsPerPass;
-  constexpr int kRows = Cfg::kKvTile / kRowsPerPass;
-  const int r0 = Cfg::kFp8 ? (tid >> 2) : load_row_of(tid);
-  int64_t rows[kRows];
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int j = j0 + r0 + i * kRowsPerPass;
-    rows[i] = j < b.kv_hi ? kv_row_of(p, b.request, j) * stride_n + head_off : -1;
-  }
-  if constexpr (Cfg::kFp8)
-    load_operand_fp8<Cfg, kDim>(static_cast<const unsigned char*>(base), rows, dst, tid);
-  else
-    load_operand_16<Cfg, kDim>(static_cast<const QT*>(base), rows, reinterpret_cast<QT*>(dst), tid);
-}
+// The rows this thread copies for one KV tile: keys j0 + r0 + i * kRowsPerPass. With paged KV
+// each row's slot comes from kv_indices, a dependent global load; fetch() issues those loads a
+// tile ahead (into registers), so that by the time the copies are issued the indices are there
+// and no warp stalls on them before its next tile of MMAs.
+template <typename Cfg>
+struct KvTileRows {
+  static constexpr int kRowsPerPass = Cfg::kFp8 ? 32 : kLoadRowsPerPass;
+  static constexpr int kRows = Cfg::kKvTile / kRowsPerPass;
+  int32_t entry[kRows];  // paged: the kv_indices entry (slot or page) of each row
 
-// K (or V) of KV tile [j0, j0 + kKvTile) into pipeline stage `stage` of a warp group's tiles.
+  static __device__ __forceinline__ int first_row(int tid) {
+    return Cfg::kFp8 ? (tid >> 2) : load_row_of(tid);
+  }
+
+  __device__ __forceinline__ void fetch(const AttentionParams& p, const RowBlock& b, int j0,
+                                        int tid) {
+    if (!p.paged) return;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int j = j0 + first_row(tid) + i * kRowsPerPass;
+      const int e = p.page_size == 1 ? j : j / p.page_size;
+      entry[i] = j < b.kv_hi ? p.kv_indices[b.kv_base + e] : 0;
+    }
+  }
+
+  // Element offsets (head included) of the rows in a K or V tensor; -1 for keys past the range.
+  // Rows are clamped into the tensor so that a bad index can never address outside it.
+  __device__ __forceinline__ void offsets(const AttentionParams& p, const RowBlock& b, int j0,
+                                          int tid, int64_t stride_n, int64_t head_off,
+                                          int64_t (&out)[kRows]) const {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int j = j0 + first_row(tid) + i * kRowsPerPass;
+      int64_t row;
+      if (!p.paged)
+        row = static_cast<int64_t>(b.kv_base) + j;
+      else if (p.page_size == 1)
+        row = entry[i];
+      else
+        row = static_cast<int64_t>(entry[i]) * p.page_size + j % p.page_size;
+      row = min(max(row, int64_t{0}), p.num_kv_rows - 1);
+      out[i] = j < b.kv_hi ? row * stride_n + head_off : -1;
+    }
+  }
+};
+
+// Issues the copies of KV tile [j0, j0 + kKvTile) (rows from `rows`, fetched for this tile) into
+// pipeline stage `stage` (16-bit KV: swizzled tiles; fp8 KV: plain staging tiles). Keys at or
+// past b.kv_hi are zero-filled.
 template <typename Cfg>
-__device__ __forceinline__ void load_k_tile(const AttentionParams& p, const RowBlock& b,
-                                            int kv_head, int j0, unsigned char* smem, int stage,
-                                            int tid) {
-  unsigned char* dst = Cfg::kFp8 ? smem + Cfg::kK8Offset + stage * Cfg::kK8StageBytes
-                                 : smem + Cfg::kKOffset + stage * Cfg::kKStageBytes;
-  load_kv_operand<Cfg, Cfg::kDqk>(p, b, p.k, p.k_stride_n, kv_head * p.k_stride_h, j0, dst, tid);
-}
-template <typename Cfg>
-__device__ __forceinline__ void load_v_tile(const AttentionParams& p, const RowBlock& b,
-                                            int kv_head, int j0, unsigned char* smem, int stage,
-                                            int tid) {
-  unsigned char* dst = Cfg::kFp8 ? smem + Cfg::kV8Offset + stage * Cfg::kV8StageBytes
-                                 : smem + Cfg::kVOffset + stage * Cfg::kVStageBytes;
-  load_kv_operand<Cfg, Cfg::kDv>(p, b, p.v, p.v_stride_n, kv_head * p.v_stride_h, j0, dst, tid);
+__device__ __forceinline__ void load_kv_tile(const AttentionParams& p, const RowBlock& b,
+                                             const KvTileRows<Cfg>& rows, int kv_head, int j0,
+                                             unsigned char* smem, int stage, int tid) {
+  using QT = typename Cfg::Q;
+  int64_t k_rows[KvTileRows<Cfg>::kRows], v_rows[KvTileRows<Cfg>::kRows];
+  rows.offsets(p, b, j0, tid, p.k_stride_n, kv_head * p.k_stride_h, k_rows);
+  rows.offsets(p, b, j0, tid, p.v_stride_n, kv_head * p.v_stride_h, v_rows);
+  if constexpr (Cfg::kFp8) {
+    load_operand_fp8<Cfg, Cfg::kDqk>(static_cast<const unsigned char*>(p.k), k_rows,
+                                     smem + Cfg::kK8Offset + stage * Cfg::kK8StageBytes, tid);
+    load_operand_fp8<Cfg, Cfg::kDv>(static_cast<const unsigned char*>(p.v), v_rows,
+                                    smem + Cfg::kV8Offset + stage * Cfg::kV8StageBytes, tid);
+  } else {
+    load_operand_16<Cfg, Cfg::kDqk>(
+        static_cast<const QT*>(p.k), k_rows,
+        reinterpret_cast<QT*>(smem + Cfg::kKOffset + stage * Cfg::kKStageBytes), tid);
+    load_operand_16<Cfg, Cfg::kDv>(
+        static_cast<const QT*>(p.v), v_rows,
+        reinterpret_cast<QT*>(smem + Cfg::kVOffset + stage * Cfg::kVStageBytes), tid);
+  }
 }
 
 // fp8 staging tile [kKvTile, kDim] bytes -> swizzled 16-bit tile (exact; the scales are applied
@@ -147,9 +161,9 @@ __device__ __forceinline__ void widen_fp8_tile(const unsigned char* src, typenam
   using QT = typename Cfg::Q;
   constexpr int kSrcChunks = Cfg::kKvTile * kDim / 16;  // 16 fp8 values each
 #pragma unroll
-  for (int i = 0; i < (kSrcChunks + kWgThreads - 1) / kWgThreads; ++i) {
-    const int c = tid + i * kWgThreads;
-    if (kSrcChunks % kWgThreads != 0 && c >= kSrcChunks) break;
+  for (int i = 0; i < (kSrcChunks + kPrefillThreads - 1) / kPrefillThreads; ++i) {
+    const int c = tid + i * kPrefillThreads;
+    if (kSrcChunks % kPrefillThreads != 0 && c >= kSrcChunks) break;
     const int row = c / (kDim / 16), chunk16 = c % (kDim / 16);
     const uint4 raw = *reinterpret_cast<const uint4*>(src + row * kDim + chunk16 * 16);
     const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};

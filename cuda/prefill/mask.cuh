@@ -17,16 +17,17 @@ __device__ __forceinline__ int kv_len_of(const AttentionParams& p, int request) 
   return (n - 1) * p.page_size + p.last_page_len[request];
 }
 
-// One block of up to a warp group's tile of packed rows of a work item, for one KV head. Packed row
+// One block of up to kCtaRows packed rows of a work item, for one KV head. Packed row
 // x of the item is token x / G (relative to item.q_begin) of query head kv_head * G + x % G.
 struct RowBlock {
   int request;
   int q_begin;        // absolute Q/O row of the item's first token
   int row0;           // first packed row of this block inside the item
-  int rows;           // packed rows in this block (<= the warp group tile)
+  int rows;           // packed rows in this block (<= kCtaRows)
   int partial;        // item.partial (-1: final output)
   int pos0;           // KV position of the item's first token: kv_len - q_len_req + local offset
   int kv_len;         // the request's KV length (the custom mask's row length)
+  int kv_base;        // kv_indptr[request]: first K/V row (ragged) or kv_indices entry (paged)
   int kv_lo, kv_hi;   // keys [kv_lo, kv_hi) can be visible to some row of the block
   int64_t mask_base;  // custom mask: element of (local query 0, key 0) of the request
   int local_q0;       // request-local query index of the item's first token
@@ -44,6 +45,7 @@ __device__ __forceinline__ RowBlock make_row_block(const AttentionParams& p, con
   const int q_first = p.qo_indptr[it.request];
   const int q_len_req = p.qo_indptr[it.request + 1] - q_first;
   b.kv_len = kv_len_of(p, it.request);
+  b.kv_base = p.kv_indptr[it.request];
   b.local_q0 = it.q_begin - q_first;
   b.pos0 = b.kv_len - q_len_req + b.local_q0;
   b.mask_base = p.custom_mask ? static_cast<int64_t>(p.mask_indptr[it.request]) : 0;
