@@ -278,7 +278,8 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   l.items = 0;
   l.worker_indptr = align_up(cap_items * sizeof(WorkItem));
   l.merges = l.worker_indptr + align_up((int64_t{W} + 1) * sizeof(int32_t));
-  l.plan_bytes = l.merges + align_up(cap_merges * sizeof(MergeItem));
+  l.counts = l.merges + align_up(cap_merges * sizeof(MergeItem));
+  l.plan_bytes = l.counts + align_up(4 * sizeof(int32_t));
   l.partial_o = l.plan_bytes;
   l.partial_lse = l.partial_o + align_up(cap_rows * b.num_qo_heads * b.head_dim_v * sizeof(float));
   l.total_bytes = l.partial_lse + align_up(cap_rows * b.num_qo_heads * sizeof(float));
@@ -314,6 +315,10 @@ void serialize_plan(const Plan& plan, void* dst) {
               plan.worker_indptr.size() * sizeof(int32_t));
   if (!plan.merges.empty())
     std::memcpy(base + plan.layout.merges, plan.merges.data(), plan.merges.size() * sizeof(MergeItem));
+  const int32_t counts[4] = {static_cast<int32_t>(plan.items.size()),
+                             static_cast<int32_t>(plan.merges.size()),
+                             static_cast<int32_t>(plan.num_partial_rows), 0};
+  std::memcpy(base + plan.layout.counts, counts, sizeof(counts));
 }
 
 }  // namespace flashkv

@@ -56,6 +56,11 @@ struct AttentionParams {
   const int32_t* worker_indptr = nullptr;
   const MergeItem* merges = nullptr;
   int32_t num_items = 0, num_merges = 0, num_workers = 0;
+  // CUDA-graph mode: a captured launch replays with other batches, so the kernel must take the
+  // item and merge counts from the device (`counts`: num_items, num_merges) and worker ranges
+  // from worker_indptr, and use a grid of num_workers CTAs (x) that does not depend on the batch.
+  bool cuda_graph = false;
+  const int32_t* counts = nullptr;
   float* partial_o = nullptr;    // [partial_rows, Hq, D_v]
   float* partial_lse = nullptr;  // [partial_rows, Hq]
 };

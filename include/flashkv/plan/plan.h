@@ -50,9 +50,12 @@ struct WorkspaceLayout {
   size_t items = 0;          // WorkItem[num_items (capacity in graph mode)]
   size_t worker_indptr = 0;  // int32[num_workers + 1]
   size_t merges = 0;         // MergeItem[num_merges (capacity)]
+  size_t counts = 0;         // int32[4]: num_items, num_merges, num_partial_rows, 0 — what a
+                             // captured CUDA graph must read on the device, since the values
+                             // baked into its launch parameters are the capture batch's
   size_t partial_o = 0;      // float[partial_rows, Hq, D_v]
   size_t partial_lse = 0;    // float[partial_rows, Hq]
-  size_t plan_bytes = 0;     // bytes of the plan part (items + worker_indptr + merges), uploaded
+  size_t plan_bytes = 0;     // bytes of the plan part (items, worker_indptr, merges, counts)
   size_t total_bytes = 0;
 };
 
