@@ -19,7 +19,7 @@ namespace {
 
 // A DLPack array over flashkv memory owned by `owner` (fp8 is exported as uint8 storage, since
 // not every framework imports DLPack's fp8 codes).
-nb::ndarray<> export_view(const TensorView& t, nb::handle owner) {
+nb::ndarray<nb::array_api> export_view(const TensorView& t, nb::handle owner) {
   nb::dlpack::dtype dt{};
   using C = nb::dlpack::dtype_code;
   switch (t.dtype) {
@@ -37,7 +37,7 @@ nb::ndarray<> export_view(const TensorView& t, nb::handle owner) {
     strides[d] = t.stride[d];
   }
   const int device_type = t.device.is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
-  return nb::ndarray<>(t.data, static_cast<size_t>(t.ndim), shape, owner, strides, dt,
+  return nb::ndarray<nb::array_api>(t.data, static_cast<size_t>(t.ndim), shape, owner, strides, dt,
                        device_type, t.device.index);
 }
 

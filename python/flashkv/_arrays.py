@@ -130,6 +130,16 @@ def empty(like: Any, shape: Sequence[int], dtype: Optional[str] = None) -> Any:
     return np.empty(tuple(shape), dtype=dt)
 
 
+def contiguous(x: Any) -> Any:
+    """x, or a contiguous copy of it."""
+    fw = framework(x)
+    if fw == "torch":
+        return x.contiguous()
+    if fw == "cupy":
+        return _cupy().ascontiguousarray(x)
+    return np.ascontiguousarray(x)
+
+
 def to_numpy(x: Any) -> np.ndarray:
     """A NumPy view or copy of any array (a device array is copied: a synchronization)."""
     if isinstance(x, (list, tuple, range)):

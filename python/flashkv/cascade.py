@@ -17,6 +17,7 @@ def merge_state(v_a: Any, s_a: Any, v_b: Any, s_b: Any) -> Tuple[Any, Any]:
     """Merges two states: v_a, v_b [T, H, D], s_a, s_b [T, H] float32 -> (V [T, H, D], S [T, H])."""
     v = A.empty(v_a, tuple(v_a.shape))
     s = A.empty(v_a, tuple(s_a.shape), A.F32)
+    s_a, s_b = A.contiguous(s_a), A.contiguous(s_b)
     _C.merge_state(A.dl(v_a), A.dl(s_a), A.dl(v_b), A.dl(s_b), A.dl(v), A.dl(s), A.stream_of(v_a))
     return v, s
 
@@ -41,5 +42,6 @@ def merge_states(v: Any, s: Any) -> Tuple[Any, Any]:
     t, _, h, d = (int(x) for x in v.shape)
     out_v = A.empty(v, (t, h, d))
     out_s = A.empty(v, (t, h), A.F32)
+    s = A.contiguous(s)
     _C.merge_states(A.dl(v), A.dl(s), A.dl(out_v), A.dl(out_s), A.stream_of(v))
     return out_v, out_s
