@@ -23,12 +23,24 @@ nb::ndarray<nb::array_api> export_view(const TensorView& t, nb::handle owner) {
   nb::dlpack::dtype dt{};
   using C = nb::dlpack::dtype_code;
   switch (t.dtype) {
-    case DType::f32: dt = {static_cast<uint8_t>(C::Float), 32, 1}; break;
-    case DType::f16: dt = {static_cast<uint8_t>(C::Float), 16, 1}; break;
-    case DType::bf16: dt = {static_cast<uint8_t>(C::Bfloat), 16, 1}; break;
-    case DType::i32: dt = {static_cast<uint8_t>(C::Int), 32, 1}; break;
-    case DType::i64: dt = {static_cast<uint8_t>(C::Int), 64, 1}; break;
-    default: dt = {static_cast<uint8_t>(C::UInt), 8, 1}; break;  // u8, fp8 storage
+    case DType::f32:
+      dt = {static_cast<uint8_t>(C::Float), 32, 1};
+      break;
+    case DType::f16:
+      dt = {static_cast<uint8_t>(C::Float), 16, 1};
+      break;
+    case DType::bf16:
+      dt = {static_cast<uint8_t>(C::Bfloat), 16, 1};
+      break;
+    case DType::i32:
+      dt = {static_cast<uint8_t>(C::Int), 32, 1};
+      break;
+    case DType::i64:
+      dt = {static_cast<uint8_t>(C::Int), 64, 1};
+      break;
+    default:
+      dt = {static_cast<uint8_t>(C::UInt), 8, 1};
+      break;  // u8, fp8 storage
   }
   size_t shape[kMaxDims];
   int64_t strides[kMaxDims];
@@ -38,7 +50,7 @@ nb::ndarray<nb::array_api> export_view(const TensorView& t, nb::handle owner) {
   }
   const int device_type = t.device.is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
   return nb::ndarray<nb::array_api>(t.data, static_cast<size_t>(t.ndim), shape, owner, strides, dt,
-                       device_type, t.device.index);
+                                    device_type, t.device.index);
 }
 
 // ForwardBatch plus the Python objects its views and pool pointers point into.
@@ -102,15 +114,19 @@ void bind_kvcache(nb::module_& m) {
       .def_prop_ro("device", [](const KVPool& p) { return p.device().str(); })
       .def_prop_ro("bytes", &KVPool::bytes)
       .def(
-          "k_buffer", [](nb::handle self, int layer) {
+          "k_buffer",
+          [](nb::handle self, int layer) {
             return export_view(nb::cast<const KVPool&>(self).k(layer), self);
           },
-          nb::arg("layer"), "Layer `layer`'s K [num_rows, Hkv, D_qk] as a DLPack array (fp8: uint8).")
+          nb::arg("layer"),
+          "Layer `layer`'s K [num_rows, Hkv, D_qk] as a DLPack array (fp8: uint8).")
       .def(
-          "v_buffer", [](nb::handle self, int layer) {
+          "v_buffer",
+          [](nb::handle self, int layer) {
             return export_view(nb::cast<const KVPool&>(self).v(layer), self);
           },
-          nb::arg("layer"), "Layer `layer`'s V [num_rows, Hkv, D_v] as a DLPack array (fp8: uint8).")
+          nb::arg("layer"),
+          "Layer `layer`'s V [num_rows, Hkv, D_v] as a DLPack array (fp8: uint8).")
       .def("k_scale", &KVPool::k_scale, nb::arg("layer"))
       .def("v_scale", &KVPool::v_scale, nb::arg("layer"))
       .def("set_scales", &KVPool::set_scales, nb::arg("layer"), nb::arg("k_scale"),
@@ -172,9 +188,11 @@ void bind_kvcache(nb::module_& m) {
           "request, all or nothing (None when out of memory).")
       .def("free", &KVAllocator::free, nb::arg("slots"))
       .def("reset", &KVAllocator::reset);
-  nb::class_<PagedAllocator, KVAllocator>(m, "PagedAllocator")
+  nb::class_<PagedAllocator, KVAllocator>(
+      m, "PagedAllocator", "Page-granular slot allocator (pages 1.., page 0 reserved).")
       .def(nb::init<int64_t, int>(), nb::arg("num_slots"), nb::arg("page_size"));
-  nb::class_<TokenAllocator, PagedAllocator>(m, "TokenAllocator")
+  nb::class_<TokenAllocator, PagedAllocator>(m, "TokenAllocator",
+                                             "Token-granular slot allocator (slots 1..num_slots).")
       .def(nb::init<int64_t>(), nb::arg("num_slots"));
   nb::class_<SWAAllocator, KVAllocator>(m, "SWAAllocator",
                                         "Full + sliding-window slots, with the full-to-SWA table.")
@@ -194,14 +212,15 @@ void bind_kvcache(nb::module_& m) {
 }
 
 void bind_batch(nb::module_& m) {
-  nb::enum_<ForwardMode>(m, "ForwardMode")
+  nb::enum_<ForwardMode>(m, "ForwardMode", "What a forward pass runs (SGLang's ForwardMode).")
       .value("EXTEND", ForwardMode::EXTEND)
       .value("DECODE", ForwardMode::DECODE)
       .value("MIXED", ForwardMode::MIXED)
       .value("IDLE", ForwardMode::IDLE)
       .value("TARGET_VERIFY", ForwardMode::TARGET_VERIFY)
       .value("DRAFT_EXTEND", ForwardMode::DRAFT_EXTEND);
-  nb::enum_<AttentionType>(m, "AttentionType")
+  nb::enum_<AttentionType>(m, "AttentionType",
+                           "Decoder (causal) or encoder-only (bidirectional) attention.")
       .value("DECODER", AttentionType::DECODER)
       .value("ENCODER_ONLY", AttentionType::ENCODER_ONLY);
 
@@ -211,10 +230,9 @@ void bind_batch(nb::module_& m) {
           [](LayerSpec* self, int layer_id, int num_qo_heads, int num_kv_heads, int head_dim_qk,
              int head_dim_v, float scaling, float logit_cap, int sliding_window_size,
              bool is_cross_attention, AttentionType attn_type) {
-            new (self) LayerSpec{layer_id,  num_qo_heads,        num_kv_heads,
-                                 head_dim_qk, head_dim_v,        scaling,
-                                 logit_cap, sliding_window_size, is_cross_attention,
-                                 attn_type};
+            new (self) LayerSpec{
+                layer_id, num_qo_heads, num_kv_heads,        head_dim_qk,        head_dim_v,
+                scaling,  logit_cap,    sliding_window_size, is_cross_attention, attn_type};
           },
           nb::arg("layer_id") = 0, nb::arg("num_qo_heads") = 0, nb::arg("num_kv_heads") = 0,
           nb::arg("head_dim_qk") = 0, nb::arg("head_dim_v") = 0, nb::arg("scaling") = 0.0f,
@@ -245,8 +263,11 @@ void bind_batch(nb::module_& m) {
           "seq_lens_cpu", [](const PyForwardBatch& f) { return f.b.seq_lens_cpu; },
           [](PyForwardBatch& f, std::vector<int32_t> v) { f.b.seq_lens_cpu = std::move(v); })
       .def_prop_rw(
-          "extend_prefix_lens_cpu", [](const PyForwardBatch& f) { return f.b.extend_prefix_lens_cpu; },
-          [](PyForwardBatch& f, std::vector<int32_t> v) { f.b.extend_prefix_lens_cpu = std::move(v); })
+          "extend_prefix_lens_cpu",
+          [](const PyForwardBatch& f) { return f.b.extend_prefix_lens_cpu; },
+          [](PyForwardBatch& f, std::vector<int32_t> v) {
+            f.b.extend_prefix_lens_cpu = std::move(v);
+          })
       .def_prop_rw(
           "extend_seq_lens_cpu", [](const PyForwardBatch& f) { return f.b.extend_seq_lens_cpu; },
           [](PyForwardBatch& f, std::vector<int32_t> v) { f.b.extend_seq_lens_cpu = std::move(v); })
@@ -258,7 +279,9 @@ void bind_batch(nb::module_& m) {
           [](PyForwardBatch& f, int32_t n) { f.b.spec.draft_token_num = n; })
       .def_prop_rw(
           "accept_length_cpu", [](const PyForwardBatch& f) { return f.b.spec.accept_length_cpu; },
-          [](PyForwardBatch& f, std::vector<int32_t> v) { f.b.spec.accept_length_cpu = std::move(v); })
+          [](PyForwardBatch& f, std::vector<int32_t> v) {
+            f.b.spec.accept_length_cpu = std::move(v);
+          })
       .def_prop_rw(
           "req_to_token_pool", [](const PyForwardBatch& f) { return f.req_to_token_pool; },
           [](PyForwardBatch& f, nb::object p) {

@@ -62,8 +62,10 @@ class PyPlan {
     planned_ = false;
     {
       nb::gil_scoped_release release;
-      if (decode) plan_decode(shape, device_info(device_), po, &decode_plan_);
-      else plan_prefill(shape, device_info(device_), po, &prefill_plan_);
+      if (decode)
+        plan_decode(shape, device_info(device_), po, &decode_plan_);
+      else
+        plan_prefill(shape, device_info(device_), po, &prefill_plan_);
     }
     decode_ = decode;
     const Plan& p = current();
@@ -91,12 +93,11 @@ class PyPlan {
   }
 
   void run_paged(const Array& q, const Array& k, const Array& v, const Array& kv_indptr,
-                 const Array& kv_indices, const OptArray& last_page_len,
-                 const OptArray& qo_indptr, int page_size, float k_scale, float v_scale,
-                 const std::string& kv_dtype, bool causal, int window_left,
-                 float logits_soft_cap, float sm_scale, const OptArray& custom_mask,
-                 const OptArray& mask_indptr, const Array& out, const OptArray& lse,
-                 uintptr_t stream) {
+                 const Array& kv_indices, const OptArray& last_page_len, const OptArray& qo_indptr,
+                 int page_size, float k_scale, float v_scale, const std::string& kv_dtype,
+                 bool causal, int window_left, float logits_soft_cap, float sm_scale,
+                 const OptArray& custom_mask, const OptArray& mask_indptr, const Array& out,
+                 const OptArray& lse, uintptr_t stream) {
     check_planned(causal, window_left);
     PagedKV kv;
     kv.k = kv_view_of(k, "k_cache", kv_dtype, page_size);
@@ -125,7 +126,8 @@ class PyPlan {
                   float sm_scale, const OptArray& custom_mask, const OptArray& mask_indptr,
                   const Array& out, const OptArray& lse, uintptr_t stream) {
     check_planned(causal, window_left);
-    FLASHKV_CHECK(!decode_, "run: this plan is a decode plan; ragged attention needs a prefill plan");
+    FLASHKV_CHECK(!decode_,
+                  "run: this plan is a decode plan; ragged attention needs a prefill plan");
     const AttentionOptions opt =
         options(causal, window_left, logits_soft_cap, sm_scale, custom_mask, mask_indptr);
     const TensorView qv = view_of(q, "q"), kv_k = view_of(k, "k"), kv_v = view_of(v, "v");
@@ -163,8 +165,9 @@ class PyPlan {
                   "causal=True (the plan skips KV past each query); plan with causal=False");
     window_left = window_left < 0 ? -1 : window_left;
     FLASHKV_CHECK(window_left_ < 0 || (window_left >= 0 && window_left <= window_left_),
-                  "run: window_left=", window_left, ", but the batch was planned with window_left=",
-                  window_left_, " (the plan skips KV outside that window); plan with the run's window");
+                  "run: window_left=", window_left,
+                  ", but the batch was planned with window_left=", window_left_,
+                  " (the plan skips KV outside that window); plan with the run's window");
   }
 
   AttentionOptions options(bool causal, int window_left, float logits_soft_cap, float sm_scale,
@@ -201,12 +204,12 @@ void bind_ops(nb::module_& m) {
            "Plans for `device` ('cpu', 'cuda:N'); partial states of split work go into "
            "`float_workspace_buffer` (uint8 [bytes], shared between plans) when it is large "
            "enough, else into memory the plan allocates.")
-      .def("plan", &PyPlan::plan, nb::arg("decode"), nb::arg("kv_len"),
-           nb::arg("qo_indptr").none(), nb::arg("num_qo_heads"), nb::arg("num_kv_heads"),
-           nb::arg("head_dim_qk"), nb::arg("head_dim_v"), nb::arg("page_size"), nb::arg("causal"),
-           nb::arg("window_left"), nb::arg("enable_split_kv"), nb::arg("fixed_split_size"),
-           nb::arg("cuda_graph"), nb::arg("max_batch_size"), nb::arg("max_num_tokens"),
-           nb::arg("max_kv_len"), nb::arg("stream"),
+      .def("plan", &PyPlan::plan, nb::arg("decode"), nb::arg("kv_len"), nb::arg("qo_indptr").none(),
+           nb::arg("num_qo_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim_qk"),
+           nb::arg("head_dim_v"), nb::arg("page_size"), nb::arg("causal"), nb::arg("window_left"),
+           nb::arg("enable_split_kv"), nb::arg("fixed_split_size"), nb::arg("cuda_graph"),
+           nb::arg("max_batch_size"), nb::arg("max_num_tokens"), nb::arg("max_kv_len"),
+           nb::arg("stream"),
            "Plans a batch from host arrays (kv_len int32 [B]; qo_indptr int32 [B + 1] for "
            "prefill, None for decode) and uploads the plan on `stream`.")
       .def("run_paged", &PyPlan::run_paged, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),

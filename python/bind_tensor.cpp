@@ -17,8 +17,9 @@ DType dtype_of_array(const Array& a, const char* name) {
   if (code == C::Int && t.bits == 32) return DType::i32;
   if (code == C::Int && t.bits == 64) return DType::i64;
   if ((code == C::UInt || code == C::Bool) && t.bits == 8) return DType::u8;
-  throw_error(str_cat(name, ": unsupported dtype (DLPack code ", int{t.code}, ", ", int{t.bits},
-                      " bits); expected float32/float16/bfloat16/float8, int32/int64, uint8 or bool"));
+  throw_error(
+      str_cat(name, ": unsupported dtype (DLPack code ", int{t.code}, ", ", int{t.bits},
+              " bits); expected float32/float16/bfloat16/float8, int32/int64, uint8 or bool"));
 }
 
 Device device_of_array(const Array& a, const char* name) {

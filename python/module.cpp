@@ -31,8 +31,7 @@ NB_MODULE(_flashkv, m) {
     }
   });
 
-  m.def("built_with_cuda", &flashkv::built_with_cuda,
-        "Whether this build has the CUDA kernels.");
+  m.def("built_with_cuda", &flashkv::built_with_cuda, "Whether this build has the CUDA kernels.");
   m.def("cuda_available", &flashkv::cuda_available,
         "Whether this build has CUDA and the process sees a GPU.");
   m.def(
