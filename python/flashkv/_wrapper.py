@@ -172,6 +172,24 @@ class PlannedWrapper:
 class PagedWrapper(PlannedWrapper):
     """Plan/run of attention over a paged KV cache (decode and prefill)."""
 
+    def _plan_page_table(self, indptr: Any, indices: Any, last_page_len: Any, indptr_host: np.ndarray,
+                         seq_lens: Any, batch_size: int, page_size: int, non_blocking: bool,
+                         prefix: str) -> np.ndarray:
+        """Checks a page table (argument names start with `prefix`) against its host indptr,
+        stores the run's index arrays, and returns each request's KV tokens (host int32)."""
+        if indptr_host.size != batch_size + 1:
+            raise Error(f"{prefix}indptr: expected batch_size + 1 = {batch_size + 1} entries, got {indptr_host.size}")
+        if seq_lens is not None:
+            kv_len = A.to_host_i32(seq_lens, "seq_lens")
+        else:
+            lpl = A.to_host_i32(last_page_len, f"{prefix}last_page_len") if page_size > 1 else None
+            kv_len = kv_lens_of(indptr_host, lpl, page_size)
+        if int(indptr_host[-1]) > len(indices):
+            raise Error(f"{prefix}indices: expected at least {prefix}indptr[-1] = {int(indptr_host[-1])} entries, "
+                        f"got {len(indices)}")
+        self._store_paged_indices(indptr, indices, last_page_len, batch_size, non_blocking)
+        return kv_len
+
     def _store_paged_indices(self, indptr: Any, indices: Any, last_page_len: Any, batch_size: int,
                              non_blocking: bool) -> None:
         """Device (or host, on the CPU) int32 index arrays the runs read: copies into the fixed

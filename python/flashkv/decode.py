@@ -7,11 +7,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional
 
-import numpy as np
-
 from . import _arrays as A
 from ._flashkv import Error
-from ._wrapper import PagedWrapper, as_tokens, check_pos_encoding, kv_lens_of
+from ._wrapper import PagedWrapper, as_tokens, check_pos_encoding
 
 
 class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
@@ -119,16 +117,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
             indptr_host = A.to_host_i32(indptr, "indptr")
         else:
             indptr_host = A.to_host_i32(indptr_host, "global_override_indptr_cpu")[: batch_size + 1]
-        if indptr_host.size != batch_size + 1:
-            raise Error(f"indptr: expected batch_size + 1 = {batch_size + 1} entries, got {indptr_host.size}")
-        if seq_lens is not None:
-            kv_len = A.to_host_i32(seq_lens, "seq_lens")
-        else:
-            lpl_host = A.to_host_i32(last_page_len, "last_page_len") if page_size > 1 else None
-            kv_len = kv_lens_of(indptr_host, lpl_host, page_size)
-        if int(indptr_host[-1]) > len(indices):
-            raise Error(f"indices: expected at least indptr[-1] = {int(indptr_host[-1])} entries, got {len(indices)}")
-        self._store_paged_indices(indptr, indices, last_page_len, batch_size, non_blocking)
+        kv_len = self._plan_page_table(indptr, indices, last_page_len, indptr_host, seq_lens, batch_size, page_size,
+                                       non_blocking, "")
         graph = self._use_cuda_graph
         max_kv_len = int(self._paged_kv_indices_buf.shape[0]) * page_size if graph else 0
         plan = self._plan_object("decode")

@@ -225,17 +225,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillState, PagedWrapper):
         batch_size = len(qo_indptr) - 1
         qo_host = self._plan_queries(qo_indptr, batch_size, non_blocking)
         indptr_host = A.to_host_i32(paged_kv_indptr, "paged_kv_indptr")
-        if indptr_host.size != batch_size + 1:
-            raise Error(f"paged_kv_indptr: expected batch_size + 1 = {batch_size + 1} entries, got {indptr_host.size}")
-        if seq_lens is not None:
-            kv_len = A.to_host_i32(seq_lens, "seq_lens")
-        else:
-            lpl = A.to_host_i32(paged_kv_last_page_len, "paged_kv_last_page_len") if page_size > 1 else None
-            kv_len = kv_lens_of(indptr_host, lpl, page_size)
-        if int(indptr_host[-1]) > len(paged_kv_indices):
-            raise Error(f"paged_kv_indices: expected at least paged_kv_indptr[-1] = {int(indptr_host[-1])} entries, "
-                        f"got {len(paged_kv_indices)}")
-        self._store_paged_indices(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, batch_size, non_blocking)
+        kv_len = self._plan_page_table(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, indptr_host, seq_lens,
+                                       batch_size, page_size, non_blocking, "paged_kv_")
         has_mask = self._plan_mask(custom_mask, packed_custom_mask, qo_host, kv_len, non_blocking)
         max_kv_len = int(self._paged_kv_indices_buf.shape[0]) * page_size if self._use_cuda_graph else 0
         self._page_size = page_size
