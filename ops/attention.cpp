@@ -2,6 +2,7 @@
 #include "flashkv/ops/attention.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "flashkv/ops/kernels.h"
@@ -26,8 +27,12 @@ void check_plan_matches(const Plan& plan, const char* op, const TensorView& q, i
                 ", tensors are on ", q.device.str());
   FLASHKV_CHECK(ws.device() == q.device, op, ": workspace: expected device ", q.device.str(),
                 ", got ", ws.device().str());
-  FLASHKV_CHECK(ws.bytes() >= plan.layout.total_bytes, op, ": workspace: expected at least ",
-                plan.layout.total_bytes, " bytes, got ", ws.bytes());
+  FLASHKV_CHECK(ws.bytes() >= ws.bytes_needed(plan), op, ": workspace: expected at least ",
+                ws.bytes_needed(plan), " bytes, got ", ws.bytes());
+  const size_t scratch_needed = plan.layout.total_bytes - plan.layout.plan_bytes;
+  FLASHKV_CHECK(!ws.has_external_scratch() || ws.external_scratch_bytes() >= scratch_needed, op,
+                ": workspace scratch: expected at least ", scratch_needed, " bytes, got ",
+                ws.external_scratch_bytes());
   FLASHKV_CHECK(ws.plan_id() == plan.id, op,
                 ": workspace: this plan was not uploaded (call Workspace::upload(plan) after "
                 "planning)");
@@ -76,6 +81,7 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   // The plan as uploaded into the workspace.
   const auto* base = static_cast<unsigned char*>(ws.data());
   const WorkspaceLayout& l = plan.layout;
+  p.plan_header = reinterpret_cast<const PlanHeader*>(base + l.header);
   p.items = reinterpret_cast<const WorkItem*>(base + l.items);
   p.worker_indptr = reinterpret_cast<const int32_t*>(base + l.worker_indptr);
   p.merges = reinterpret_cast<const MergeItem*>(base + l.merges);
@@ -83,8 +89,10 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   p.num_merges = static_cast<int32_t>(plan.merges.size());
   p.num_workers = plan.num_workers;
   p.cuda_graph = plan.cuda_graph;
-  p.partial_o = reinterpret_cast<float*>(const_cast<unsigned char*>(base) + l.partial_o);
-  p.partial_lse = reinterpret_cast<float*>(const_cast<unsigned char*>(base) + l.partial_lse);
+  p.max_merges = static_cast<int32_t>(l.max_merges);
+  unsigned char* scratch = ws.scratch(plan);
+  p.partial_o = reinterpret_cast<float*>(scratch + (l.partial_o - l.plan_bytes));
+  p.partial_lse = reinterpret_cast<float*>(scratch + (l.partial_lse - l.plan_bytes));
   (void)op;
   return p;
 }
@@ -217,12 +225,32 @@ void Workspace::reserve(size_t bytes, Device device) {
   plan_id_ = 0;
 }
 
+void Workspace::set_external_scratch(void* data, size_t bytes) {
+  if (data == nullptr) {
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    return;
+  }
+  const auto addr = reinterpret_cast<uintptr_t>(data);
+  const size_t pad = (256 - addr % 256) % 256;
+  scratch_ = static_cast<unsigned char*>(data) + pad;
+  scratch_bytes_ = bytes > pad ? bytes - pad : 0;
+}
+
+size_t Workspace::bytes_needed(const Plan& plan) const {
+  return scratch_ ? plan.layout.plan_bytes : plan.layout.total_bytes;
+}
+
+unsigned char* Workspace::scratch(const Plan& plan) const {
+  return scratch_ ? scratch_ : static_cast<unsigned char*>(data()) + plan.layout.plan_bytes;
+}
+
 void Workspace::upload(const Plan& plan, Stream stream) {
   FLASHKV_CHECK(plan.id != 0, "Workspace::upload: plan: expected a plan from plan_decode/plan_prefill");
   FLASHKV_CHECK(device() == plan.device, "Workspace::upload: workspace is on ", device().str(),
                 ", plan is for ", plan.device.str());
-  FLASHKV_CHECK(bytes() >= plan.layout.total_bytes, "Workspace::upload: workspace: expected at least ",
-                plan.layout.total_bytes, " bytes, got ", bytes());
+  FLASHKV_CHECK(bytes() >= bytes_needed(plan), "Workspace::upload: workspace: expected at least ",
+                bytes_needed(plan), " bytes, got ", bytes());
   if (device().is_cpu()) {
     serialize_plan(plan, data());
   } else {

@@ -54,8 +54,23 @@ class Workspace {
   // Id of the plan last uploaded (0: none).
   uint64_t plan_id() const { return plan_id_; }
 
+  // Puts the partial states of split work into caller memory (on this workspace's device, kept
+  // alive by the caller) instead of after the plan, so that the workspace itself needs only
+  // plan.layout.plan_bytes. Several workspaces may share one scratch buffer: partial states live
+  // only within one run, and runs on one stream never overlap (FlashInfer's shared "float
+  // workspace"). The start is aligned up to 256 bytes. Null: the workspace's own memory.
+  void set_external_scratch(void* data, size_t bytes);
+  bool has_external_scratch() const { return scratch_ != nullptr; }
+  size_t external_scratch_bytes() const { return scratch_bytes_; }
+  // Bytes this workspace must hold for `plan` (the plan part only with an external scratch).
+  size_t bytes_needed(const Plan& plan) const;
+  // Where `plan`'s partial O starts (partial LSE follows at the layout's distance).
+  unsigned char* scratch(const Plan& plan) const;
+
  private:
   Buffer buffer_;
+  unsigned char* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
   std::vector<unsigned char> host_staging_;  // source of the async copy; outlives it
   uint64_t plan_id_ = 0;
 };

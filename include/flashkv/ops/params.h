@@ -52,6 +52,9 @@ struct AttentionParams {
   const int32_t* mask_indptr = nullptr;  // [B + 1], required with custom_mask
 
   // The plan, as uploaded into the workspace (device copy on CUDA), and partial-state buffers.
+  // Under a CUDA graph the counts below are frozen at capture: kernels then read the current
+  // ones from `plan_header` (and a merge pass sized for layout.max_merges finds empty merges).
+  const PlanHeader* plan_header = nullptr;
   const WorkItem* items = nullptr;
   const int32_t* worker_indptr = nullptr;
   const MergeItem* merges = nullptr;
@@ -60,6 +63,7 @@ struct AttentionParams {
   // num_workers only; a merge pass whenever the layout has room for partial states, since a
   // replayed batch may split where the captured one did not).
   bool cuda_graph = false;
+  int32_t max_merges = 0;  // merge capacity of the layout (graph mode: the merge grid's size)
   float* partial_o = nullptr;    // [partial_rows, Hq, D_v]
   float* partial_lse = nullptr;  // [partial_rows, Hq]
 };
