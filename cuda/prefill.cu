@@ -121,20 +121,19 @@ void prefill(const AttentionParams& p, Stream stream) {
   using namespace prefill_detail;
   const LaunchFn launch = select(p);
   auto s = static_cast<cudaStream_t>(stream.handle);
-  // While a CUDA graph is being captured, the launches must not depend on this batch (a
-  // graph-mode plan has a fixed worker count; its item and merge lists are read on the device).
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(s, &capture), "prefill: cudaStreamIsCapturing");
-  const bool capturing = capture != cudaStreamCaptureStatusNone;
-  if (!capturing && p.num_items == 0) return;
+  // A CUDA-graph plan's launches must not depend on the batch: the grid is the plan's fixed
+  // worker count (the kernel reads its items through worker_indptr on the device), and the merge
+  // pass runs over the layout's whole merge capacity, since a replayed batch may split where
+  // this one did not.
+  if (!p.cuda_graph && p.num_items == 0) return;
   FLASHKV_CHECK(p.num_workers > 0, "prefill: plan has no workers");
   launch(p, s);
-  if (!capturing && p.num_merges == 0) return;
-  const dim3 grid(capturing ? p.num_workers : p.num_merges);
+  const int merges = p.cuda_graph ? p.max_merges : p.num_merges;
+  if (merges == 0) return;
   if (p.q_dtype == DType::bf16)
-    merge_partials_kernel<__nv_bfloat16><<<grid, kMergeThreads, 0, s>>>(p, capturing);
+    merge_partials_kernel<__nv_bfloat16><<<merges, kMergeThreads, 0, s>>>(p);
   else
-    merge_partials_kernel<__half><<<grid, kMergeThreads, 0, s>>>(p, capturing);
+    merge_partials_kernel<__half><<<merges, kMergeThreads, 0, s>>>(p);
   check_cuda(cudaGetLastError(), "prefill: merge launch");
 }
 

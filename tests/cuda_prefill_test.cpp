@@ -479,7 +479,7 @@ TEST(CudaPrefill, Fp8KvWithScales) {
 }
 
 // Extend = ragged causal over the new tokens + paged non-causal over the cached prefix, merged by
-// LSE, equals one causal paged pass over prefix + new.
+// LSE (merge_state on the GPU), equals one causal paged pass over prefix + new.
 TEST(CudaPrefill, ExtendComposition) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 760);
@@ -520,11 +520,17 @@ TEST(CudaPrefill, ExtendComposition) {
 
   auto [o_pre, lse_pre] = run_on_gpu(pre, pin, nullptr);
   auto [o_new, lse_new] = run_on_gpu(fresh, rin, nullptr);
-  Tensor o = Tensor::empty({o_pre.size(0), full.hq, full.dv}, full.dtype);
-  Tensor lse = Tensor::empty({o_pre.size(0), full.hq}, DType::f32);
-  test::poison(o);
-  test::poison(lse);
-  merge_state(o_new, lse_new, o_pre, lse_pre, o, lse);  // host merge of the two GPU states
+  // merge_state on the GPU (the states go back up: run_on_gpu returns host copies).
+  const Device gpu = Device::cuda();
+  Tensor o_h = Tensor::empty({o_pre.size(0), full.hq, full.dv}, full.dtype);
+  Tensor lse_h = Tensor::empty({o_pre.size(0), full.hq}, DType::f32);
+  test::poison(o_h);
+  test::poison(lse_h);
+  Tensor o_d = o_h.to(gpu), lse_d = lse_h.to(gpu);
+  Tensor o_new_d = o_new.to(gpu), lse_new_d = lse_new.to(gpu);
+  Tensor o_pre_d = o_pre.to(gpu), lse_pre_d = lse_pre.to(gpu);
+  merge_state(o_new_d, lse_new_d, o_pre_d, lse_pre_d, o_d, lse_d);
+  Tensor o = o_d.to(Device::cpu()), lse = lse_d.to(Device::cpu());
   Tensor qo = Tensor::from_i32(in.qo_indptr), kvp = Tensor::from_i32(in.kv_indptr);
   Tensor idx = Tensor::from_i32(in.indices), lpl = Tensor::from_i32(in.last_page_len);
   PagedKV kv{in.k, in.v, kvp, idx, lpl, full.page_size};

@@ -44,26 +44,12 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
   }
 }
 
-// scan_items = false: grid.x = num_merges, CTA i merges merges[i].
-// scan_items = true (CUDA-graph mode, where the grid cannot depend on the batch): a fixed grid
-// walks the device item list (worker_indptr[num_workers] items); each chunk-0 split item names a
-// tile to merge, whose MergeItem is the first entry with the same partial base (valid entries
-// come first and their bases are distinct, so stale entries past them are never reached).
+// grid.x = merges to run; CTA i merges merges[i]. With a CUDA-graph plan the grid is the
+// layout's merge capacity and the entries past this plan's merges are empty (q_len 0).
 template <typename QT>
 __global__ void __launch_bounds__(kMergeThreads)
-    merge_partials_kernel(const __grid_constant__ AttentionParams p, bool scan_items) {
-  if (!scan_items) {
-    merge_one<QT>(p, p.merges[blockIdx.x]);
-    return;
-  }
-  const int num_items = p.worker_indptr[p.num_workers];
-  for (int i = blockIdx.x; i < num_items; i += gridDim.x) {
-    const WorkItem it = p.items[i];
-    if (it.partial < 0 || it.chunk != 0) continue;
-    int m = 0;
-    while (p.merges[m].partial != it.partial) ++m;
-    merge_one<QT>(p, p.merges[m]);
-  }
+    merge_partials_kernel(const __grid_constant__ AttentionParams p) {
+  merge_one<QT>(p, p.merges[blockIdx.x]);
 }
 
 }  // namespace flashkv::cuda::prefill_detail
