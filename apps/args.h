@@ -2,9 +2,13 @@
 // from the declared flags. Bad flags print one clear line and exit with code 2.
 #pragma once
 
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <vector>
+
+#include "flashkv/core/device.h"
+#include "flashkv/core/dtype.h"
 
 namespace flashkv::app {
 
@@ -24,6 +28,14 @@ class Args {
   bool flag(const std::string& name) const { return get(name) == "1"; }
   bool given(const std::string& name) const { return given_.count(name) > 0; }
   int get_int(const std::string& name) const;  // exits 2 when not an integer
+  // An integer in [lo, hi]; the value "auto" gives `auto_value`. Exits 2 otherwise.
+  int get_int(const std::string& name, int lo, int hi, int auto_value) const;
+  double get_double(const std::string& name, double lo, double hi) const;  // exits 2 outside
+  // A dtype among `allowed` (names as dtype_name prints them); "auto" gives `auto_value`.
+  DType get_dtype(const std::string& name, std::initializer_list<DType> allowed, DType auto_value) const;
+  // --device: "auto" is the first GPU when one is visible, else the CPU; asking for CUDA without
+  // a GPU (or in a build without CUDA) exits 2 with one line saying which.
+  Device device() const;
   [[noreturn]] void fail(const std::string& message) const;  // "flashkv <cmd>: message", exit 2
   std::string usage() const;
 

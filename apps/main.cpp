@@ -17,6 +17,10 @@ struct Command {
 };
 
 const Command kCommands[] = {
+    {"serve", "run a serving workload through the attention backend and report on it",
+     flashkv::app::cmd_serve},
+    {"bench", "time the attention kernels against the machine's measured roofline",
+     flashkv::app::cmd_bench},
     {"check", "compare every operator with the float64 reference on random inputs",
      flashkv::app::cmd_check},
     {"info", "build features, devices, CPU features, GPU name and SMs", flashkv::app::cmd_info},

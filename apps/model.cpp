@@ -1,0 +1,209 @@
+#include "model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+
+#include "flashkv/backend/layer_reference.h"
+#include "flashkv/ops/compare.h"
+
+namespace flashkv::app {
+
+LayerSpec ModelConfig::layer(int i) const {
+  LayerSpec l;
+  l.layer_id = i;
+  l.num_qo_heads = num_qo_heads;
+  l.num_kv_heads = num_kv_heads;
+  l.head_dim_qk = head_dim;
+  if (sliding_window >= 0 && i % 2 == 0) l.sliding_window_size = sliding_window;
+  if (encoder_decoder && i % 2 == 1) l.is_cross_attention = true;
+  return l;
+}
+
+std::string ModelConfig::str() const {
+  std::string s = str_cat(num_layers, " layers, ", num_qo_heads, "/", num_kv_heads,
+                          " heads, head dim ", head_dim, ", ", dtype_name(dtype), ", kv ",
+                          dtype_name(kv_dtype));
+  if (sliding_window >= 0) s += str_cat(", window ", sliding_window, " on even layers");
+  if (encoder_decoder) s += ", cross attention on odd layers";
+  return s;
+}
+
+Model::Model(const ModelConfig& config, Device device, int64_t kv_slots, uint64_t seed)
+    : config_(config), device_(device), gen_(seed) {
+  KVPoolConfig pc;
+  pc.num_slots = kv_slots;
+  pc.num_layers = config.num_layers;
+  pc.num_kv_heads = config.num_kv_heads;
+  pc.head_dim_qk = config.head_dim;
+  pc.dtype = config.kv_dtype;
+  pc.device = device;
+  pool_ = std::make_unique<KVPool>(pc);
+  if (is_fp8(config.kv_dtype))
+    for (int l = 0; l < config.num_layers; ++l) pool_->set_scales(l, 0.5f, 2.0f);
+  BackendOptions o;
+  o.device = device;
+  o.q_dtype = config.dtype;
+  o.num_qo_heads = config.num_qo_heads;
+  o.num_kv_heads = config.num_kv_heads;
+  o.head_dim_qk = config.head_dim;
+  o.sliding_window_size = config.sliding_window;
+  o.is_encoder_decoder = config.encoder_decoder;
+  backend_ = std::make_unique<FlashKVBackend>(o);
+}
+
+void Model::reserve_bank(int64_t elements) {
+  // Twice the largest slice, so slices start anywhere in the first half.
+  const int64_t want = 2 * elements + 4096;
+  if (bank_.defined() && bank_.numel() >= want) return;
+  const int64_t size = std::max<int64_t>(want, int64_t{1} << 20);
+  Tensor host = Tensor::empty({size}, config_.dtype);
+  fill_normal(host, gen_());
+  bank_ = host.to(device_);
+}
+
+TensorView Model::activations(int64_t rows, int heads, int dim) {
+  const int64_t n = rows * heads * dim;
+  // 64-element aligned offsets keep every slice as aligned as a fresh allocation's rows.
+  const int64_t slots = (bank_.numel() - n) / 64;
+  const int64_t offset = std::uniform_int_distribution<int64_t>(0, std::max<int64_t>(slots - 1, 0))(gen_) * 64;
+  return TensorView(static_cast<char*>(bank_.data()) + offset * dtype_size(config_.dtype), config_.dtype,
+                    {rows, heads, dim}, device_);
+}
+
+namespace {
+
+// Rows [begin, begin + n) of a [rows, ...] device or host tensor, copied to the host.
+void copy_rows(const TensorView& src, int64_t begin, int64_t n, char* dst) {
+  const size_t row_bytes = src.nbytes() / static_cast<size_t>(src.shape[0]);
+  copy_bytes(dst, Device::cpu(), static_cast<const char*>(src.data) + begin * row_bytes, src.device,
+             n * row_bytes);
+}
+
+bool host_has_nan(const TensorView& t) {
+  for (int64_t i = 0; i < t.numel(); ++i)
+    if (std::isnan(load_as_double(t.data, t.dtype, i))) return true;
+  return false;
+}
+
+}  // namespace
+
+PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
+  ForwardBatch& b = step.batch();
+  b.token_to_kv_pool = pool_.get();
+  const ModelConfig& c = config_;
+  const int64_t T = step.num_tokens(), E = step.num_encoder_tokens();
+  const int64_t hd_out = int64_t{c.num_qo_heads} * c.head_dim;
+  reserve_bank(std::max(T, E) * hd_out);
+
+  // Which layers and requests to check, decided (and their buffers made) before timing.
+  std::vector<int> check_layers;
+  std::vector<size_t> check_entries;
+  if (check.enabled && T > 0) {
+    std::vector<int> layers(c.num_layers);
+    std::iota(layers.begin(), layers.end(), 0);
+    std::shuffle(layers.begin(), layers.end(), gen_);
+    layers.resize(std::min<size_t>(layers.size(), static_cast<size_t>(std::max(check.layers, 0))));
+    check_layers = layers;
+    for (size_t i = 0; i < step.entries().size(); ++i)
+      if (step.entries()[i].num_new > 0) check_entries.push_back(i);
+    std::shuffle(check_entries.begin(), check_entries.end(), gen_);
+    check_entries.resize(std::min<size_t>(check_entries.size(), static_cast<size_t>(std::max(check.requests, 0))));
+    std::sort(check_entries.begin(), check_entries.end());
+  }
+  std::vector<Tensor> check_out;
+  for (size_t k = 0; k < check_layers.size(); ++k) {
+    // All-ones bytes are NaN in every float dtype: a row the layer does not write shows.
+    check_out.push_back(Tensor::empty({T, hd_out}, c.dtype, device_));
+    fill_bytes(check_out.back().data(), device_, 0xFF, check_out.back().view().nbytes());
+  }
+  std::vector<TensorView> check_q(check_layers.size());
+
+  synchronize(device_);
+  const auto t0 = std::chrono::steady_clock::now();
+  backend_->init_forward_metadata(b);
+  TensorView last_out;
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerSpec spec = c.layer(l);
+    const TensorView q = activations(T, c.num_qo_heads, c.head_dim);
+    TensorView k, v;
+    const int64_t kv_rows = spec.is_cross_attention ? (step.write_encoder_kv() ? E : 0) : T;
+    if (kv_rows > 0) {
+      k = activations(kv_rows, c.num_kv_heads, c.head_dim);
+      v = activations(kv_rows, c.num_kv_heads, c.head_dim);
+    }
+    const auto at = std::find(check_layers.begin(), check_layers.end(), l);
+    TensorView out;
+    if (at != check_layers.end()) {
+      out = check_out[at - check_layers.begin()];
+      check_q[at - check_layers.begin()] = q;
+    }
+    last_out = backend_->forward(q, k, v, spec, b, /*save_kv_cache=*/true, out);
+  }
+  synchronize(device_);
+  PassResult r;
+  const auto t1 = std::chrono::steady_clock::now();
+  r.ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+  verify_pass(step, check, check_layers, check_entries, check_q, check_out, last_out, r);
+  r.check_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+  return r;
+}
+
+void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
+                        const std::vector<int>& check_layers, const std::vector<size_t>& check_entries,
+                        const std::vector<TensorView>& check_q, const std::vector<Tensor>& check_out,
+                        const TensorView& last_out, PassResult& r) {
+  const ModelConfig& c = config_;
+  const ForwardBatch& b = step.batch();
+  const int64_t T = step.num_tokens();
+  const int64_t hd_out = int64_t{c.num_qo_heads} * c.head_dim;
+  if (T > 0 && last_out.defined()) {
+    Tensor host = Tensor::empty({T, hd_out}, c.dtype);
+    copy_rows(last_out, 0, T, static_cast<char*>(host.data()));
+    r.nan = host_has_nan(host);
+  }
+  if (check_layers.empty() || check_entries.empty()) return;
+
+  // The checked rows: the last `rows` new tokens of each sampled request.
+  std::vector<ReferenceRequest> reqs;
+  std::vector<std::pair<int64_t, int64_t>> row_ranges;  // [first row, count] in the batch
+  int64_t total = 0;
+  for (size_t i : check_entries) {
+    const BatchEntry& e = step.entries()[i];
+    const int32_t rows = check.rows > 0 ? std::min(e.num_new, check.rows) : e.num_new;
+    ReferenceRequest rr;
+    rr.slots = e.seq->slots.data();
+    rr.encoder_len = e.seq->encoder_len;
+    rr.seq_len = e.seq_len;
+    rr.qo_len = rows;
+    if (const uint8_t* m = step.mask(i)) rr.mask = m + int64_t{e.num_new - rows} * e.seq_len;
+    reqs.push_back(rr);
+    row_ranges.emplace_back(step.qo_begin(i) + e.num_new - rows, rows);
+    total += rows;
+  }
+  const Tolerance tol = tolerance_for(c.dtype, is_fp8(c.kv_dtype));
+  for (size_t k = 0; k < check_layers.size(); ++k) {
+    Tensor q = Tensor::empty({total, c.num_qo_heads, c.head_dim}, c.dtype);
+    Tensor out = Tensor::empty({total, c.num_qo_heads, c.head_dim}, c.dtype);
+    int64_t at = 0;
+    for (const auto& [first, n] : row_ranges) {
+      copy_rows(check_q[k], first, n, static_cast<char*>(q.data()) + at * q.view().nbytes() / total);
+      copy_rows(check_out[k], first, n, static_cast<char*>(out.data()) + at * out.view().nbytes() / total);
+      at += n;
+    }
+    const reference::Result ref = layer_reference(c.layer(check_layers[k]), reqs, q, *pool_);
+    const Errors err = compare(out, TensorView(), ref);
+    ++r.checked;
+    r.worst_rel = std::max(r.worst_rel, err.rel);
+    r.nan = r.nan || err.nan;
+    if (!err.within(tol)) {
+      if (r.failures++ == 0)
+        r.failure = str_cat(mode_name(b.mode), " pass of ", b.batch_size, " requests, layer ",
+                            check_layers[k], ": errors ", err.str(), " past rel ", tol.rel,
+                            ", max_abs ", tol.max_abs);
+    }
+  }
+}
+
+}  // namespace flashkv::app
