@@ -65,8 +65,10 @@ class JsonParser {
     while (!at_end() && (peek() == ' ' || peek() == '\t' || peek() == '\n' || peek() == '\r')) next();
   }
   void expect_word(const char* word) {
+    const int line = line_, column = column_;
     for (const char* w = word; *w; ++w) {
-      if (peek() != *w) fail(str_cat("invalid literal (expected '", word, "')"));
+      if (peek() != *w)
+        throw Error(str_cat("line ", line, ", column ", column, ": invalid literal (expected '", word, "')"));
       next();
     }
   }
