@@ -72,7 +72,8 @@ double Args::get_double(const std::string& name, double lo, double hi) const {
   return x;
 }
 
-DType Args::get_dtype(const std::string& name, std::initializer_list<DType> allowed, DType auto_value) const {
+DType Args::get_dtype(const std::string& name, std::initializer_list<DType> allowed,
+                      DType auto_value) const {
   const std::string& v = get(name);
   if (v == "auto") return auto_value;
   std::string names;
@@ -92,10 +93,12 @@ Device Args::device() const {
   } catch (const Error&) {
     fail("--device expects auto, cpu, cuda or cuda:N, got '" + s + "'");
   }
-  if (d.is_cuda() && !built_with_cuda()) fail("--device " + s + ": this flashkv was built without CUDA");
+  if (d.is_cuda() && !built_with_cuda())
+    fail("--device " + s + ": this flashkv was built without CUDA");
   if (d.is_cuda() && d.index >= cuda_device_count())
-    fail(cuda_device_count() == 0 ? "--device " + s + ": no GPU is visible"
-                                  : str_cat("--device ", s, ": only ", cuda_device_count(), " GPUs are visible"));
+    fail(cuda_device_count() == 0
+             ? "--device " + s + ": no GPU is visible"
+             : str_cat("--device ", s, ": only ", cuda_device_count(), " GPUs are visible"));
   return d;
 }
 
@@ -109,8 +112,10 @@ std::string Args::usage() const {
   os << "usage: flashkv " << command_ << " [options]\n\n" << summary_ << "\n\noptions:\n";
   for (const FlagSpec& f : flags_) {
     std::string left = "  " + f.name + (f.value.empty() ? "" : " " + f.value);
-    if (left.size() < 30) left.resize(30, ' ');
-    else left += "\n" + std::string(30, ' ');
+    if (left.size() < 30)
+      left.resize(30, ' ');
+    else
+      left += "\n" + std::string(30, ' ');
     os << left << f.help;
     if (!f.value.empty() && !f.fallback.empty()) os << " (default: " << f.fallback << ")";
     os << "\n";

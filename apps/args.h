@@ -13,10 +13,10 @@
 namespace flashkv::app {
 
 struct FlagSpec {
-  std::string name;       // "--device"
-  std::string value;      // "auto|cpu|cuda"; empty for a boolean flag
+  std::string name;   // "--device"
+  std::string value;  // "auto|cpu|cuda"; empty for a boolean flag
   std::string help;
-  std::string fallback;   // default value
+  std::string fallback;  // default value
 };
 
 class Args {
@@ -32,7 +32,8 @@ class Args {
   int get_int(const std::string& name, int lo, int hi, int auto_value) const;
   double get_double(const std::string& name, double lo, double hi) const;  // exits 2 outside
   // A dtype among `allowed` (names as dtype_name prints them); "auto" gives `auto_value`.
-  DType get_dtype(const std::string& name, std::initializer_list<DType> allowed, DType auto_value) const;
+  DType get_dtype(const std::string& name, std::initializer_list<DType> allowed,
+                  DType auto_value) const;
   // --device: "auto" is the first GPU when one is visible, else the CPU; asking for CUDA without
   // a GPU (or in a build without CUDA) exits 2 with one line saying which.
   Device device() const;

@@ -11,14 +11,22 @@ namespace flashkv::app {
 
 const char* scenario_name(BackendScenario s) {
   switch (s) {
-    case BackendScenario::decode: return "decode";
-    case BackendScenario::extend: return "extend";
-    case BackendScenario::extend_prefix: return "extend+prefix";
-    case BackendScenario::mixed: return "mixed";
-    case BackendScenario::verify: return "verify";
-    case BackendScenario::draft_extend: return "draft_extend";
-    case BackendScenario::sliding_window: return "window";
-    case BackendScenario::cross_attention: return "cross";
+    case BackendScenario::decode:
+      return "decode";
+    case BackendScenario::extend:
+      return "extend";
+    case BackendScenario::extend_prefix:
+      return "extend+prefix";
+    case BackendScenario::mixed:
+      return "mixed";
+    case BackendScenario::verify:
+      return "verify";
+    case BackendScenario::draft_extend:
+      return "draft_extend";
+    case BackendScenario::sliding_window:
+      return "window";
+    case BackendScenario::cross_attention:
+      return "cross";
   }
   return "?";
 }
@@ -39,7 +47,9 @@ namespace {
 class Scenario {
  public:
   Scenario(const BackendCase& c, Device device)
-      : c_(c), device_(device), gen_(c.seed),
+      : c_(c),
+        device_(device),
+        gen_(c.seed),
         req_to_token_(16, 4096, device),
         allocator_(kSlots),
         model_(c.model, device, kSlots, c.seed + 1) {
@@ -202,9 +212,9 @@ std::vector<BackendCase> backend_case_grid(bool quick, uint64_t seed) {
     wide.head_dim = 128;
     shapes.push_back(wide);
   }
-  const BackendScenario all[] = {BackendScenario::decode,       BackendScenario::extend,
-                                 BackendScenario::extend_prefix, BackendScenario::mixed,
-                                 BackendScenario::verify,       BackendScenario::draft_extend,
+  const BackendScenario all[] = {BackendScenario::decode,         BackendScenario::extend,
+                                 BackendScenario::extend_prefix,  BackendScenario::mixed,
+                                 BackendScenario::verify,         BackendScenario::draft_extend,
                                  BackendScenario::sliding_window, BackendScenario::cross_attention};
   for (const ModelConfig& shape : shapes) {
     for (BackendScenario sc : all) {

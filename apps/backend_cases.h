@@ -14,13 +14,14 @@
 namespace flashkv::app {
 
 enum class BackendScenario {
-  decode,          // prefill, then two decode passes
-  extend,          // prefill of new requests (ragged only)
-  extend_prefix,   // extend on top of cached prefixes, mixed with a new request (ragged + paged + merge)
-  mixed,           // a MIXED pass: decode requests and an extend in one batch
-  verify,          // TARGET_VERIFY over random draft trees
-  draft_extend,    // DRAFT_EXTEND by random accepted lengths
-  sliding_window,  // window and full layers: prefill, extend, decode
+  decode,           // prefill, then two decode passes
+  extend,           // prefill of new requests (ragged only)
+  extend_prefix,    // extend on top of cached prefixes, mixed with a new request (ragged + paged +
+                    // merge)
+  mixed,            // a MIXED pass: decode requests and an extend in one batch
+  verify,           // TARGET_VERIFY over random draft trees
+  draft_extend,     // DRAFT_EXTEND by random accepted lengths
+  sliding_window,   // window and full layers: prefill, extend, decode
   cross_attention,  // encoder-decoder: extend writing the encoder KV, then decode
 };
 const char* scenario_name(BackendScenario s);

@@ -1,12 +1,12 @@
 #include "json.h"
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
-
-#include <sys/stat.h>
 
 namespace flashkv::app {
 
@@ -20,12 +20,18 @@ std::string JsonValue::where() const { return str_cat("line ", line_, ", column 
 
 const char* JsonValue::type_name(Type t) {
   switch (t) {
-    case Type::null: return "null";
-    case Type::boolean: return "a boolean";
-    case Type::number: return "a number";
-    case Type::string: return "a string";
-    case Type::array: return "an array";
-    case Type::object: return "an object";
+    case Type::null:
+      return "null";
+    case Type::boolean:
+      return "a boolean";
+    case Type::number:
+      return "a number";
+    case Type::string:
+      return "a string";
+    case Type::array:
+      return "an array";
+    case Type::object:
+      return "an object";
   }
   return "?";
 }
@@ -62,13 +68,15 @@ class JsonParser {
     return c;
   }
   void skip_space() {
-    while (!at_end() && (peek() == ' ' || peek() == '\t' || peek() == '\n' || peek() == '\r')) next();
+    while (!at_end() && (peek() == ' ' || peek() == '\t' || peek() == '\n' || peek() == '\r'))
+      next();
   }
   void expect_word(const char* word) {
     const int line = line_, column = column_;
     for (const char* w = word; *w; ++w) {
       if (peek() != *w)
-        throw Error(str_cat("line ", line, ", column ", column, ": invalid literal (expected '", word, "')"));
+        throw Error(str_cat("line ", line, ", column ", column, ": invalid literal (expected '",
+                            word, "')"));
       next();
     }
   }
@@ -120,7 +128,8 @@ class JsonParser {
       const int key_line = line_, key_column = column_;
       std::string key = string();
       if (v.find(key))
-        throw Error(str_cat("line ", key_line, ", column ", key_column, ": duplicate key \"", key, "\""));
+        throw Error(
+            str_cat("line ", key_line, ", column ", key_column, ": duplicate key \"", key, "\""));
       skip_space();
       if (peek() != ':') fail("expected ':' after a member name");
       next();
@@ -167,10 +176,14 @@ class JsonParser {
     for (int i = 0; i < 4; ++i) {
       const char c = peek();
       u <<= 4;
-      if (c >= '0' && c <= '9') u |= c - '0';
-      else if (c >= 'a' && c <= 'f') u |= c - 'a' + 10;
-      else if (c >= 'A' && c <= 'F') u |= c - 'A' + 10;
-      else fail("expected four hex digits after \\u");
+      if (c >= '0' && c <= '9')
+        u |= c - '0';
+      else if (c >= 'a' && c <= 'f')
+        u |= c - 'a' + 10;
+      else if (c >= 'A' && c <= 'F')
+        u |= c - 'A' + 10;
+      else
+        fail("expected four hex digits after \\u");
       next();
     }
     return u;
@@ -213,14 +226,30 @@ class JsonParser {
       if (at_end()) fail("unexpected end of text (unterminated string)");
       const char e = next();
       switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
+        case '"':
+          out += '"';
+          break;
+        case '\\':
+          out += '\\';
+          break;
+        case '/':
+          out += '/';
+          break;
+        case 'b':
+          out += '\b';
+          break;
+        case 'f':
+          out += '\f';
+          break;
+        case 'n':
+          out += '\n';
+          break;
+        case 'r':
+          out += '\r';
+          break;
+        case 't':
+          out += '\t';
+          break;
         case 'u': {
           unsigned cp = hex4();
           if (cp >= 0xD800 && cp <= 0xDBFF) {  // a surrogate pair
@@ -237,7 +266,8 @@ class JsonParser {
           append_utf8(out, cp);
           break;
         }
-        default: fail(str_cat("invalid escape '\\", std::string(1, e), "'"));
+        default:
+          fail(str_cat("invalid escape '\\", std::string(1, e), "'"));
       }
     }
   }

@@ -22,9 +22,9 @@ LayerSpec ModelConfig::layer(int i) const {
 }
 
 std::string ModelConfig::str() const {
-  std::string s = str_cat(num_layers, " layers, ", num_qo_heads, "/", num_kv_heads,
-                          " heads, head dim ", head_dim, ", ", dtype_name(dtype), ", kv ",
-                          dtype_name(kv_dtype));
+  std::string s =
+      str_cat(num_layers, " layers, ", num_qo_heads, "/", num_kv_heads, " heads, head dim ",
+              head_dim, ", ", dtype_name(dtype), ", kv ", dtype_name(kv_dtype));
   if (sliding_window >= 0) s += str_cat(", window ", sliding_window, " on even layers");
   if (encoder_decoder) s += ", cross attention on odd layers";
   return s;
@@ -67,9 +67,10 @@ TensorView Model::activations(int64_t rows, int heads, int dim) {
   const int64_t n = rows * heads * dim;
   // 64-element aligned offsets keep every slice as aligned as a fresh allocation's rows.
   const int64_t slots = (bank_.numel() - n) / 64;
-  const int64_t offset = std::uniform_int_distribution<int64_t>(0, std::max<int64_t>(slots - 1, 0))(gen_) * 64;
-  return TensorView(static_cast<char*>(bank_.data()) + offset * dtype_size(config_.dtype), config_.dtype,
-                    {rows, heads, dim}, device_);
+  const int64_t offset =
+      std::uniform_int_distribution<int64_t>(0, std::max<int64_t>(slots - 1, 0))(gen_) * 64;
+  return TensorView(static_cast<char*>(bank_.data()) + offset * dtype_size(config_.dtype),
+                    config_.dtype, {rows, heads, dim}, device_);
 }
 
 namespace {
@@ -109,7 +110,8 @@ PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
     for (size_t i = 0; i < step.entries().size(); ++i)
       if (step.entries()[i].num_new > 0) check_entries.push_back(i);
     std::shuffle(check_entries.begin(), check_entries.end(), gen_);
-    check_entries.resize(std::min<size_t>(check_entries.size(), static_cast<size_t>(std::max(check.requests, 0))));
+    check_entries.resize(
+        std::min<size_t>(check_entries.size(), static_cast<size_t>(std::max(check.requests, 0))));
     std::sort(check_entries.begin(), check_entries.end());
   }
   std::vector<Tensor> check_out;
@@ -146,14 +148,17 @@ PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
   const auto t1 = std::chrono::steady_clock::now();
   r.ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
   verify_pass(step, check, check_layers, check_entries, check_q, check_out, last_out, r);
-  r.check_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+  r.check_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
   return r;
 }
 
 void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
-                        const std::vector<int>& check_layers, const std::vector<size_t>& check_entries,
-                        const std::vector<TensorView>& check_q, const std::vector<Tensor>& check_out,
-                        const TensorView& last_out, PassResult& r) {
+                        const std::vector<int>& check_layers,
+                        const std::vector<size_t>& check_entries,
+                        const std::vector<TensorView>& check_q,
+                        const std::vector<Tensor>& check_out, const TensorView& last_out,
+                        PassResult& r) {
   const ModelConfig& c = config_;
   const ForwardBatch& b = step.batch();
   const int64_t T = step.num_tokens();
@@ -188,8 +193,10 @@ void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
     Tensor out = Tensor::empty({total, c.num_qo_heads, c.head_dim}, c.dtype);
     int64_t at = 0;
     for (const auto& [first, n] : row_ranges) {
-      copy_rows(check_q[k], first, n, static_cast<char*>(q.data()) + at * q.view().nbytes() / total);
-      copy_rows(check_out[k], first, n, static_cast<char*>(out.data()) + at * out.view().nbytes() / total);
+      copy_rows(check_q[k], first, n,
+                static_cast<char*>(q.data()) + at * q.view().nbytes() / total);
+      copy_rows(check_out[k], first, n,
+                static_cast<char*>(out.data()) + at * out.view().nbytes() / total);
       at += n;
     }
     const reference::Result ref = layer_reference(c.layer(check_layers[k]), reqs, q, *pool_);

@@ -39,13 +39,13 @@ struct CheckOptions {
 };
 
 struct PassResult {
-  double ms = 0;        // init_forward_metadata + every layer's forward, device synchronized
-  int checked = 0;      // layer outputs compared with the reference
-  int failures = 0;     // ... outside the tolerance of SEMANTICS.md
+  double ms = 0;         // init_forward_metadata + every layer's forward, device synchronized
+  int checked = 0;       // layer outputs compared with the reference
+  int failures = 0;      // ... outside the tolerance of SEMANTICS.md
   double worst_rel = 0;  // largest relative error seen
-  bool nan = false;     // a NaN in the last layer's output or a checked one
-  std::string failure;  // the first failure, described
-  double check_ms = 0;  // time spent after the pass on the NaN scan and the reference
+  bool nan = false;      // a NaN in the last layer's output or a checked one
+  std::string failure;   // the first failure, described
+  double check_ms = 0;   // time spent after the pass on the NaN scan and the reference
 };
 
 class Model {
@@ -66,9 +66,10 @@ class Model {
   TensorView activations(int64_t rows, int heads, int dim);
   void reserve_bank(int64_t elements);
   // After a pass: scans the last output for NaN and compares the checked layers' outputs.
-  void verify_pass(const StepBatch& step, const CheckOptions& check, const std::vector<int>& check_layers,
-                   const std::vector<size_t>& check_entries, const std::vector<TensorView>& check_q,
-                   const std::vector<Tensor>& check_out, const TensorView& last_out, PassResult& r);
+  void verify_pass(const StepBatch& step, const CheckOptions& check,
+                   const std::vector<int>& check_layers, const std::vector<size_t>& check_entries,
+                   const std::vector<TensorView>& check_q, const std::vector<Tensor>& check_out,
+                   const TensorView& last_out, PassResult& r);
 
   ModelConfig config_;
   Device device_;

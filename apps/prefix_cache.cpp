@@ -29,7 +29,8 @@ int32_t PrefixCache::find(int32_t parent, const int32_t* tokens) const {
   auto range = index_.equal_range(key_of(parent, tokens));
   for (auto it = range.first; it != range.second; ++it) {
     const Node& n = nodes_[it->second];
-    if (n.parent == parent && std::equal(n.tokens.begin(), n.tokens.end(), tokens)) return it->second;
+    if (n.parent == parent && std::equal(n.tokens.begin(), n.tokens.end(), tokens))
+      return it->second;
   }
   return -1;
 }
@@ -180,12 +181,14 @@ void PrefixCache::check_invariants() const {
     ++live;
     if (n.refs == 0) ++unreferenced;
     FLASHKV_CHECK(n.refs >= 0, "PrefixCache: node ", id, " has ", n.refs, " references");
-    FLASHKV_CHECK(static_cast<int>(n.slots.size()) == block_size_ && static_cast<int>(n.tokens.size()) == block_size_,
+    FLASHKV_CHECK(static_cast<int>(n.slots.size()) == block_size_ &&
+                      static_cast<int>(n.tokens.size()) == block_size_,
                   "PrefixCache: node ", id, " holds ", n.slots.size(), " slots");
     if (n.parent >= 0) {
       const Node& p = nodes_[n.parent];
       FLASHKV_CHECK(p.live, "PrefixCache: node ", id, " has an evicted parent");
-      FLASHKV_CHECK(p.refs >= n.refs, "PrefixCache: node ", id, " has more references than its parent");
+      FLASHKV_CHECK(p.refs >= n.refs, "PrefixCache: node ", id,
+                    " has more references than its parent");
       ++children[n.parent];
     }
   }

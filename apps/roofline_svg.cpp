@@ -12,11 +12,20 @@ std::string xml_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -30,9 +39,12 @@ std::string num(double x, const char* f = "%.1f") {
 
 const char* op_colour(bench::BenchOp op) {
   switch (op) {
-    case bench::BenchOp::decode: return "#1f77b4";
-    case bench::BenchOp::prefill: return "#d62728";
-    case bench::BenchOp::extend: return "#2ca02c";
+    case bench::BenchOp::decode:
+      return "#1f77b4";
+    case bench::BenchOp::prefill:
+      return "#d62728";
+    case bench::BenchOp::extend:
+      return "#2ca02c";
   }
   return "#000000";
 }
@@ -56,7 +68,8 @@ std::string roofline_svg(const bench::BenchReport& report) {
   std::vector<Point> points;
   for (const bench::CaseResult& r : report.cases) {
     const double bytes = bench::case_bytes(r.c), flops = bench::case_flops(r.c);
-    if (bytes > 0 && flops > 0 && r.tflops > 0) points.push_back({flops / bytes, r.tflops * 1e3, &r});
+    if (bytes > 0 && flops > 0 && r.tflops > 0)
+      points.push_back({flops / bytes, r.tflops * 1e3, &r});
   }
   // Axis ranges: whole decades around the points and the ridge point of the two ceilings.
   const double bw = std::max(m.read_gbps, 1e-3), peak = std::max(m.matmul_gflops, 1e-3);
@@ -79,7 +92,8 @@ std::string roofline_svg(const bench::BenchReport& report) {
   os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"960\" height=\"540\" "
         "viewBox=\"0 0 960 540\" font-family=\"sans-serif\" font-size=\"12\">\n";
   os << "<rect width=\"960\" height=\"540\" fill=\"white\"/>\n";
-  os << "<text x=\"" << (f.left + f.right) / 2 << "\" y=\"28\" text-anchor=\"middle\" font-size=\"16\">"
+  os << "<text x=\"" << (f.left + f.right) / 2
+     << "\" y=\"28\" text-anchor=\"middle\" font-size=\"16\">"
      << xml_escape("flashkv roofline: " + m.name + " (" + m.device.str() + ")") << "</text>\n";
   // Decade grid and tick labels.
   os << "<g stroke=\"#dddddd\" stroke-width=\"1\">\n";
@@ -87,8 +101,8 @@ std::string roofline_svg(const bench::BenchReport& report) {
     os << "<line x1=\"" << num(f.x(std::pow(10.0, e))) << "\" y1=\"" << f.top << "\" x2=\""
        << num(f.x(std::pow(10.0, e))) << "\" y2=\"" << f.bottom << "\"/>\n";
   for (double e = f.ly0; e <= f.ly1 + 1e-9; ++e)
-    os << "<line x1=\"" << f.left << "\" y1=\"" << num(f.y(std::pow(10.0, e))) << "\" x2=\"" << f.right
-       << "\" y2=\"" << num(f.y(std::pow(10.0, e))) << "\"/>\n";
+    os << "<line x1=\"" << f.left << "\" y1=\"" << num(f.y(std::pow(10.0, e))) << "\" x2=\""
+       << f.right << "\" y2=\"" << num(f.y(std::pow(10.0, e))) << "\"/>\n";
   os << "</g>\n<g fill=\"#333333\">\n";
   for (double e = f.lx0; e <= f.lx1 + 1e-9; ++e)
     os << "<text x=\"" << num(f.x(std::pow(10.0, e))) << "\" y=\"" << f.bottom + 18
@@ -106,11 +120,13 @@ std::string roofline_svg(const bench::BenchReport& report) {
   // starts where it enters the plot.
   const double x_lo = std::max(std::pow(10.0, f.lx0), std::pow(10.0, f.ly0) / bw);
   const double x_hi = std::pow(10.0, f.lx1);
-  os << "<polyline fill=\"none\" stroke=\"#555555\" stroke-width=\"2\" points=\"" << num(f.x(x_lo)) << ","
-     << num(f.y(bw * x_lo)) << " " << num(f.x(ridge)) << "," << num(f.y(peak)) << " " << num(f.x(x_hi))
-     << "," << num(f.y(peak)) << "\"/>\n";
-  os << "<text x=\"" << num(f.x(ridge)) << "\" y=\"" << num(f.y(peak) - 8) << "\" text-anchor=\"end\" fill=\"#555555\">"
-     << xml_escape("matmul " + num(m.matmul_gflops, "%.0f") + " GFLOP/s (" + m.matmul_kind + ")") << "</text>\n";
+  os << "<polyline fill=\"none\" stroke=\"#555555\" stroke-width=\"2\" points=\"" << num(f.x(x_lo))
+     << "," << num(f.y(bw * x_lo)) << " " << num(f.x(ridge)) << "," << num(f.y(peak)) << " "
+     << num(f.x(x_hi)) << "," << num(f.y(peak)) << "\"/>\n";
+  os << "<text x=\"" << num(f.x(ridge)) << "\" y=\"" << num(f.y(peak) - 8)
+     << "\" text-anchor=\"end\" fill=\"#555555\">"
+     << xml_escape("matmul " + num(m.matmul_gflops, "%.0f") + " GFLOP/s (" + m.matmul_kind + ")")
+     << "</text>\n";
   os << "<text x=\"" << num(f.x(x_lo) + 6) << "\" y=\"" << num(f.y(bw * x_lo) - 8)
      << "\" fill=\"#555555\">" << xml_escape("read " + num(m.read_gbps) + " GB/s") << "</text>\n";
   // One point per case, with its figures as a tooltip.
@@ -119,14 +135,17 @@ std::string roofline_svg(const bench::BenchReport& report) {
     os << "<circle cx=\"" << num(f.x(p.intensity)) << "\" cy=\"" << num(f.y(p.gflops))
        << "\" r=\"5\" fill=\"" << op_colour(r.c.op) << "\" fill-opacity=\"0.8\"><title>"
        << xml_escape(r.c.str() + ": " + num(r.us) + " us, " + num(r.gbps) + " GB/s, " +
-                     num(r.tflops, "%.3f") + " TFLOP/s, " + num(100 * r.roofline_fraction) + "% of roofline")
+                     num(r.tflops, "%.3f") + " TFLOP/s, " + num(100 * r.roofline_fraction) +
+                     "% of roofline")
        << "</title></circle>\n";
   }
   // Legend.
   double ly = f.top + 10;
-  for (bench::BenchOp op : {bench::BenchOp::decode, bench::BenchOp::prefill, bench::BenchOp::extend}) {
-    os << "<circle cx=\"" << f.right + 24 << "\" cy=\"" << ly << "\" r=\"5\" fill=\"" << op_colour(op)
-       << "\"/><text x=\"" << f.right + 36 << "\" y=\"" << ly + 4 << "\">" << bench::op_name(op) << "</text>\n";
+  for (bench::BenchOp op :
+       {bench::BenchOp::decode, bench::BenchOp::prefill, bench::BenchOp::extend}) {
+    os << "<circle cx=\"" << f.right + 24 << "\" cy=\"" << ly << "\" r=\"5\" fill=\""
+       << op_colour(op) << "\"/><text x=\"" << f.right + 36 << "\" y=\"" << ly + 4 << "\">"
+       << bench::op_name(op) << "</text>\n";
     ly += 20;
   }
   os << "</svg>\n";

@@ -38,15 +38,21 @@ ModelConfig draft_config(const ModelConfig& target) {
 }  // namespace
 
 int64_t Scheduler::slots_needed(const RequestSpec& r, const SpeculativeConfig& spec) {
-  return static_cast<int64_t>(r.prompt.size()) + r.output_len + (spec.enabled ? spec.draft_tokens : 0);
+  return static_cast<int64_t>(r.prompt.size()) + r.output_len +
+         (spec.enabled ? spec.draft_tokens : 0);
 }
 
 Scheduler::Scheduler(const Workload& workload, const ModelConfig& model, Device device,
                      const SchedulerOptions& options)
-    : workload_(workload), options_(options), device_(device), cache_(options.block_size),
+    : workload_(workload),
+      options_(options),
+      device_(device),
+      cache_(options.block_size),
       rng_(options.seed * 0x2545F4914F6CDD1Dull + 17) {
-  FLASHKV_CHECK(options.token_budget >= 1, "token budget: expected >= 1, got ", options.token_budget);
-  FLASHKV_CHECK(options.max_running >= 1, "max running requests: expected >= 1, got ", options.max_running);
+  FLASHKV_CHECK(options.token_budget >= 1, "token budget: expected >= 1, got ",
+                options.token_budget);
+  FLASHKV_CHECK(options.max_running >= 1, "max running requests: expected >= 1, got ",
+                options.max_running);
   FLASHKV_CHECK(!workload.requests.empty(), "workload ", workload.name, ": no requests");
   int64_t max_context = 1;
   for (size_t i = 0; i < workload.requests.size(); ++i) {
@@ -60,7 +66,8 @@ Scheduler::Scheduler(const Workload& workload, const ModelConfig& model, Device 
   allocator_ = std::make_unique<TokenAllocator>(options.kv_slots);
   model_ = std::make_unique<Model>(model, device, options.kv_slots, options.seed);
   if (workload.spec.enabled)
-    draft_ = std::make_unique<Model>(draft_config(model), device, options.kv_slots, options.seed + 1);
+    draft_ =
+        std::make_unique<Model>(draft_config(model), device, options.kv_slots, options.seed + 1);
   stats_.requests = static_cast<int64_t>(workload.requests.size());
   stats_.kv_slots = options.kv_slots;
 }
@@ -78,7 +85,8 @@ void Scheduler::note_kv_use() {
   const int64_t used = allocator_->capacity() - allocator_->num_free();
   stats_.peak_kv_slots = std::max(stats_.peak_kv_slots, used);
   // Unreferenced prefix-cache blocks could be evicted at once: not part of the working set.
-  stats_.peak_working_kv_slots = std::max(stats_.peak_working_kv_slots, used - cache_.evictable_slots());
+  stats_.peak_working_kv_slots =
+      std::max(stats_.peak_working_kv_slots, used - cache_.evictable_slots());
 }
 
 std::vector<int32_t> Scheduler::alloc_slots(int64_t n) {
@@ -104,7 +112,8 @@ void Scheduler::record(const char* what, const PassResult& r) {
   stats_.checked += r.checked;
   stats_.check_failures += r.failures;
   stats_.worst_rel_error = std::max(stats_.worst_rel_error, r.worst_rel);
-  if (r.failures > 0 && stats_.first_failure.empty()) stats_.first_failure = std::string(what) + ": " + r.failure;
+  if (r.failures > 0 && stats_.first_failure.empty())
+    stats_.first_failure = std::string(what) + ": " + r.failure;
   if (r.nan) ++stats_.nan_passes;
 }
 
@@ -114,7 +123,8 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
   for (const Active* a : running_) reserved += reserve_of(*a);
   int64_t batch_tokens = 0;
   const int B = cache_.block_size();
-  while (!waiting_.empty() && static_cast<int>(running_.size() + admitted.size()) < options_.max_running) {
+  while (!waiting_.empty() &&
+         static_cast<int>(running_.size() + admitted.size()) < options_.max_running) {
     const RequestSpec& spec = workload_.requests[waiting_.front()];
     const int32_t prompt_len = static_cast<int32_t>(spec.prompt.size());
     std::vector<int32_t> chain = cache_.match(spec.prompt);
@@ -124,7 +134,8 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
     const int32_t new_tokens = prompt_len - matched;
     if (!admitted.empty() && batch_tokens + new_tokens > options_.token_budget) break;
     cache_.acquire(chain);  // before counting: its blocks are no longer evictable
-    const int64_t future = (spec.output_len - 1) + (workload_.spec.enabled ? workload_.spec.draft_tokens : 0);
+    const int64_t future =
+        (spec.output_len - 1) + (workload_.spec.enabled ? workload_.spec.draft_tokens : 0);
     if (allocator_->num_free() + cache_.evictable_slots() < reserved + new_tokens + future) {
       cache_.release(chain);
       ++stats_.admission_waits;
@@ -136,7 +147,8 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
     FLASHKV_CHECK(row.has_value(), "scheduler: no free req_to_token row");
     a->seq.row = (*row)[0];
     std::vector<int32_t> prefix;
-    for (int32_t node : chain) prefix.insert(prefix.end(), cache_.slots(node).begin(), cache_.slots(node).end());
+    for (int32_t node : chain)
+      prefix.insert(prefix.end(), cache_.slots(node).begin(), cache_.slots(node).end());
     a->chain = std::move(chain);
     append_tokens(a->seq, prefix, *req_to_token_);
     append_tokens(a->seq, alloc_slots(new_tokens), *req_to_token_);
@@ -176,7 +188,8 @@ void Scheduler::run_extend(const std::vector<Active*>& admitted) {
   if (draft_) record("draft EXTEND", draft_->forward(step, options_.check));
   for (Active* a : admitted) {
     // Cache the prompt's whole blocks; blocks another request cached meanwhile are shared.
-    std::vector<int32_t> prompt_slots(a->seq.slots.begin(), a->seq.slots.begin() + a->spec->prompt.size());
+    std::vector<int32_t> prompt_slots(a->seq.slots.begin(),
+                                      a->seq.slots.begin() + a->spec->prompt.size());
     std::vector<int32_t> released;
     cache_.insert(a->spec->prompt, prompt_slots, a->chain, released);
     if (!released.empty()) {
@@ -218,7 +231,8 @@ void Scheduler::run_speculative() {
   std::vector<int32_t> base(R);
   for (size_t i = 0; i < R; ++i) {
     base[i] = batch[i]->seq.seq_len();
-    append_tokens(batch[i]->seq, std::vector<int32_t>(slots.begin() + i * D, slots.begin() + (i + 1) * D),
+    append_tokens(batch[i]->seq,
+                  std::vector<int32_t>(slots.begin() + i * D, slots.begin() + (i + 1) * D),
                   *req_to_token_);
   }
   // Draft: D - 1 decode passes of the draft model, each feeding the previous token of a chain.
@@ -317,7 +331,9 @@ ServeStats Scheduler::run(const std::function<void(const Progress&)>& on_progres
   size_t next = 0;
   int64_t clock = 0;
   const auto t0 = std::chrono::steady_clock::now();
-  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   while (stats_.requests_done < stats_.requests) {
     while (next < reqs.size() && reqs[next].arrival <= clock) waiting_.push_back(next++);
     if (waiting_.empty() && running_.empty()) {
@@ -328,12 +344,15 @@ ServeStats Scheduler::run(const std::function<void(const Progress&)>& on_progres
     if (!admitted.empty()) {
       run_extend(admitted);
     } else if (!running_.empty()) {
-      if (draft_) run_speculative();
-      else run_decode();
+      if (draft_)
+        run_speculative();
+      else
+        run_decode();
     } else {
       // Cannot happen: with nothing running every cached block is evictable and each request
       // fits the pool alone (checked at construction).
-      throw Error(str_cat("scheduler: request ", waiting_.front(), " cannot be admitted into an idle pool"));
+      throw Error(str_cat("scheduler: request ", waiting_.front(),
+                          " cannot be admitted into an idle pool"));
     }
     ++stats_.steps;
     ++clock;

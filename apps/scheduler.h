@@ -47,8 +47,8 @@ struct ServeStats {
   int64_t prompt_tokens = 0;         // all prompt tokens of the admitted requests
   int64_t cached_prompt_tokens = 0;  // of which served from the prefix cache
   int64_t generated_tokens = 0;
-  double serve_s = 0;  // wall time of the run, reference checks and NaN scans excluded
-  double check_s = 0;  // time spent in those
+  double serve_s = 0;           // wall time of the run, reference checks and NaN scans excluded
+  double check_s = 0;           // time spent in those
   std::vector<double> pass_ms;  // every forward pass (all layers of its model)
   struct ModeStats {
     int64_t passes = 0;
@@ -59,7 +59,7 @@ struct ServeStats {
   int64_t kv_slots = 0;
   int64_t peak_kv_slots = 0;          // allocated slots, prefix-cache holdings included
   int64_t peak_working_kv_slots = 0;  // ... less the unreferenced (evictable) cache blocks
-  int64_t admission_waits = 0;  // steps where the head of the queue waited for KV space
+  int64_t admission_waits = 0;        // steps where the head of the queue waited for KV space
   int64_t evicted_blocks = 0, cached_blocks_end = 0, cached_slots_end = 0;
   int64_t spec_steps = 0, spec_request_steps = 0, accepted_tokens = 0;
   int64_t checked = 0, check_failures = 0;

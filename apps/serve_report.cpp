@@ -41,8 +41,10 @@ void ProgressLine::update(const Progress& p) {
   last_ = now;
   shown_ = true;
   const std::string line = format(p);
-  if (in_place_) std::fprintf(out_, "\r%s\x1b[K", line.c_str());
-  else std::fprintf(out_, "%s\n", line.c_str());
+  if (in_place_)
+    std::fprintf(out_, "\r%s\x1b[K", line.c_str());
+  else
+    std::fprintf(out_, "%s\n", line.c_str());
   std::fflush(out_);
 }
 
@@ -67,9 +69,12 @@ void print_serve_report(std::ostream& os, const ServeSetup& s, const ServeStats&
   const SchedulerOptions& o = s.scheduler;
   os << "workload     " << s.workload << ": " << st.requests << " requests, " << s.prompt_tokens
      << " prompt tokens (" << s.num_prefixes << " shared prefixes), " << s.output_tokens
-     << " output tokens" << (s.spec.enabled ? str_cat(", speculative (", s.spec.draft_tokens, "-token draft trees)") : "")
+     << " output tokens"
+     << (s.spec.enabled ? str_cat(", speculative (", s.spec.draft_tokens, "-token draft trees)")
+                        : "")
      << "\n";
-  os << "model        " << s.model.str() << (s.spec.enabled ? " + 1-layer draft model" : "") << "\n";
+  os << "model        " << s.model.str() << (s.spec.enabled ? " + 1-layer draft model" : "")
+     << "\n";
   os << "device       " << s.device << " (" << s.threads_or_sms
      << (s.device == "cpu" ? " threads" : " SMs") << "); KV pool " << o.kv_slots
      << " slots, token budget " << o.token_budget << ", up to " << o.max_running
@@ -82,7 +87,8 @@ void print_serve_report(std::ostream& os, const ServeSetup& s, const ServeStats&
   os << "attention    per pass p50 " << fmt("%.3f", st.pass_ms_percentile(50)) << " ms, p99 "
      << fmt("%.3f", st.pass_ms_percentile(99)) << " ms over " << st.pass_ms.size() << " passes:";
   for (const auto& [mode, m] : st.by_mode)
-    os << " " << mode << " " << m.passes << " x " << fmt("%.3f", m.passes ? m.ms / m.passes : 0) << " ms;";
+    os << " " << mode << " " << m.passes << " x " << fmt("%.3f", m.passes ? m.ms / m.passes : 0)
+       << " ms;";
   os << "\n";
   os << "prefix cache hit rate " << fmt("%.1f", 100.0 * st.prefix_hit_rate()) << "% ("
      << st.cached_prompt_tokens << " of " << st.prompt_tokens << " prompt tokens reused), "
@@ -90,14 +96,17 @@ void print_serve_report(std::ostream& os, const ServeSetup& s, const ServeStats&
      << st.cached_slots_end << " slots) cached at the end\n";
   os << "KV pool      peak " << st.peak_kv_slots << " of " << st.kv_slots << " slots ("
      << fmt("%.0f", st.kv_slots ? 100.0 * st.peak_kv_slots / st.kv_slots : 0) << "%; at most "
-     << st.peak_working_kv_slots << " held by running requests), " << st.admission_waits << " admissions waited for KV space\n";
+     << st.peak_working_kv_slots << " held by running requests), " << st.admission_waits
+     << " admissions waited for KV space\n";
   if (st.spec_steps > 0)
     os << "speculative  " << st.spec_steps << " steps, "
-       << fmt("%.2f", st.spec_request_steps ? double(st.accepted_tokens) / st.spec_request_steps : 0)
+       << fmt("%.2f",
+              st.spec_request_steps ? double(st.accepted_tokens) / st.spec_request_steps : 0)
        << " tokens accepted per request step\n";
   if (o.check.enabled) {
     os << "check        " << st.checked << " layer outputs checked against the float64 reference, "
-       << st.check_failures << " failures (worst relative error " << fmt("%.2e", st.worst_rel_error) << ")\n";
+       << st.check_failures << " failures (worst relative error " << fmt("%.2e", st.worst_rel_error)
+       << ")\n";
     if (!st.first_failure.empty()) os << "             first failure: " << st.first_failure << "\n";
   } else {
     os << "check        off (--check compares sampled layer outputs with the float64 reference)\n";
@@ -142,7 +151,8 @@ std::string serve_json(const ServeSetup& s, const ServeStats& st) {
      << "  \"check_s\": " << json_number(st.check_s) << ",\n"
      << "  \"evicted_blocks\": " << st.evicted_blocks << ",\n"
      << "  \"accepted_tokens_per_step\": "
-     << json_number(st.spec_request_steps ? double(st.accepted_tokens) / st.spec_request_steps : 0) << "\n"
+     << json_number(st.spec_request_steps ? double(st.accepted_tokens) / st.spec_request_steps : 0)
+     << "\n"
      << "}\n";
   return os.str();
 }

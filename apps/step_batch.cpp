@@ -42,12 +42,14 @@ StepBatch::StepBatch(ForwardMode mode, std::vector<BatchEntry> entries, ReqToTok
     if (mode == ForwardMode::DECODE)
       FLASHKV_CHECK(e.num_new == 1, "StepBatch: a DECODE entry has one new token, got ", e.num_new);
     if (mode == ForwardMode::TARGET_VERIFY) {
-      FLASHKV_CHECK(e.num_new == entries_[0].num_new && e.num_new > 0 &&
-                        static_cast<int32_t>(e.tree_parents.size()) == e.num_new,
-                    "StepBatch: TARGET_VERIFY entries need the same draft count and a parent per draft");
+      FLASHKV_CHECK(
+          e.num_new == entries_[0].num_new && e.num_new > 0 &&
+              static_cast<int32_t>(e.tree_parents.size()) == e.num_new,
+          "StepBatch: TARGET_VERIFY entries need the same draft count and a parent per draft");
       for (int32_t j = 0; j < e.num_new; ++j)
-        FLASHKV_CHECK(j == 0 ? e.tree_parents[j] == -1 : (e.tree_parents[j] >= 0 && e.tree_parents[j] < j),
-                      "StepBatch: entry ", i, ": tree_parents[", j, "] = ", e.tree_parents[j]);
+        FLASHKV_CHECK(
+            j == 0 ? e.tree_parents[j] == -1 : (e.tree_parents[j] >= 0 && e.tree_parents[j] < j),
+            "StepBatch: entry ", i, ": tree_parents[", j, "] = ", e.tree_parents[j]);
     }
     rows.push_back(s.row);
     const int32_t first_new = s.encoder_len + e.seq_len - e.num_new;
@@ -74,17 +76,20 @@ StepBatch::StepBatch(ForwardMode mode, std::vector<BatchEntry> entries, ReqToTok
         mask_host_.insert(mask_host_.end(), row.begin(), row.end());
       }
     }
-    Tensor host = Tensor::empty({std::max<int64_t>(static_cast<int64_t>(mask_host_.size()), 1)}, DType::u8);
+    Tensor host =
+        Tensor::empty({std::max<int64_t>(static_cast<int64_t>(mask_host_.size()), 1)}, DType::u8);
     std::copy(mask_host_.begin(), mask_host_.end(), host.ptr<uint8_t>());
     mask_ = host.to(device);
     b.spec.custom_mask = mask_;
   }
   req_pool_indices_ = Tensor::from_i32(rows, device);
   out_cache_loc_ = Tensor::from_i32(locs.empty() ? std::vector<int32_t>{0} : locs, device);
-  encoder_out_cache_loc_ = Tensor::from_i32(enc_locs.empty() ? std::vector<int32_t>{0} : enc_locs, device);
+  encoder_out_cache_loc_ =
+      Tensor::from_i32(enc_locs.empty() ? std::vector<int32_t>{0} : enc_locs, device);
   b.req_pool_indices = req_pool_indices_.view().rows(0, static_cast<int64_t>(rows.size()));
   b.out_cache_loc = out_cache_loc_.view().rows(0, static_cast<int64_t>(locs.size()));
-  b.encoder_out_cache_loc = encoder_out_cache_loc_.view().rows(0, static_cast<int64_t>(enc_locs.size()));
+  b.encoder_out_cache_loc =
+      encoder_out_cache_loc_.view().rows(0, static_cast<int64_t>(enc_locs.size()));
 }
 
 const uint8_t* StepBatch::mask(size_t i) const {

@@ -18,8 +18,8 @@ namespace flashkv::app {
 // A request's tokens in the KV cache: its req_to_token row and, on the host, the same slots.
 struct Sequence {
   int32_t row = -1;
-  int32_t encoder_len = 0;      // encoder tokens (encoder-decoder models), first in the row
-  std::vector<int32_t> slots;   // full-pool slots: the encoder tokens, then the decoder tokens
+  int32_t encoder_len = 0;     // encoder tokens (encoder-decoder models), first in the row
+  std::vector<int32_t> slots;  // full-pool slots: the encoder tokens, then the decoder tokens
   int32_t seq_len() const { return static_cast<int32_t>(slots.size()) - encoder_len; }
 };
 
@@ -44,8 +44,8 @@ class StepBatch {
   // Builds the ForwardBatch of `mode` (DECODE: num_new 1 each; TARGET_VERIFY: the same num_new
   // for all, with tree_parents; EXTEND / MIXED / DRAFT_EXTEND: any num_new) on `device`.
   // write_encoder_kv: cross-attention layers write the encoder tokens' K/V in this pass.
-  StepBatch(ForwardMode mode, std::vector<BatchEntry> entries, ReqToTokenPool& pool,
-            Device device, bool write_encoder_kv = false);
+  StepBatch(ForwardMode mode, std::vector<BatchEntry> entries, ReqToTokenPool& pool, Device device,
+            bool write_encoder_kv = false);
   StepBatch(const StepBatch&) = delete;
   StepBatch& operator=(const StepBatch&) = delete;
 

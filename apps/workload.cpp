@@ -56,12 +56,12 @@ struct Range {
 struct GeneratorSpec {
   int default_requests;
   int num_prefixes;
-  Range prefix_len;      // tokens of each shared prefix
-  double share;          // fraction of requests that start with a shared prefix
-  Range suffix_len;      // tokens after the prefix (with one) ...
-  Range unshared_len;    // ... or of the whole prompt (without)
+  Range prefix_len;    // tokens of each shared prefix
+  double share;        // fraction of requests that start with a shared prefix
+  Range suffix_len;    // tokens after the prefix (with one) ...
+  Range unshared_len;  // ... or of the whole prompt (without)
   Range output_len;
-  double mean_gap;       // mean steps between arrivals (exponential gaps: a Poisson process)
+  double mean_gap;  // mean steps between arrivals (exponential gaps: a Poisson process)
   bool speculative;
 };
 
@@ -111,7 +111,8 @@ Workload builtin_workload(const std::string& name, int num_requests, bool large,
   w.num_prefixes = g.num_prefixes;
   w.spec.enabled = g.speculative;
   std::vector<std::vector<int32_t>> prefixes;
-  for (int p = 0; p < g.num_prefixes; ++p) prefixes.push_back(random_tokens(gen, g.prefix_len.draw(gen)));
+  for (int p = 0; p < g.num_prefixes; ++p)
+    prefixes.push_back(random_tokens(gen, g.prefix_len.draw(gen)));
   // Popular prefixes first: prefix p is chosen with weight 1 / (p + 1).
   std::vector<double> weights;
   for (int p = 0; p < g.num_prefixes; ++p) weights.push_back(1.0 / (p + 1));
@@ -159,8 +160,10 @@ class FileReader {
   }
 
   // A member that must be an object / may be absent.
-  void check_keys(const JsonValue& v, const std::string& at, std::initializer_list<const char*> keys) const {
-    if (!v.is_object()) fail(v, at, str_cat("expected an object, got ", JsonValue::type_name(v.type())));
+  void check_keys(const JsonValue& v, const std::string& at,
+                  std::initializer_list<const char*> keys) const {
+    if (!v.is_object())
+      fail(v, at, str_cat("expected an object, got ", JsonValue::type_name(v.type())));
     for (const auto& m : v.members()) {
       bool known = false;
       for (const char* k : keys) known = known || m.first == k;
@@ -177,13 +180,18 @@ class FileReader {
   std::vector<int32_t> tokens(const JsonValue& v, const std::string& at, int64_t min_count) {
     if (v.is_number()) return random_tokens(gen_, integer(v, at, min_count, kMaxRequestTokens));
     if (!v.is_array())
-      fail(v, at, str_cat("expected a token count or an array of token ids, got ",
-                          JsonValue::type_name(v.type())));
-    if (static_cast<int64_t>(v.items().size()) < min_count || v.items().size() > size_t(kMaxRequestTokens))
-      fail(v, at, str_cat("expected ", min_count, "..", kMaxRequestTokens, " token ids, got ", v.items().size()));
+      fail(v, at,
+           str_cat("expected a token count or an array of token ids, got ",
+                   JsonValue::type_name(v.type())));
+    if (static_cast<int64_t>(v.items().size()) < min_count ||
+        v.items().size() > size_t(kMaxRequestTokens))
+      fail(v, at,
+           str_cat("expected ", min_count, "..", kMaxRequestTokens, " token ids, got ",
+                   v.items().size()));
     std::vector<int32_t> t;
     for (size_t i = 0; i < v.items().size(); ++i)
-      t.push_back(static_cast<int32_t>(integer(v.items()[i], str_cat(at, "[", i, "]"), 0, 2147483647)));
+      t.push_back(
+          static_cast<int32_t>(integer(v.items()[i], str_cat(at, "[", i, "]"), 0, 2147483647)));
     return t;
   }
 
@@ -192,13 +200,16 @@ class FileReader {
     Workload w;
     w.name = path_;
     if (const JsonValue* name = doc.find("name")) {
-      if (!name->is_string() || name->string().empty()) fail(*name, "name", "expected a non-empty string");
+      if (!name->is_string() || name->string().empty())
+        fail(*name, "name", "expected a non-empty string");
       w.name = name->string();
     }
     std::map<std::string, std::vector<int32_t>> prefixes;
     if (const JsonValue* p = doc.find("prefixes")) {
-      if (!p->is_object()) fail(*p, "prefixes", "expected an object of name: token count or token ids");
-      for (const auto& m : p->members()) prefixes[m.first] = tokens(m.second, "prefixes." + m.first, 1);
+      if (!p->is_object())
+        fail(*p, "prefixes", "expected an object of name: token count or token ids");
+      for (const auto& m : p->members())
+        prefixes[m.first] = tokens(m.second, "prefixes." + m.first, 1);
       w.num_prefixes = static_cast<int>(prefixes.size());
     }
     if (const JsonValue* s = doc.find("speculative")) {
@@ -227,16 +238,19 @@ class FileReader {
       const std::string at = str_cat("requests[", i, "]");
       check_keys(r, at, {"arrival", "prefix", "prompt", "output"});
       RequestSpec spec;
-      if (const JsonValue* a = r.find("arrival")) spec.arrival = integer(*a, at + ".arrival", 0, 1LL << 40);
+      if (const JsonValue* a = r.find("arrival"))
+        spec.arrival = integer(*a, at + ".arrival", 0, 1LL << 40);
       if (const JsonValue* p = r.find("prefix")) {
         if (!p->is_string()) fail(*p, at + ".prefix", "expected the name of one of \"prefixes\"");
         auto it = prefixes.find(p->string());
-        if (it == prefixes.end()) fail(*p, at + ".prefix", "no prefix named \"" + p->string() + "\" in \"prefixes\"");
+        if (it == prefixes.end())
+          fail(*p, at + ".prefix", "no prefix named \"" + p->string() + "\" in \"prefixes\"");
         spec.prompt = it->second;
         spec.prefix_len = static_cast<int32_t>(spec.prompt.size());
       }
       const JsonValue* prompt = r.find("prompt");
-      if (!prompt && spec.prefix_len == 0) fail(r, at + ".prompt", "missing (expected a token count or token ids)");
+      if (!prompt && spec.prefix_len == 0)
+        fail(r, at + ".prompt", "missing (expected a token count or token ids)");
       if (prompt) {
         const auto own = tokens(*prompt, at + ".prompt", spec.prefix_len > 0 ? 0 : 1);
         spec.prompt.insert(spec.prompt.end(), own.begin(), own.end());
@@ -245,12 +259,14 @@ class FileReader {
       if (!out) fail(r, at + ".output", "missing (expected the number of tokens to generate)");
       spec.output_len = static_cast<int32_t>(integer(*out, at + ".output", 1, kMaxRequestTokens));
       if (static_cast<int64_t>(spec.prompt.size()) + spec.output_len > kMaxRequestTokens)
-        fail(r, at, str_cat("prompt + output = ", spec.prompt.size() + spec.output_len,
-                            " tokens, more than the ", kMaxRequestTokens, " a request may have"));
+        fail(r, at,
+             str_cat("prompt + output = ", spec.prompt.size() + spec.output_len,
+                     " tokens, more than the ", kMaxRequestTokens, " a request may have"));
       w.requests.push_back(std::move(spec));
     }
-    std::stable_sort(w.requests.begin(), w.requests.end(),
-                     [](const RequestSpec& a, const RequestSpec& b) { return a.arrival < b.arrival; });
+    std::stable_sort(
+        w.requests.begin(), w.requests.end(),
+        [](const RequestSpec& a, const RequestSpec& b) { return a.arrival < b.arrival; });
     if (num_requests > 0 && static_cast<size_t>(num_requests) < w.requests.size())
       w.requests.resize(num_requests);
     return w;

@@ -41,7 +41,11 @@ reference::Result layer_reference(const LayerSpec& layer, const std::vector<Refe
   const bool window_pool = swa_pool != nullptr && layer.sliding_window_size >= 0;
   const KVPool& pool = window_pool ? *swa_pool : full_pool;
   const bool cross = layer.is_cross_attention;
-  Expect(q, "q").ndim(3).on_host().dim(1, layer.num_qo_heads, "num_qo_heads").dim(2, layer.head_dim_qk, "head_dim_qk");
+  Expect(q, "q")
+      .ndim(3)
+      .on_host()
+      .dim(1, layer.num_qo_heads, "num_qo_heads")
+      .dim(2, layer.head_dim_qk, "head_dim_qk");
 
   std::vector<int32_t> kv_rows, qo_len, kv_len;
   std::vector<uint8_t> mask;
@@ -51,9 +55,10 @@ reference::Result layer_reference(const LayerSpec& layer, const std::vector<Refe
   for (size_t i = 0; i < reqs.size(); ++i) {
     const ReferenceRequest& r = reqs[i];
     FLASHKV_CHECK(r.encoder_len >= 0 && r.seq_len >= 0 && r.qo_len >= 0 && r.qo_len <= r.seq_len,
-                  "layer_reference: request ", i, ": expected 0 <= qo_len <= seq_len and "
-                  "encoder_len >= 0, got qo_len ", r.qo_len, ", seq_len ", r.seq_len,
-                  ", encoder_len ", r.encoder_len);
+                  "layer_reference: request ", i,
+                  ": expected 0 <= qo_len <= seq_len and "
+                  "encoder_len >= 0, got qo_len ",
+                  r.qo_len, ", seq_len ", r.seq_len, ", encoder_len ", r.encoder_len);
     FLASHKV_CHECK(r.slots != nullptr || r.encoder_len + r.seq_len == 0, "layer_reference: request ",
                   i, ": slots is null");
     const int32_t begin = cross ? 0 : r.encoder_len, n = cross ? r.encoder_len : r.seq_len;
@@ -94,8 +99,8 @@ reference::Result layer_reference(const LayerSpec& layer, const std::vector<Refe
     kv_indptr[i + 1] = kv_indptr[i] + kv_len[i];
   }
   return reference::ragged_attention(q, k, v, Tensor::from_i32(qo_indptr),
-                                     Tensor::from_i32(kv_indptr), opt,
-                                     pool.k_scale(layer.layer_id), pool.v_scale(layer.layer_id));
+                                     Tensor::from_i32(kv_indptr), opt, pool.k_scale(layer.layer_id),
+                                     pool.v_scale(layer.layer_id));
 }
 
 }  // namespace flashkv

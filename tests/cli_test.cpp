@@ -20,7 +20,9 @@ struct RunResult {
   std::string out, err;
 };
 
-std::string temp_path(const std::string& name) { return ::testing::TempDir() + "flashkv_cli_" + name; }
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "flashkv_cli_" + name;
+}
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -36,7 +38,8 @@ void write_file(const std::string& path, const std::string& text) {
 // Runs `flashkv <args>` and collects its exit code, stdout and stderr.
 RunResult flashkv(const std::string& args) {
   const std::string out = temp_path("stdout"), err = temp_path("stderr");
-  const std::string cmd = std::string("'") + FLASHKV_CLI_PATH + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const std::string cmd =
+      std::string("'") + FLASHKV_CLI_PATH + "' " + args + " >'" + out + "' 2>'" + err + "'";
   const int status = std::system(cmd.c_str());
   RunResult r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -85,7 +88,8 @@ void expect_serve_contract(const JsonValue& j, int requests) {
 
 TEST(Cli, ServeChatWritesTheJsonContract) {
   const std::string json = temp_path("serve.json");
-  const RunResult r = flashkv("serve --device cpu --requests 8 --layers 2 --check --quiet --json " + json);
+  const RunResult r =
+      flashkv("serve --device cpu --requests 8 --layers 2 --check --quiet --json " + json);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("tokens/s"), std::string::npos);
   EXPECT_NE(r.out.find("invariants   ok"), std::string::npos) << r.out;
@@ -98,7 +102,8 @@ TEST(Cli, ServeChatWritesTheJsonContract) {
 
 TEST(Cli, ServeSpeculativeWorkload) {
   const std::string json = temp_path("spec.json");
-  const RunResult r = flashkv("serve --device cpu --workload spec --requests 6 --layers 2 --check --quiet --json " + json);
+  const RunResult r = flashkv(
+      "serve --device cpu --workload spec --requests 6 --layers 2 --check --quiet --json " + json);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const JsonValue j = parse_json(read_file(json));
   expect_serve_contract(j, 6);
@@ -119,8 +124,9 @@ TEST(Cli, ServeWorkloadFileWithSharedPrefixAndFp8Window) {
     ]
   })");
   const std::string json = temp_path("file.json");
-  const RunResult r = flashkv("serve --device cpu --workload " + file +
-                              " --kv-dtype fp8_e4m3 --window 16 --layers 2 --check --quiet --json " + json);
+  const RunResult r =
+      flashkv("serve --device cpu --workload " + file +
+              " --kv-dtype fp8_e4m3 --window 16 --layers 2 --check --quiet --json " + json);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const JsonValue j = parse_json(read_file(json));
   expect_serve_contract(j, 4);
@@ -130,22 +136,26 @@ TEST(Cli, ServeWorkloadFileWithSharedPrefixAndFp8Window) {
 }
 
 TEST(Cli, BenchQuickWritesJsonCsvAndRoofline) {
-  const std::string json = temp_path("bench.json"), csv = temp_path("bench.csv"), svg = temp_path("roof.svg");
-  const RunResult r = flashkv("bench --device cpu --grid quick --min-seconds 0 --roofline-mb 8 --json " + json +
-                              " --csv " + csv + " --plot " + svg);
+  const std::string json = temp_path("bench.json"), csv = temp_path("bench.csv"),
+                    svg = temp_path("roof.svg");
+  const RunResult r =
+      flashkv("bench --device cpu --grid quick --min-seconds 0 --roofline-mb 8 --json " + json +
+              " --csv " + csv + " --plot " + svg);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const JsonValue j = parse_json(read_file(json));
   const JsonValue* m = j.find("machine");
   ASSERT_TRUE(m && m->is_object());
   EXPECT_EQ(m->find("device")->string(), "cpu");
-  for (const char* k : {"read_gbps", "copy_gbps", "matmul_gflops"}) EXPECT_GT(number(*m, k), 0) << k;
+  for (const char* k : {"read_gbps", "copy_gbps", "matmul_gflops"})
+    EXPECT_GT(number(*m, k), 0) << k;
   const JsonValue* cases = j.find("cases");
   ASSERT_TRUE(cases && cases->is_array());
   ASSERT_EQ(cases->items().size(), 3u);
   for (const JsonValue& c : cases->items()) {
-    for (const char* k : {"op", "device", "dtype", "kv_dtype"}) EXPECT_TRUE(c.find(k) && c.find(k)->is_string()) << k;
-    for (const char* k : {"batch", "qo_len", "kv_len", "prefix_len", "num_qo_heads", "num_kv_heads", "head_dim",
-                          "page_size", "us", "gbps", "tflops"})
+    for (const char* k : {"op", "device", "dtype", "kv_dtype"})
+      EXPECT_TRUE(c.find(k) && c.find(k)->is_string()) << k;
+    for (const char* k : {"batch", "qo_len", "kv_len", "prefix_len", "num_qo_heads", "num_kv_heads",
+                          "head_dim", "page_size", "us", "gbps", "tflops"})
       EXPECT_GE(number(c, k), 0) << k;
     EXPECT_GT(number(c, "us"), 0);
     EXPECT_GT(number(c, "roofline_fraction"), 0);
@@ -156,7 +166,8 @@ TEST(Cli, BenchQuickWritesJsonCsvAndRoofline) {
   EXPECT_EQ(plot.rfind("<svg", 0), 0u);
   EXPECT_NE(plot.find("</svg>"), std::string::npos);
   size_t points = 0;
-  for (size_t at = plot.find("<title>"); at != std::string::npos; at = plot.find("<title>", at + 1)) ++points;
+  for (size_t at = plot.find("<title>"); at != std::string::npos; at = plot.find("<title>", at + 1))
+    ++points;
   EXPECT_EQ(points, 3u);  // one point per case
   EXPECT_NE(plot.find("read "), std::string::npos);
   EXPECT_NE(plot.find("matmul "), std::string::npos);
@@ -165,13 +176,15 @@ TEST(Cli, BenchQuickWritesJsonCsvAndRoofline) {
 TEST(Cli, CheckQuickEndsWithPassedFailedLine) {
   const RunResult r = flashkv("check --device cpu --quick");
   EXPECT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_TRUE(std::regex_match(last_line(r.out), std::regex("[1-9][0-9]* passed, 0 failed"))) << last_line(r.out);
+  EXPECT_TRUE(std::regex_match(last_line(r.out), std::regex("[1-9][0-9]* passed, 0 failed")))
+      << last_line(r.out);
   EXPECT_NE(r.out.find("backend verify"), std::string::npos);
   EXPECT_NE(r.out.find("backend cross"), std::string::npos);
 }
 
 TEST(Cli, HelpExitsZero) {
-  for (const char* cmd : {"--help", "serve --help", "bench --help", "check --help", "info --help"}) {
+  for (const char* cmd :
+       {"--help", "serve --help", "bench --help", "check --help", "info --help"}) {
     const RunResult r = flashkv(cmd);
     EXPECT_EQ(r.code, 0) << cmd;
     EXPECT_NE(r.out.find("usage: flashkv"), std::string::npos) << cmd;
@@ -179,10 +192,11 @@ TEST(Cli, HelpExitsZero) {
 }
 
 TEST(Cli, BadFlagsAreOneLineAndExitTwo) {
-  for (const char* cmd : {"serve --frobnicate", "serve --requests many", "serve --dtype fp4", "serve --heads 6 --kv-heads 4",
-                          "serve --head-dim 72", "serve --requests", "bench --grid huge", "bench --op attention",
-                          "check --op everything", "info --verbose", "nonsense", "serve --device tpu",
-                          "serve --json /nonexistent-dir/x.json"}) {
+  for (const char* cmd :
+       {"serve --frobnicate", "serve --requests many", "serve --dtype fp4",
+        "serve --heads 6 --kv-heads 4", "serve --head-dim 72", "serve --requests",
+        "bench --grid huge", "bench --op attention", "check --op everything", "info --verbose",
+        "nonsense", "serve --device tpu", "serve --json /nonexistent-dir/x.json"}) {
     const RunResult r = flashkv(cmd);
     EXPECT_EQ(r.code, 2) << cmd << ": " << r.err;
     EXPECT_EQ(count_lines(r.err), 1) << cmd << ": " << r.err;
@@ -202,7 +216,9 @@ TEST(Cli, CudaWithoutAGpuIsOneLineAndExitTwo) {
     const RunResult r = flashkv(cmd);
     EXPECT_EQ(r.code, 2) << cmd;
     EXPECT_EQ(count_lines(r.err), 1) << r.err;
-    EXPECT_TRUE(r.err.find("without CUDA") != std::string::npos || r.err.find("no GPU") != std::string::npos) << r.err;
+    EXPECT_TRUE(r.err.find("without CUDA") != std::string::npos ||
+                r.err.find("no GPU") != std::string::npos)
+        << r.err;
   }
 }
 
@@ -231,7 +247,8 @@ TEST(Cli, BadWorkloadFilesAreOneLineAndExitTwo) {
     EXPECT_NE(r.err.find(file), std::string::npos) << r.err;
     EXPECT_NE(r.err.find(b.says), std::string::npos) << b.text << ": " << r.err;
   }
-  const RunResult missing = flashkv("serve --device cpu --workload " + temp_path("no-such-file.json"));
+  const RunResult missing =
+      flashkv("serve --device cpu --workload " + temp_path("no-such-file.json"));
   EXPECT_EQ(missing.code, 2);
   EXPECT_NE(missing.err.find("no such file"), std::string::npos) << missing.err;
   // A request that cannot fit the pool it asked for.

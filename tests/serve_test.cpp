@@ -82,7 +82,9 @@ TEST(Json, RejectsMalformedTextWithItsPosition) {
     const std::string e = error_of([&] { parse_json(b.text); });
     EXPECT_NE(e.find(b.says), std::string::npos) << b.text << " -> " << e;
   }
-  EXPECT_NE(error_of([] { parse_json(std::string(300, '[') + std::string(300, ']')); }).find("deeper than 200"),
+  EXPECT_NE(error_of([] {
+              parse_json(std::string(300, '[') + std::string(300, ']'));
+            }).find("deeper than 200"),
             std::string::npos);
   EXPECT_EQ(error_of([] { parse_json(std::string(150, '[') + std::string(150, ']')); }), "");
 }
@@ -92,7 +94,8 @@ TEST(Json, ReadFileNamesThePath) {
   std::ofstream(path) << "{\"a\": [1,\n 2,, 3]}";
   const std::string e = error_of([&] { read_json_file(path); });
   EXPECT_EQ(e.rfind(path + ": line 2, column 4:", 0), 0u) << e;
-  EXPECT_NE(error_of([] { read_json_file("/nonexistent/file.json"); }).find("no such file"), std::string::npos);
+  EXPECT_NE(error_of([] { read_json_file("/nonexistent/file.json"); }).find("no such file"),
+            std::string::npos);
   EXPECT_NE(error_of([] { read_json_file("/"); }).find("not a regular file"), std::string::npos);
 }
 
@@ -108,12 +111,14 @@ TEST(Workload, BuiltinsAreSeededAndShareTheirPrefixes) {
     bool same = true, differs = false;
     std::set<std::vector<int32_t>> prefixes;
     for (size_t i = 0; i < a.requests.size(); ++i) {
-      same = same && a.requests[i].prompt == b.requests[i].prompt && a.requests[i].arrival == b.requests[i].arrival;
+      same = same && a.requests[i].prompt == b.requests[i].prompt &&
+             a.requests[i].arrival == b.requests[i].arrival;
       differs = differs || i >= c.requests.size() || a.requests[i].prompt != c.requests[i].prompt;
       if (i) EXPECT_GE(a.requests[i].arrival, a.requests[i - 1].arrival);
       EXPECT_GE(a.requests[i].output_len, 1);
       const RequestSpec& r = a.requests[i];
-      if (r.prefix_len > 0) prefixes.insert(std::vector<int32_t>(r.prompt.begin(), r.prompt.begin() + r.prefix_len));
+      if (r.prefix_len > 0)
+        prefixes.insert(std::vector<int32_t>(r.prompt.begin(), r.prompt.begin() + r.prefix_len));
     }
     EXPECT_TRUE(same);
     EXPECT_TRUE(differs);
@@ -123,7 +128,8 @@ TEST(Workload, BuiltinsAreSeededAndShareTheirPrefixes) {
     // Sized up for a GPU.
     EXPECT_GT(builtin_workload(name, 0, true, 7).prompt_tokens(), a.prompt_tokens());
   }
-  EXPECT_NE(error_of([] { builtin_workload("chats", 0, false, 1); }).find("chat, long, spec"), std::string::npos);
+  EXPECT_NE(error_of([] { builtin_workload("chats", 0, false, 1); }).find("chat, long, spec"),
+            std::string::npos);
 }
 
 TEST(Workload, FileFormat) {
@@ -151,22 +157,31 @@ TEST(Workload, FileFormat) {
   std::ofstream(path) << R"({"requests": [{"prompt": 4, "output": 1}], "speculative": true})";
   EXPECT_TRUE(load_workload_file(path, 0, 1).spec.enabled);
   std::ofstream(path) << R"({"requests": [{"prompt": 0, "output": 1}]})";
-  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("requests[0].prompt: expected an integer in 1.."),
+  EXPECT_NE(error_of([&] {
+              load_workload_file(path, 0, 1);
+            }).find("requests[0].prompt: expected an integer in 1.."),
             std::string::npos);
   std::ofstream(path) << R"({"requests": [{"prompt": [1, -2], "output": 1}]})";
-  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("requests[0].prompt[1]"), std::string::npos);
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("requests[0].prompt[1]"),
+            std::string::npos);
   std::ofstream(path) << R"({"requests": [{"output": 1}]})";
-  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("requests[0].prompt: missing"), std::string::npos);
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("requests[0].prompt: missing"),
+            std::string::npos);
   std::ofstream(path) << R"({"requests": [{"prompt": 1}]})";
-  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("requests[0].output: missing"), std::string::npos);
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("requests[0].output: missing"),
+            std::string::npos);
   std::ofstream(path) << R"({"requests": [{"prompt": 1, "output": 1.5}]})";
   EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("got 1.5"), std::string::npos);
-  std::ofstream(path) << R"({"speculative": {"accept_rate": 2}, "requests": [{"prompt": 1, "output": 1}]})";
-  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("speculative.accept_rate"), std::string::npos);
+  std::ofstream(path)
+      << R"({"speculative": {"accept_rate": 2}, "requests": [{"prompt": 1, "output": 1}]})";
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("speculative.accept_rate"),
+            std::string::npos);
   std::ofstream(path) << R"({"requests": [{"prompt": 1000000, "output": 1000000}]})";
-  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("more than the"), std::string::npos);
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("more than the"),
+            std::string::npos);
   std::ofstream(path) << R"({"requests": [{"prompt": 1, "output": 1}], "extra": 1})";
-  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("extra: unknown key"), std::string::npos);
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("extra: unknown key"),
+            std::string::npos);
 }
 
 // ---- prefix cache --------------------------------------------------------------------------
@@ -318,7 +333,8 @@ TEST(StepBatch, VerifyTreeMaskAndFields) {
   rewrite_tokens(s, 4, {16}, pool);
   EXPECT_EQ(pool.read(s.row, 4, 1), (std::vector<int32_t>{16}));
   EXPECT_THROW(rewrite_tokens(s, 6, {1, 2}, pool), Error);
-  EXPECT_THROW(StepBatch(ForwardMode::TARGET_VERIFY, {{&s, 7, 3, {-1, 2, 0}}}, pool, Device::cpu()), Error);
+  EXPECT_THROW(StepBatch(ForwardMode::TARGET_VERIFY, {{&s, 7, 3, {-1, 2, 0}}}, pool, Device::cpu()),
+               Error);
   EXPECT_THROW(StepBatch(ForwardMode::DECODE, {{&s, 7, 2, {}}}, pool, Device::cpu()), Error);
   EXPECT_THROW(StepBatch(ForwardMode::EXTEND, {{&s, 8, 2, {}}}, pool, Device::cpu()), Error);
 }
@@ -362,8 +378,9 @@ TEST(Scheduler, RejectsARequestLargerThanThePool) {
   w.requests.push_back(r);
   SchedulerOptions o;
   o.kv_slots = 128;
-  EXPECT_NE(error_of([&] { Scheduler(w, ModelConfig(), Device::cpu(), o); }).find("needs 130 KV slots"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { Scheduler(w, ModelConfig(), Device::cpu(), o); }).find("needs 130 KV slots"),
+      std::string::npos);
 }
 
 // ---- layer_reference -----------------------------------------------------------------------
@@ -384,22 +401,29 @@ TEST(LayerReference, BadInput) {
   EXPECT_EQ(error_of([&] { layer_reference(l, {r}, q, pool); }), "");
   ReferenceRequest more = r;
   more.qo_len = 4;
-  EXPECT_NE(error_of([&] { layer_reference(l, {more}, q, pool); }).find("qo_len <= seq_len"), std::string::npos);
+  EXPECT_NE(error_of([&] { layer_reference(l, {more}, q, pool); }).find("qo_len <= seq_len"),
+            std::string::npos);
   ReferenceRequest one = r;
   one.qo_len = 1;
-  EXPECT_NE(error_of([&] { layer_reference(l, {one}, q, pool); }).find("q rows"), std::string::npos);
+  EXPECT_NE(error_of([&] { layer_reference(l, {one}, q, pool); }).find("q rows"),
+            std::string::npos);
   std::vector<int32_t> far = {1, 2, 99};
   ReferenceRequest out_of_pool{far.data(), 0, 3, 2, nullptr};
-  EXPECT_NE(error_of([&] { layer_reference(l, {out_of_pool}, q, pool); }).find("slot 99 outside"), std::string::npos);
+  EXPECT_NE(error_of([&] { layer_reference(l, {out_of_pool}, q, pool); }).find("slot 99 outside"),
+            std::string::npos);
   LayerSpec enc = l;
   enc.attn_type = AttentionType::ENCODER_ONLY;
-  EXPECT_NE(error_of([&] { layer_reference(enc, {r}, q, pool); }).find("ENCODER_ONLY"), std::string::npos);
+  EXPECT_NE(error_of([&] { layer_reference(enc, {r}, q, pool); }).find("ENCODER_ONLY"),
+            std::string::npos);
   Tensor wrong_heads = Tensor::empty({2, 8, 64}, DType::bf16);
   EXPECT_THROW(layer_reference(l, {r}, wrong_heads, pool), Error);
   std::vector<uint8_t> mask(6, 1);
   ReferenceRequest masked = r;
   masked.mask = mask.data();
-  EXPECT_NE(error_of([&] { layer_reference(l, {masked, r}, q, pool); }).find("tree mask"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              layer_reference(l, {masked, r}, q, pool);
+            }).find("tree mask"),
+            std::string::npos);
 }
 
 }  // namespace
