@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <new>
 #include <string>
 
 #include "commands.h"
@@ -44,6 +45,12 @@ int main(int argc, char** argv) {
     try {
       return c.run(argc, argv);
     } catch (const flashkv::Error& e) {
+      std::fprintf(stderr, "flashkv %s: %s\n", c.name, e.what());
+      return 1;
+    } catch (const std::bad_alloc&) {
+      std::fprintf(stderr, "flashkv %s: out of memory\n", c.name);
+      return 1;
+    } catch (const std::exception& e) {
       std::fprintf(stderr, "flashkv %s: %s\n", c.name, e.what());
       return 1;
     }

@@ -30,7 +30,8 @@ struct ModelConfig {
 };
 
 // Which layer outputs a pass compares with the reference: `layers` random layers, and in each
-// up to `requests` random requests, the last `rows` query rows of each (rows 0: all).
+// up to `requests` random requests, the last `rows` query rows of each (rows 0: all; with
+// rows > 0, fewer on long contexts, which bounds the float64 reference's work per check).
 struct CheckOptions {
   bool enabled = false;
   int layers = 1;
