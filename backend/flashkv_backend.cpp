@@ -61,6 +61,7 @@ struct FlashKVBackend::State {
     WrapperKind kind = WrapperKind::full;
     std::vector<int32_t> kv_len, kv_start, kv_indptr;
     Tensor d_kv_len, d_kv_start, d_kv_indptr, d_kv_indices, d_last_page_len;
+    TensorView indptr, indices;  // what the kernels read: the buffers above, or the caller's
     DecodePlan decode;
     PrefillPlan paged;
     Workspace ws_decode, ws_paged;
@@ -254,7 +255,38 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
   };
 
   const int w = o.sliding_window_size;
+  const bool external = decode && b.spec.kv_indices.defined();
+  if (external) {
+    FLASHKV_CHECK(s.wrappers.size() == 1, "batch.spec.kv_indices: precomputed indices need a model",
+                  " without sliding-window or cross-attention layers");
+    FLASHKV_CHECK_EQ("batch.spec.kv_indptr_cpu size", static_cast<int64_t>(b.spec.kv_indptr_cpu.size()), int64_t{B} + 1);
+    Expect(b.spec.kv_indptr, "batch.spec.kv_indptr").ndim(1).device(dev).dtype(DType::i32).dim(0, B + 1, "batch + 1");
+    Expect(b.spec.kv_indices, "batch.spec.kv_indices").ndim(1).device(dev).dtype(DType::i32);
+    for (int32_t i = 0; i < B; ++i)
+      FLASHKV_CHECK(b.spec.kv_indptr_cpu[i + 1] - b.spec.kv_indptr_cpu[i] == b.seq_lens_cpu[i],
+                    "batch.spec.kv_indptr_cpu: row ", i, " spans ", b.spec.kv_indptr_cpu[i + 1] - b.spec.kv_indptr_cpu[i],
+                    " entries, seq_lens_cpu says ", b.seq_lens_cpu[i]);
+    FLASHKV_CHECK(b.spec.kv_indptr_cpu[0] >= 0 && b.spec.kv_indptr_cpu[B] <= b.spec.kv_indices.numel(),
+                  "batch.spec.kv_indices: expected at least ", b.spec.kv_indptr_cpu[B], " entries, got ",
+                  b.spec.kv_indices.numel());
+  }
   for (State::Wrapper& wr : s.wrappers) {
+    if (external) {
+      // The caller built the index set; only plan over it.
+      wr.kv_len = b.seq_lens_cpu;
+      wr.indptr = b.spec.kv_indptr;
+      wr.indices = b.spec.kv_indices;
+      if (!wr.d_last_page_len.defined() || wr.d_last_page_len.numel() < std::max<int64_t>(cap_b, 1)) {
+        FLASHKV_CHECK(!fixed, "last_page_len: past the CUDA-graph capacity");
+        wr.d_last_page_len = Tensor::from_i32(std::vector<int32_t>(std::max<int64_t>(cap_b, 1), 1), dev);
+      }
+      shape.kv_len = wr.kv_len.data();
+      shape.window_left = -1;
+      shape.causal = false;
+      plan_decode(shape, info, po, &wr.decode);
+      upload_plan(wr.decode, wr.ws_decode);
+      continue;
+    }
     wr.kv_len.assign(B, 0);
     wr.kv_start.assign(B, 0);
     for (int32_t i = 0; i < B; ++i) {
@@ -296,6 +328,8 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
     upload_i32(wr.d_kv_indptr, wr.kv_indptr);
     TensorView lens = wr.d_kv_len.view().rows(0, B), starts = wr.d_kv_start.view().rows(0, B);
     TensorView indptr = wr.d_kv_indptr.view().rows(0, B + 1);
+    wr.indptr = indptr;
+    wr.indices = wr.d_kv_indices;
     build_kv_indices(b.req_to_token_pool->req_to_token(), b.req_pool_indices, lens, starts, indptr,
                      wr.d_kv_indices);
     if (wr.kind == WrapperKind::window && o.swa_allocator) {
@@ -421,12 +455,12 @@ static void save_kv(const LayerIO& io, const LayerSpec& layer) {
             io.pool->k_scale(layer.layer_id), io.pool->v_scale(layer.layer_id));
 }
 
-static PagedKV paged_view(const KVPool& pool, int layer, const Tensor& indptr, const Tensor& indices,
-                          const Tensor& last_page_len, int32_t B) {
+static PagedKV paged_view(const KVPool& pool, int layer, const TensorView& indptr,
+                          const TensorView& indices, const Tensor& last_page_len, int32_t B) {
   PagedKV kv;
   kv.k = pool.k(layer);
   kv.v = pool.v(layer);
-  kv.indptr = indptr.view().rows(0, B + 1);
+  kv.indptr = indptr;
   kv.indices = indices;
   kv.last_page_len = last_page_len.view().rows(0, std::max(B, 1));
   kv.page_size = 1;
@@ -466,7 +500,7 @@ TensorView FlashKVBackend::forward_decode(const TensorView& q, const TensorView&
   LayerIO io = layer_io(options_, layer, b, q, k, v, out, s.out, s.num_tokens, swa_loc_of(s.d_swa_out_cache_loc, s.num_tokens));
   State::Wrapper& wr = s.wrappers[wrapper_index(options_, layer)];
   if (save_kv_cache && k.defined()) save_kv(io, layer);
-  const PagedKV kv = paged_view(*io.pool, layer.layer_id, wr.d_kv_indptr, wr.d_kv_indices,
+  const PagedKV kv = paged_view(*io.pool, layer.layer_id, wr.indptr, wr.indices,
                                 wr.d_last_page_len, s.batch_size);
   paged_decode(wr.decode, io.q, kv, io.opt, io.out, TensorView(), wr.ws_decode);
   return flat_output(io.out);
@@ -483,7 +517,7 @@ TensorView FlashKVBackend::forward_extend(const TensorView& q, const TensorView&
   LayerIO io = layer_io(options_, layer, b, q, k, v, out, s.out, s.num_tokens, swa_loc_of(s.d_swa_out_cache_loc, s.num_tokens));
   State::Wrapper& wr = s.wrappers[wrapper_index(options_, layer)];
   const TensorView qo = s.d_qo_indptr.view().rows(0, s.batch_size + 1);
-  const PagedKV kv = paged_view(*io.pool, layer.layer_id, wr.d_kv_indptr, wr.d_kv_indices,
+  const PagedKV kv = paged_view(*io.pool, layer.layer_id, wr.indptr, wr.indices,
                                 wr.d_last_page_len, s.batch_size);
   const int64_t T = s.num_tokens;
   if (layer.attn_type == AttentionType::ENCODER_ONLY) {

@@ -76,6 +76,7 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   // The plan as uploaded into the workspace.
   const auto* base = static_cast<unsigned char*>(ws.data());
   const WorkspaceLayout& l = plan.layout;
+  p.plan_header = reinterpret_cast<const PlanHeader*>(base + l.header);
   p.items = reinterpret_cast<const WorkItem*>(base + l.items);
   p.worker_indptr = reinterpret_cast<const int32_t*>(base + l.worker_indptr);
   p.merges = reinterpret_cast<const MergeItem*>(base + l.merges);
@@ -83,7 +84,7 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   p.num_merges = static_cast<int32_t>(plan.merges.size());
   p.num_workers = plan.num_workers;
   p.cuda_graph = plan.cuda_graph;
-  p.counts = reinterpret_cast<const int32_t*>(base + l.counts);
+  p.max_merges = static_cast<int32_t>(l.max_merges);
   p.partial_o = reinterpret_cast<float*>(const_cast<unsigned char*>(base) + l.partial_o);
   p.partial_lse = reinterpret_cast<float*>(const_cast<unsigned char*>(base) + l.partial_lse);
   (void)op;

@@ -61,6 +61,7 @@ class Harness {
   Rng& rng() { return rng_; }
   ReqToTokenPool& req_to_token() { return *r2t_; }
   KVPool& pool() { return *pool_; }
+  KVAllocator& allocator() { return *alloc_; }
 
  private:
   void fill_random_kv(const std::vector<int32_t>& slots, bool encoder);

@@ -57,6 +57,11 @@ struct SpecInfo {
   TensorView custom_mask;
   // DRAFT_EXTEND: new (accepted) tokens per request, on the host.
   std::vector<int32_t> accept_length_cpu;
+  // Draft DECODE (multi-step drafting): each row's KV index set, built by the caller (see
+  // MultiStepDraftBackend); when kv_indices is given, DECODE reads it instead of gathering
+  // req_to_token rows. kv_indptr: i32 [B + 1] on the device, kv_indptr_cpu its host copy.
+  TensorView kv_indptr, kv_indices;
+  std::vector<int32_t> kv_indptr_cpu;
 };
 
 struct ForwardBatch {
