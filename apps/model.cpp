@@ -162,6 +162,39 @@ PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
   return r;
 }
 
+void Model::scan_for_nan(const TensorView& out, int64_t rows, PassResult& r) {
+  if (rows == 0 || !out.defined()) return;
+  Tensor host =
+      Tensor::empty({rows, int64_t{config_.num_qo_heads} * config_.head_dim}, config_.dtype);
+  copy_rows(out, 0, rows, static_cast<char*>(host.data()));
+  r.nan = r.nan || host_has_nan(host);
+}
+
+void Model::compare_layer(const LayerSpec& layer, const CheckedRows& rows, const TensorView& q_all,
+                          const TensorView& out_all, const char* what, PassResult& r) {
+  const ModelConfig& c = config_;
+  int64_t total = 0;
+  for (const auto& range : rows.ranges) total += range.second;
+  Tensor q = Tensor::empty({total, c.num_qo_heads, c.head_dim}, c.dtype);
+  Tensor out = Tensor::empty({total, c.num_qo_heads, c.head_dim}, c.dtype);
+  const size_t row_bytes = q.view().nbytes() / static_cast<size_t>(total);
+  int64_t at = 0;
+  for (const auto& [first, n] : rows.ranges) {
+    copy_rows(q_all, first, n, static_cast<char*>(q.data()) + at * row_bytes);
+    copy_rows(out_all, first, n, static_cast<char*>(out.data()) + at * row_bytes);
+    at += n;
+  }
+  const reference::Result ref = layer_reference(layer, rows.reqs, q, *pool_);
+  const Errors err = compare(out, TensorView(), ref);
+  const Tolerance tol = tolerance_for(c.dtype, is_fp8(c.kv_dtype));
+  ++r.checked;
+  r.worst_rel = std::max(r.worst_rel, err.rel);
+  r.nan = r.nan || err.nan;
+  if (!err.within(tol) && r.failures++ == 0)
+    r.failure = str_cat(what, ", layer ", layer.layer_id, ": errors ", err.str(), " past rel ",
+                        tol.rel, ", max_abs ", tol.max_abs);
+}
+
 void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
                         const std::vector<int>& check_layers,
                         const std::vector<size_t>& check_entries,
@@ -170,66 +203,138 @@ void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
                         PassResult& r) {
   const ModelConfig& c = config_;
   const ForwardBatch& b = step.batch();
-  const int64_t T = step.num_tokens();
-  const int64_t hd_out = int64_t{c.num_qo_heads} * c.head_dim;
-  if (T > 0 && last_out.defined()) {
-    Tensor host = Tensor::empty({T, hd_out}, c.dtype);
-    copy_rows(last_out, 0, T, static_cast<char*>(host.data()));
-    r.nan = host_has_nan(host);
-  }
+  scan_for_nan(last_out, step.num_tokens(), r);
   if (check_layers.empty() || check_entries.empty()) return;
 
-  // The checked rows: the last `rows` new tokens of each sampled request.
-  std::vector<ReferenceRequest> reqs;
-  std::vector<std::pair<int64_t, int64_t>> row_ranges;  // [first row, count] in the batch
-  int64_t total = 0;
-  // The float64 reference runs on one host thread: with check.rows > 0, rows are cut so that one
-  // layer's check costs about 2^25 multiply-adds (a long GPU-sized context gets fewer rows).
+  // The checked rows: the last `rows` new tokens of each sampled request. The float64 reference
+  // runs on one host thread: with check.rows > 0, rows are cut so that one layer's check costs
+  // about 2^25 multiply-adds (a long GPU-sized context gets fewer rows).
   constexpr double kCheckWork = double(1 << 25);
+  CheckedRows rows;
   for (size_t i : check_entries) {
     const BatchEntry& e = step.entries()[i];
-    int32_t rows = e.num_new;
+    int32_t n = e.num_new;
     if (check.rows > 0) {
       const double per_row =
           double(e.seq->encoder_len + e.seq_len) * c.num_qo_heads * 2 * c.head_dim;
       const double fit = kCheckWork / (per_row * static_cast<double>(check_entries.size()));
-      rows =
-          std::max(1, std::min({e.num_new, check.rows, static_cast<int32_t>(std::min(fit, 1e9))}));
+      n = std::max(1, std::min({e.num_new, check.rows, static_cast<int32_t>(std::min(fit, 1e9))}));
     }
     ReferenceRequest rr;
     rr.slots = e.seq->slots.data();
     rr.encoder_len = e.seq->encoder_len;
     rr.seq_len = e.seq_len;
-    rr.qo_len = rows;
-    if (const uint8_t* m = step.mask(i)) rr.mask = m + int64_t{e.num_new - rows} * e.seq_len;
-    reqs.push_back(rr);
-    row_ranges.emplace_back(step.qo_begin(i) + e.num_new - rows, rows);
-    total += rows;
+    rr.qo_len = n;
+    if (const uint8_t* m = step.mask(i)) rr.mask = m + int64_t{e.num_new - n} * e.seq_len;
+    rows.reqs.push_back(rr);
+    rows.ranges.emplace_back(step.qo_begin(i) + e.num_new - n, n);
   }
-  const Tolerance tol = tolerance_for(c.dtype, is_fp8(c.kv_dtype));
-  for (size_t k = 0; k < check_layers.size(); ++k) {
-    Tensor q = Tensor::empty({total, c.num_qo_heads, c.head_dim}, c.dtype);
-    Tensor out = Tensor::empty({total, c.num_qo_heads, c.head_dim}, c.dtype);
-    int64_t at = 0;
-    for (const auto& [first, n] : row_ranges) {
-      copy_rows(check_q[k], first, n,
-                static_cast<char*>(q.data()) + at * q.view().nbytes() / total);
-      copy_rows(check_out[k], first, n,
-                static_cast<char*>(out.data()) + at * out.view().nbytes() / total);
-      at += n;
-    }
-    const reference::Result ref = layer_reference(c.layer(check_layers[k]), reqs, q, *pool_);
-    const Errors err = compare(out, TensorView(), ref);
-    ++r.checked;
-    r.worst_rel = std::max(r.worst_rel, err.rel);
-    r.nan = r.nan || err.nan;
-    if (!err.within(tol)) {
-      if (r.failures++ == 0)
-        r.failure = str_cat(mode_name(b.mode), " pass of ", b.batch_size, " requests, layer ",
-                            check_layers[k], ": errors ", err.str(), " past rel ", tol.rel,
-                            ", max_abs ", tol.max_abs);
-    }
+  const std::string what = str_cat(mode_name(b.mode), " pass of ", b.batch_size, " requests");
+  for (size_t k = 0; k < check_layers.size(); ++k)
+    compare_layer(c.layer(check_layers[k]), rows, check_q[k], check_out[k], what.c_str(), r);
+}
+
+void Model::enable_multi_step_draft(int topk, int num_steps) {
+  multi_step_ = std::make_unique<MultiStepDraftBackend>(backend_->options(), topk, num_steps);
+}
+
+PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
+                                      const std::vector<int32_t>& seq_lens,
+                                      const std::vector<int32_t>& draft_slots,
+                                      ReqToTokenPool& req_to_token, const CheckOptions& check) {
+  FLASHKV_CHECK(multi_step_ != nullptr, "forward_draft_steps: call enable_multi_step_draft first");
+  const ModelConfig& c = config_;
+  const int topk = multi_step_->topk(), steps = multi_step_->num_steps();
+  const int64_t bs = static_cast<int64_t>(seqs.size()), rows = bs * topk;
+  FLASHKV_CHECK(
+      seq_lens.size() == seqs.size() && static_cast<int64_t>(draft_slots.size()) == rows * steps,
+      "forward_draft_steps: ", seqs.size(), " requests need as many seq_lens and ", rows * steps,
+      " draft slots, got ", seq_lens.size(), " and ", draft_slots.size());
+  const int64_t hd_out = int64_t{c.num_qo_heads} * c.head_dim;
+  reserve_bank(rows * hd_out);
+  ForwardBatch batch;
+  batch.mode = ForwardMode::DECODE;
+  batch.batch_size = static_cast<int32_t>(bs);
+  batch.req_to_token_pool = &req_to_token;
+  batch.token_to_kv_pool = pool_.get();
+  batch.seq_lens_cpu = seq_lens;
+  std::vector<int32_t> seq_rows;
+  for (const Sequence* s : seqs) seq_rows.push_back(s->row);
+  const Tensor req_pool_indices = Tensor::from_i32(seq_rows, device_);
+  batch.req_pool_indices = req_pool_indices;
+  Tensor loc = Tensor::from_i32(draft_slots, device_);
+  TensorView loc3 = loc.view();
+  loc3.ndim = 3;
+  loc3.shape[0] = bs;
+  loc3.shape[1] = topk;
+  loc3.shape[2] = steps;
+  loc3.stride[0] = int64_t{topk} * steps;
+  loc3.stride[1] = steps;
+  loc3.stride[2] = 1;
+
+  // One (step, layer) checked, for up to check.requests random rows (request, branch).
+  int check_step = -1, check_layer = -1;
+  std::vector<int64_t> check_rows;
+  Tensor check_out;
+  if (check.enabled && rows > 0) {
+    check_step = std::uniform_int_distribution<int>(0, steps - 1)(gen_);
+    check_layer = std::uniform_int_distribution<int>(0, c.num_layers - 1)(gen_);
+    for (int64_t i = 0; i < rows; ++i) check_rows.push_back(i);
+    std::shuffle(check_rows.begin(), check_rows.end(), gen_);
+    check_rows.resize(
+        std::min<size_t>(check_rows.size(), static_cast<size_t>(std::max(check.requests, 1))));
+    std::sort(check_rows.begin(), check_rows.end());
+    check_out = Tensor::empty({rows, hd_out}, c.dtype, device_);
+    fill_bytes(check_out.data(), device_, 0xFF, check_out.view().nbytes());
   }
+  TensorView check_q, last_out;
+
+  synchronize(device_);
+  const auto t0 = std::chrono::steady_clock::now();
+  multi_step_->init_forward_metadata(batch, loc3);
+  for (int st = 0; st < steps; ++st)
+    for (int l = 0; l < c.num_layers; ++l) {
+      const TensorView q = activations(rows, c.num_qo_heads, c.head_dim);
+      const TensorView k = activations(rows, c.num_kv_heads, c.head_dim);
+      const TensorView v = activations(rows, c.num_kv_heads, c.head_dim);
+      const bool checked = st == check_step && l == check_layer;
+      if (checked) check_q = q;
+      last_out = multi_step_->forward(st, q, k, v, c.layer(l), true,
+                                      checked ? check_out.view() : TensorView());
+    }
+  synchronize(device_);
+  PassResult r;
+  const auto t1 = std::chrono::steady_clock::now();
+  r.ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+
+  scan_for_nan(last_out, rows, r);
+  if (check_step >= 0) {
+    // Row (request i, branch b) sees the request's cached tokens, then its branch's draft tokens
+    // up to this step.
+    std::vector<std::vector<int32_t>> row_slots;
+    CheckedRows checked;
+    for (int64_t row : check_rows) {
+      const int64_t i = row / topk;  // rows are (request, branch), branch fastest
+      std::vector<int32_t> slots(seqs[i]->slots.begin() + seqs[i]->encoder_len,
+                                 seqs[i]->slots.begin() + seqs[i]->encoder_len + seq_lens[i]);
+      for (int st = 0; st <= check_step; ++st) slots.push_back(draft_slots[row * steps + st]);
+      row_slots.push_back(std::move(slots));
+    }
+    for (size_t j = 0; j < check_rows.size(); ++j) {
+      ReferenceRequest rr;
+      rr.slots = row_slots[j].data();
+      rr.seq_len = static_cast<int32_t>(row_slots[j].size());
+      rr.qo_len = 1;
+      checked.reqs.push_back(rr);
+      checked.ranges.emplace_back(check_rows[j], 1);
+    }
+    const std::string what =
+        str_cat("draft step ", check_step, " of ", bs, " requests x ", topk, " branches");
+    compare_layer(c.layer(check_layer), checked, check_q, check_out, what.c_str(), r);
+  }
+  r.check_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+  return r;
 }
 
 }  // namespace flashkv::app

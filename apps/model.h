@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "flashkv/backend/flashkv_backend.h"
+#include "flashkv/backend/layer_reference.h"
+#include "flashkv/backend/multi_step_draft.h"
 #include "flashkv/kvcache/kv_pool.h"
 #include "step_batch.h"
 
@@ -62,10 +64,30 @@ class Model {
   // pass points it at this model's KV pool).
   PassResult forward(StepBatch& step, const CheckOptions& check = {});
 
+  // Multi-step drafting (a MultiStepDraftBackend of topk branches x num_steps over this model):
+  // every step runs every layer over bs * topk rows. seqs[r] has seq_lens[r] tokens in the cache
+  // (its req_to_token row); draft_slots [bs, topk, num_steps] (row-major) are the draft tokens'
+  // slots, where the steps write their K/V. One result for all steps.
+  void enable_multi_step_draft(int topk, int num_steps);
+  PassResult forward_draft_steps(const std::vector<Sequence*>& seqs,
+                                 const std::vector<int32_t>& seq_lens,
+                                 const std::vector<int32_t>& draft_slots, ReqToTokenPool& pool,
+                                 const CheckOptions& check = {});
+
  private:
   // A [rows, heads, dim] slice of the activation bank at a random offset.
   TensorView activations(int64_t rows, int heads, int dim);
   void reserve_bank(int64_t elements);
+  // Rows of the checked outputs, described for the reference: request i of `reqs` owns rows
+  // [first, first + count) of the pass.
+  struct CheckedRows {
+    std::vector<ReferenceRequest> reqs;
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+  };
+  // Compares one checked layer's output rows with the reference; scans `last_out` for NaN.
+  void compare_layer(const LayerSpec& layer, const CheckedRows& rows, const TensorView& q,
+                     const TensorView& out, const char* what, PassResult& r);
+  void scan_for_nan(const TensorView& out, int64_t rows, PassResult& r);
   // After a pass: scans the last output for NaN and compares the checked layers' outputs.
   void verify_pass(const StepBatch& step, const CheckOptions& check,
                    const std::vector<int>& check_layers, const std::vector<size_t>& check_entries,
@@ -76,6 +98,7 @@ class Model {
   Device device_;
   std::unique_ptr<KVPool> pool_;
   std::unique_ptr<FlashKVBackend> backend_;
+  std::unique_ptr<MultiStepDraftBackend> multi_step_;
   Tensor bank_;  // unit-normal values of the activation dtype on the device
   std::mt19937_64 gen_;
 };

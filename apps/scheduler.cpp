@@ -39,7 +39,7 @@ ModelConfig draft_config(const ModelConfig& target) {
 
 int64_t Scheduler::slots_needed(const RequestSpec& r, const SpeculativeConfig& spec) {
   return static_cast<int64_t>(r.prompt.size()) + r.output_len +
-         (spec.enabled ? spec.draft_tokens : 0);
+         (spec.enabled ? spec.draft_tokens() : 0);
 }
 
 Scheduler::Scheduler(const Workload& workload, const ModelConfig& model, Device device,
@@ -65,9 +65,11 @@ Scheduler::Scheduler(const Workload& workload, const ModelConfig& model, Device 
   req_to_token_ = std::make_unique<ReqToTokenPool>(options.max_running, max_context, device);
   allocator_ = std::make_unique<TokenAllocator>(options.kv_slots);
   model_ = std::make_unique<Model>(model, device, options.kv_slots, options.seed);
-  if (workload.spec.enabled)
+  if (workload.spec.enabled) {
     draft_ =
         std::make_unique<Model>(draft_config(model), device, options.kv_slots, options.seed + 1);
+    draft_->enable_multi_step_draft(workload.spec.topk, workload.spec.num_steps);
+  }
   stats_.requests = static_cast<int64_t>(workload.requests.size());
   stats_.kv_slots = options.kv_slots;
 }
@@ -78,7 +80,7 @@ int64_t Scheduler::reserve_of(const Active& a) const {
   // Slots the request may still take: one per output token to come, plus a draft tree's worth
   // during a speculative step.
   return (a.spec->output_len - a.generated) +
-         (workload_.spec.enabled ? workload_.spec.draft_tokens : 0);
+         (workload_.spec.enabled ? workload_.spec.draft_tokens() : 0);
 }
 
 void Scheduler::note_kv_use() {
@@ -135,7 +137,7 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
     if (!admitted.empty() && batch_tokens + new_tokens > options_.token_budget) break;
     cache_.acquire(chain);  // before counting: its blocks are no longer evictable
     const int64_t future =
-        (spec.output_len - 1) + (workload_.spec.enabled ? workload_.spec.draft_tokens : 0);
+        (spec.output_len - 1) + (workload_.spec.enabled ? workload_.spec.draft_tokens() : 0);
     if (allocator_->num_free() + cache_.evictable_slots() < reserved + new_tokens + future) {
       cache_.release(chain);
       ++stats_.admission_waits;
@@ -222,33 +224,42 @@ void Scheduler::run_decode() {
 }
 
 void Scheduler::run_speculative() {
-  const int D = workload_.spec.draft_tokens;
+  const SpeculativeConfig& sc = workload_.spec;
+  const int K = sc.topk, S = sc.num_steps, D = sc.draft_tokens();
   const std::vector<Active*> batch = running_;
   const size_t R = batch.size();
-  // The tree's D slots per request: the root (the last generated token, not yet in the cache)
-  // and D - 1 drafts.
+  // The tree's D slots per request, in node order: the root (the last generated token, in
+  // neither pool yet), then branch b's draft token i as node 1 + b * S + i.
   const std::vector<int32_t> slots = alloc_slots(static_cast<int64_t>(R) * D);
-  std::vector<int32_t> base(R);
+  std::vector<int32_t> base(R), root_seq_lens(R), draft_slots;
+  std::vector<Sequence*> seqs;
   for (size_t i = 0; i < R; ++i) {
     base[i] = batch[i]->seq.seq_len();
+    root_seq_lens[i] = base[i] + 1;
     append_tokens(batch[i]->seq,
                   std::vector<int32_t>(slots.begin() + i * D, slots.begin() + (i + 1) * D),
                   *req_to_token_);
+    draft_slots.insert(draft_slots.end(), slots.begin() + i * D + 1, slots.begin() + (i + 1) * D);
+    seqs.push_back(&batch[i]->seq);
   }
-  // Draft: D - 1 decode passes of the draft model, each feeding the previous token of a chain.
-  for (int s = 1; s < D; ++s) {
+  // Draft: the draft model takes in the root (a decode pass), then drafts topk branches of
+  // num_steps tokens after it (multi-step draft decode, all steps planned at once).
+  {
     std::vector<BatchEntry> entries;
-    for (size_t i = 0; i < R; ++i) entries.push_back({&batch[i]->seq, base[i] + s, 1, {}});
-    StepBatch step(ForwardMode::DECODE, entries, *req_to_token_, device_);
-    record("draft DECODE", draft_->forward(step, options_.check));
+    for (size_t i = 0; i < R; ++i) entries.push_back({seqs[i], root_seq_lens[i], 1, {}});
+    StepBatch root(ForwardMode::DECODE, entries, *req_to_token_, device_);
+    record("draft DECODE", draft_->forward(root, options_.check));
   }
-  // Verify the draft tree with the target model.
+  record("draft multi-step", draft_->forward_draft_steps(seqs, root_seq_lens, draft_slots,
+                                                         *req_to_token_, options_.check));
+  // Verify the tree with the target model: each branch is a chain hanging off the root.
   std::vector<BatchEntry> entries;
   std::vector<std::vector<int32_t>> parents(R);
   for (size_t i = 0; i < R; ++i) {
     parents[i].assign(D, -1);
-    for (int j = 1; j < D; ++j) parents[i][j] = std::uniform_int_distribution<int>(0, j - 1)(rng_);
-    entries.push_back({&batch[i]->seq, base[i] + D, D, parents[i]});
+    for (int b = 0; b < K; ++b)
+      for (int j = 0; j < S; ++j) parents[i][1 + b * S + j] = j == 0 ? 0 : b * S + j;
+    entries.push_back({seqs[i], base[i] + D, D, parents[i]});
   }
   {
     StepBatch verify(ForwardMode::TARGET_VERIFY, entries, *req_to_token_, device_);

@@ -70,8 +70,9 @@ void print_serve_report(std::ostream& os, const ServeSetup& s, const ServeStats&
   os << "workload     " << s.workload << ": " << st.requests << " requests, " << s.prompt_tokens
      << " prompt tokens (" << s.num_prefixes << " shared prefixes), " << s.output_tokens
      << " output tokens"
-     << (s.spec.enabled ? str_cat(", speculative (", s.spec.draft_tokens, "-token draft trees)")
-                        : "")
+     << (s.spec.enabled
+             ? str_cat(", speculative (", s.spec.topk, " x ", s.spec.num_steps, " draft trees)")
+             : "")
      << "\n";
   os << "model        " << s.model.str() << (s.spec.enabled ? " + 1-layer draft model" : "")
      << "\n";

@@ -216,10 +216,12 @@ class FileReader {
       if (s->is_bool()) {
         w.spec.enabled = s->boolean();
       } else {
-        check_keys(*s, "speculative", {"draft_tokens", "accept_rate"});
+        check_keys(*s, "speculative", {"topk", "steps", "accept_rate"});
         w.spec.enabled = true;
-        if (const JsonValue* d = s->find("draft_tokens"))
-          w.spec.draft_tokens = static_cast<int>(integer(*d, "speculative.draft_tokens", 2, 16));
+        if (const JsonValue* k = s->find("topk"))
+          w.spec.topk = static_cast<int>(integer(*k, "speculative.topk", 1, 8));
+        if (const JsonValue* n = s->find("steps"))
+          w.spec.num_steps = static_cast<int>(integer(*n, "speculative.steps", 1, 8));
         if (const JsonValue* a = s->find("accept_rate")) {
           if (!a->is_number() || !(a->number() >= 0 && a->number() <= 1))
             fail(*a, "speculative.accept_rate", "expected a number in 0..1");

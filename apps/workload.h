@@ -17,12 +17,16 @@ struct RequestSpec {
   int32_t output_len = 1;       // tokens to generate (the first one comes out of the prefill)
 };
 
-// Speculative decoding (EAGLE-style): each step drafts `draft_tokens` tokens as a tree, verifies
-// them with the target model, accepts a path of it and extends the draft model by that path.
+// Speculative decoding (EAGLE-style): each step, the draft model drafts `topk` branches of
+// `num_steps` tokens each after the last generated token (the root), the target model verifies
+// the tree they form, a root-to-node path is accepted, and the draft model is extended by it.
 struct SpeculativeConfig {
   bool enabled = false;
-  int draft_tokens = 4;       // tree nodes per verify, the root (last accepted token) included
+  int topk = 2;               // branches
+  int num_steps = 2;          // draft tokens per branch (draft decode steps)
   double accept_rate = 0.75;  // chance the walk down the tree goes one node further
+  // Tree nodes per verify: the root and every draft token.
+  int draft_tokens() const { return 1 + topk * num_steps; }
 };
 
 struct Workload {

@@ -234,8 +234,8 @@ TEST(Cli, BadWorkloadFilesAreOneLineAndExitTwo) {
       {"{\"requests\": [{\"prefix\": \"nope\", \"output\": 4}]}", "no prefix named"},
       {"{\"requests\": []}", "non-empty array"},
       {"{\"requests\": [{\"prompt\": 10, \"output\": 4}], \"requests\": 1}", "duplicate key"},
-      {"{\"speculative\": {\"draft_tokens\": 99}, \"requests\": [{\"prompt\": 1, \"output\": 1}]}",
-       "speculative.draft_tokens"},
+      {"{\"speculative\": {\"topk\": 99}, \"requests\": [{\"prompt\": 1, \"output\": 1}]}",
+       "speculative.topk"},
       {"[1, 2]", "expected an object"},
   };
   const std::string file = temp_path("bad.json");

@@ -135,13 +135,15 @@ TEST(Workload, BuiltinsAreSeededAndShareTheirPrefixes) {
 TEST(Workload, FileFormat) {
   const std::string path = ::testing::TempDir() + "workload_test.json";
   std::ofstream(path) << R"({"name": "t", "prefixes": {"p": [9, 8, 7]},
-      "speculative": {"draft_tokens": 3, "accept_rate": 0.5},
+      "speculative": {"topk": 3, "steps": 1, "accept_rate": 0.5},
       "requests": [{"arrival": 5, "prefix": "p", "prompt": [1, 2], "output": 2},
                    {"prompt": 4, "output": 1}, {"arrival": 5, "prefix": "p", "output": 9}]})";
   const Workload w = load_workload_file(path, 0, 1);
   EXPECT_EQ(w.name, "t");
   EXPECT_TRUE(w.spec.enabled);
-  EXPECT_EQ(w.spec.draft_tokens, 3);
+  EXPECT_EQ(w.spec.topk, 3);
+  EXPECT_EQ(w.spec.num_steps, 1);
+  EXPECT_EQ(w.spec.draft_tokens(), 4);
   EXPECT_EQ(w.spec.accept_rate, 0.5);
   ASSERT_EQ(w.requests.size(), 3u);
   // Sorted by arrival, stable among equal arrivals.
@@ -153,6 +155,10 @@ TEST(Workload, FileFormat) {
   EXPECT_EQ(w.requests[2].output_len, 9);
   EXPECT_EQ(w.max_sequence_len(), 12);
   EXPECT_EQ(load_workload_file(path, 2, 1).requests.size(), 2u);
+  std::ofstream(path)
+      << R"({"speculative": {"steps": 0}, "requests": [{"prompt": 1, "output": 1}]})";
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("speculative.steps"),
+            std::string::npos);
 
   std::ofstream(path) << R"({"requests": [{"prompt": 4, "output": 1}], "speculative": true})";
   EXPECT_TRUE(load_workload_file(path, 0, 1).spec.enabled);
