@@ -23,6 +23,8 @@ const char* scenario_name(BackendScenario s) {
       return "verify";
     case BackendScenario::draft_extend:
       return "draft_extend";
+    case BackendScenario::draft_steps:
+      return "draft_steps";
     case BackendScenario::sliding_window:
       return "window";
     case BackendScenario::cross_attention:
@@ -122,6 +124,16 @@ class Scenario {
     return seqs;
   }
 
+  // Multi-step drafting over every request: topk branches of `steps` tokens each; one random
+  // step of every layer is checked, every row.
+  void draft_steps(const std::vector<Sequence*>& seqs, int topk, int steps) {
+    model_.enable_multi_step_draft(topk, steps);
+    std::vector<int32_t> lens;
+    for (const Sequence* s : seqs) lens.push_back(s->seq_len());
+    const std::vector<int32_t> slots = take(static_cast<int>(seqs.size()) * topk * steps);
+    tally(model_.forward_draft_steps(seqs, lens, slots, req_to_token_, check_));
+  }
+
   BackendResult result;
 
  private:
@@ -173,6 +185,11 @@ BackendResult run_backend_case(const BackendCase& c, Device device) {
         s.pass(ForwardMode::DRAFT_EXTEND, seqs, {s.len(1, 4), 1, s.len(1, 4)});
         break;
       }
+      case BackendScenario::draft_steps: {
+        auto seqs = s.prefill(3, 1, 100);
+        s.draft_steps(seqs, s.uniform(1, 4), s.uniform(1, 4));
+        break;
+      }
       case BackendScenario::sliding_window: {
         auto seqs = s.prefill(3, 1, 100);
         s.pass(ForwardMode::EXTEND, seqs, {s.len(1, 30), s.len(1, 30), s.len(1, 30)});
@@ -215,7 +232,8 @@ std::vector<BackendCase> backend_case_grid(bool quick, uint64_t seed) {
   const BackendScenario all[] = {BackendScenario::decode,         BackendScenario::extend,
                                  BackendScenario::extend_prefix,  BackendScenario::mixed,
                                  BackendScenario::verify,         BackendScenario::draft_extend,
-                                 BackendScenario::sliding_window, BackendScenario::cross_attention};
+                                 BackendScenario::draft_steps,    BackendScenario::sliding_window,
+                                 BackendScenario::cross_attention};
   for (const ModelConfig& shape : shapes) {
     for (BackendScenario sc : all) {
       BackendCase c;

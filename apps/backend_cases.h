@@ -21,6 +21,7 @@ enum class BackendScenario {
   mixed,            // a MIXED pass: decode requests and an extend in one batch
   verify,           // TARGET_VERIFY over random draft trees
   draft_extend,     // DRAFT_EXTEND by random accepted lengths
+  draft_steps,      // MultiStepDraftBackend: topk branches x steps of draft decode
   sliding_window,   // window and full layers: prefill, extend, decode
   cross_attention,  // encoder-decoder: extend writing the encoder KV, then decode
 };

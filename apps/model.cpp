@@ -272,22 +272,28 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
   loc3.stride[1] = steps;
   loc3.stride[2] = 1;
 
-  // One (step, layer) checked, for up to check.requests random rows (request, branch).
-  int check_step = -1, check_layer = -1;
+  // check.layers random (step, layer) pairs are checked, each for up to check.requests random
+  // rows (request, branch).
+  std::vector<std::pair<int, int>> checks;
   std::vector<int64_t> check_rows;
-  Tensor check_out;
+  std::vector<Tensor> check_out;
   if (check.enabled && rows > 0) {
-    check_step = std::uniform_int_distribution<int>(0, steps - 1)(gen_);
-    check_layer = std::uniform_int_distribution<int>(0, c.num_layers - 1)(gen_);
+    for (int st = 0; st < steps; ++st)
+      for (int l = 0; l < c.num_layers; ++l) checks.emplace_back(st, l);
+    std::shuffle(checks.begin(), checks.end(), gen_);
+    checks.resize(std::min<size_t>(checks.size(), static_cast<size_t>(std::max(check.layers, 1))));
     for (int64_t i = 0; i < rows; ++i) check_rows.push_back(i);
     std::shuffle(check_rows.begin(), check_rows.end(), gen_);
     check_rows.resize(
         std::min<size_t>(check_rows.size(), static_cast<size_t>(std::max(check.requests, 1))));
     std::sort(check_rows.begin(), check_rows.end());
-    check_out = Tensor::empty({rows, hd_out}, c.dtype, device_);
-    fill_bytes(check_out.data(), device_, 0xFF, check_out.view().nbytes());
+    for (size_t k = 0; k < checks.size(); ++k) {
+      check_out.push_back(Tensor::empty({rows, hd_out}, c.dtype, device_));
+      fill_bytes(check_out.back().data(), device_, 0xFF, check_out.back().view().nbytes());
+    }
   }
-  TensorView check_q, last_out;
+  std::vector<TensorView> check_q(checks.size());
+  TensorView last_out;
 
   synchronize(device_);
   const auto t0 = std::chrono::steady_clock::now();
@@ -297,10 +303,13 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
       const TensorView q = activations(rows, c.num_qo_heads, c.head_dim);
       const TensorView k = activations(rows, c.num_kv_heads, c.head_dim);
       const TensorView v = activations(rows, c.num_kv_heads, c.head_dim);
-      const bool checked = st == check_step && l == check_layer;
-      if (checked) check_q = q;
-      last_out = multi_step_->forward(st, q, k, v, c.layer(l), true,
-                                      checked ? check_out.view() : TensorView());
+      const auto at = std::find(checks.begin(), checks.end(), std::make_pair(st, l));
+      TensorView out;
+      if (at != checks.end()) {
+        out = check_out[at - checks.begin()];
+        check_q[at - checks.begin()] = q;
+      }
+      last_out = multi_step_->forward(st, q, k, v, c.layer(l), true, out);
     }
   synchronize(device_);
   PassResult r;
@@ -308,7 +317,8 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
   r.ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
 
   scan_for_nan(last_out, rows, r);
-  if (check_step >= 0) {
+  for (size_t k = 0; k < checks.size(); ++k) {
+    const int step = checks[k].first;
     // Row (request i, branch b) sees the request's cached tokens, then its branch's draft tokens
     // up to this step.
     std::vector<std::vector<int32_t>> row_slots;
@@ -317,7 +327,7 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
       const int64_t i = row / topk;  // rows are (request, branch), branch fastest
       std::vector<int32_t> slots(seqs[i]->slots.begin() + seqs[i]->encoder_len,
                                  seqs[i]->slots.begin() + seqs[i]->encoder_len + seq_lens[i]);
-      for (int st = 0; st <= check_step; ++st) slots.push_back(draft_slots[row * steps + st]);
+      for (int st = 0; st <= step; ++st) slots.push_back(draft_slots[row * steps + st]);
       row_slots.push_back(std::move(slots));
     }
     for (size_t j = 0; j < check_rows.size(); ++j) {
@@ -329,8 +339,8 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
       checked.ranges.emplace_back(check_rows[j], 1);
     }
     const std::string what =
-        str_cat("draft step ", check_step, " of ", bs, " requests x ", topk, " branches");
-    compare_layer(c.layer(check_layer), checked, check_q, check_out, what.c_str(), r);
+        str_cat("draft step ", step, " of ", bs, " requests x ", topk, " branches");
+    compare_layer(c.layer(checks[k].second), checked, check_q[k], check_out[k], what.c_str(), r);
   }
   r.check_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();

@@ -180,6 +180,7 @@ TEST(Cli, CheckQuickEndsWithPassedFailedLine) {
       << last_line(r.out);
   EXPECT_NE(r.out.find("backend verify"), std::string::npos);
   EXPECT_NE(r.out.find("backend cross"), std::string::npos);
+  EXPECT_NE(r.out.find("backend draft_steps"), std::string::npos);
 }
 
 TEST(Cli, HelpExitsZero) {
