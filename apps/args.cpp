@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <sstream>
 
 #include "flashkv/core/error.h"
@@ -100,6 +101,13 @@ Device Args::device() const {
              ? "--device " + s + ": no GPU is visible"
              : str_cat("--device ", s, ": only ", cuda_device_count(), " GPUs are visible"));
   return d;
+}
+
+void Args::require_writable(const std::string& name) const {
+  const std::string& path = get(name);
+  if (path.empty()) return;
+  std::ofstream out(path, std::ios::binary | std::ios::app);
+  if (!out.good()) fail(name + " " + path + ": cannot open for writing");
 }
 
 void Args::fail(const std::string& message) const {

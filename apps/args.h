@@ -37,6 +37,9 @@ class Args {
   // --device: "auto" is the first GPU when one is visible, else the CPU; asking for CUDA without
   // a GPU (or in a build without CUDA) exits 2 with one line saying which.
   Device device() const;
+  // Exits 2 unless the file option `name` names (when given) can be opened for writing: checked
+  // before a long run, not after it.
+  void require_writable(const std::string& name) const;
   [[noreturn]] void fail(const std::string& message) const;  // "flashkv <cmd>: message", exit 2
   std::string usage() const;
 

@@ -34,7 +34,7 @@ int cmd_bench(int argc, char** argv) {
   const std::string& grid = args.get("--grid");
   if (grid != "quick" && grid != "full")
     args.fail("--grid expects quick or full, got '" + grid + "'");
-  for (const char* flag : {"--json", "--csv", "--plot"}) require_writable(args, flag);
+  for (const char* flag : {"--json", "--csv", "--plot"}) args.require_writable(flag);
   bench::BenchOptions timing;
   timing.min_seconds = args.get_double("--min-seconds", 0, 3600);
   bench::RooflineOptions roof;

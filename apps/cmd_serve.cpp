@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <limits>
 
@@ -18,14 +17,6 @@
 #include "workload.h"
 
 namespace flashkv::app {
-
-// Exits 2 unless `path` can be written (checked before a long run, not after it).
-void require_writable(const Args& args, const std::string& flag) {
-  const std::string& path = args.get(flag);
-  if (path.empty()) return;
-  std::ofstream out(path, std::ios::binary | std::ios::app);
-  if (!out.good()) args.fail(flag + " " + path + ": cannot open for writing");
-}
 
 namespace {
 
@@ -76,7 +67,7 @@ int cmd_serve(int argc, char** argv) {
   const Device device = args.device();
   const bool gpu = device.is_cuda();
   const uint64_t seed = static_cast<uint64_t>(args.get_int("--seed"));
-  require_writable(args, "--json");
+  args.require_writable("--json");
 
   ModelConfig model;
   model.num_layers = args.get_int("--layers", 1, 256, gpu ? 32 : 4);

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <deque>
 
 #include "flashkv/core/error.h"
 
@@ -23,7 +22,6 @@ struct Scheduler::Active {
   Sequence seq;
   std::vector<int32_t> chain;  // prefix-cache nodes it references: its leading prompt blocks
   int32_t generated = 0;       // output tokens so far (the prefill makes the first)
-  int32_t shared_len() const { return static_cast<int32_t>(chain.size()); }
 };
 
 namespace {
@@ -158,7 +156,7 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
     stats_.cached_prompt_tokens += matched;
     reserved += new_tokens + future;
     batch_tokens += new_tokens;
-    waiting_.erase(waiting_.begin());
+    waiting_.pop_front();
     admitted.push_back(a.get());
     active_.push_back(std::move(a));
   }
@@ -182,7 +180,7 @@ void Scheduler::run_extend(const std::vector<Active*>& admitted) {
     BatchEntry e;
     e.seq = &a->seq;
     e.seq_len = a->seq.seq_len();
-    e.num_new = e.seq_len - a->shared_len() * cache_.block_size();
+    e.num_new = e.seq_len - static_cast<int32_t>(a->chain.size()) * cache_.block_size();
     entries.push_back(e);
   }
   StepBatch step(ForwardMode::EXTEND, entries, *req_to_token_, device_);

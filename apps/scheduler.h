@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -117,7 +118,7 @@ class Scheduler {
   std::unique_ptr<Model> model_, draft_;
   PrefixCache cache_;
   std::vector<std::unique_ptr<Active>> active_;  // every admitted request
-  std::vector<size_t> waiting_;                  // indices into workload_.requests
+  std::deque<size_t> waiting_;                   // indices into workload_.requests
   std::vector<Active*> running_;
   ServeStats stats_;
   std::mt19937_64 rng_;  // draft trees and accepted paths
