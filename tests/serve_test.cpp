@@ -21,16 +21,7 @@
 namespace flashkv::app {
 namespace {
 
-// The message of the flashkv::Error `f` throws ("" when it throws none).
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 // ---- JSON ----------------------------------------------------------------------------------
 
