@@ -59,6 +59,17 @@ bool has_nan(const TensorView& t);
 void expect_close(const TensorView& out, const TensorView& lse, const reference::Result& ref,
                   DType dtype, bool fp8_kv = false);
 
+// The message of the flashkv::Error that fn throws ("" when none).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // Skips the current test when no GPU is visible.
 #define FLASHKV_REQUIRE_GPU()                                             \
   do {                                                                    \
