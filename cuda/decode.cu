@@ -201,9 +201,9 @@ void paged_decode(const AttentionParams& p, Stream stream) {
   if (p.num_items == 0) return;
   const auto s = static_cast<cudaStream_t>(stream.handle);
   launch(p, s);
-  // A graph plan may split on replay even when this batch did not, whenever its layout holds
-  // partial states.
-  const bool may_merge = p.num_merges > 0 || (p.cuda_graph && p.partial_lse != p.partial_o);
+  // A graph plan may split on replay even when this batch did not, whenever its layout has
+  // room for merges.
+  const bool may_merge = p.num_merges > 0 || (p.cuda_graph && p.max_merges > 0);
   if (!may_merge) return;
   if (p.q_dtype == DType::bf16)
     launch_merge<__nv_bfloat16>(p, s);
