@@ -10,6 +10,23 @@ namespace cpu {
 // Runs every work item of p (prefill, ragged or paged, and decode), then the merges.
 void attention(const AttentionParams& p);
 void merge(const MergeParams& p);
+
+// Instruction-set levels of the CPU kernels, each a superset of the one before. One binary holds
+// them all and picks the best the CPU supports at run time.
+enum class Isa : int {
+  scalar = 0,       // any CPU: plain C++
+  avx2 = 1,         // AVX2 + FMA + F16C: fp32 math on 8 lanes
+  avx512 = 2,       // AVX-512 F/BW/VL/DQ: fp32 math on 16 lanes
+  avx512_bf16 = 3,  // + AVX512_BF16: bf16 dot products (bf16 and fp8 KV)
+};
+const char* isa_name(Isa isa);
+// The best level this CPU and OS support.
+Isa detected_isa();
+// The level the kernels use: the detected one, capped by set_isa_cap() or by the environment
+// variable FLASHKV_CPU_ISA (scalar / avx2 / avx512 / avx512_bf16).
+Isa active_isa();
+// Caps the level (tests and benchmarks run every path this way); returns the previous cap.
+Isa set_isa_cap(Isa cap);
 }  // namespace cpu
 
 namespace cuda {

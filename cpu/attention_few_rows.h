@@ -1,0 +1,131 @@
+// The few-rows path of CPU attention (compiled per ISA like attention_kernel.h), for tasks with
+// at most kFewRows rows per KV head: decode (one token x G heads) and short extends.
+//
+// With few rows, transposing K into the kt tile (attention_loads.h) would cost more than the
+// products it feeds, and every K/V element is used only G times; so this path reads the K and V
+// rows where they are. QK: a vector holds one key's steps; W keys' partial sums are reduced
+// and transposed in registers into one vector of W scores (lanes = keys, as QkTile makes them),
+// which then go through the same softmax. PV: V rows are loaded (bf16: two rows interleaved
+// into steps) and multiplied into O in registers, without a V tile.
+#ifndef FLASHKV_CPU_ISA_NS
+#error "include cpu/attention_few_rows.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
+#endif
+
+namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
+
+constexpr int kFewRows = 8;
+
+// Scores of n keys (row pointers `keys`) for every row: scores [rows, kBlockKeys].
+template <class T, class Src>
+void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int dim,
+                 float* scores, const Fp8Tables& tables) {
+  using F = typename T::F;
+  constexpr int W = T::W, P = T::kPack;
+  const int vecs = t.q_pitch / W;
+  for (int k0 = 0; k0 < n; k0 += W) {
+    const int count = imin(W, n - k0);
+    for (int r = 0; r < rows; ++r) {
+      F acc[W];
+      FLASHKV_UNROLL
+      for (int i = 0; i < W; ++i) acc[i] = T::zero();
+      const typename T::Step* q = t.q + r * t.q_pitch;
+      for (int c = 0; c < vecs; ++c) {
+        const typename T::Vec qv = T::vload(q + c * W);
+        const int elems = dim - c * W * P;
+        FLASHKV_UNROLL
+        for (int i = 0; i < W; ++i)
+          if (i < count)
+            acc[i] = T::dot(acc[i], qv,
+                            T::load_steps(reinterpret_cast<const Src*>(keys[k0 + i]) + c * W * P,
+                                          elems, tables));
+      }
+      T::store(scores + r * T::kBlockKeys + k0, T::reduce_lanes(acc));
+    }
+  }
+}
+
+// O[rows 0 .. RB - 1, dims d0 .. d0 + NV * W) = O * corr + P V, V rows read in place.
+template <class T, class Src, int RB, int NV>
+struct FewRowsPv {
+  static void run(const Tile<T>& t, const char* const* values, int n, int dim, int d0,
+                  const Fp8Tables& tables) {
+    using F = typename T::F;
+    constexpr int W = T::W, kPSteps = Tile<T>::kPSteps;
+    F acc[RB][NV];
+    FLASHKV_UNROLL
+    for (int r = 0; r < RB; ++r) {
+      const F c = T::set1(t.corr[r]);
+      FLASHKV_UNROLL
+      for (int v = 0; v < NV; ++v) acc[r][v] = T::mul(T::load(t.o + r * t.dv_pad + d0 + v * W), c);
+    }
+    for (int s = 0; s < t.steps_pv; ++s) {
+      typename T::Vec v[NV + 1];
+      if constexpr (T::kPack == 1) {
+        const Src* row = reinterpret_cast<const Src*>(values[s]);
+        FLASHKV_UNROLL
+        for (int i = 0; i < NV; ++i) v[i] = T::load_steps(row + d0 + i * W, dim - d0 - i * W, tables);
+      } else {
+        const Src* a = reinterpret_cast<const Src*>(values[2 * s]);
+        const Src* b = 2 * s + 1 < n ? reinterpret_cast<const Src*>(values[2 * s + 1]) : nullptr;
+        FLASHKV_UNROLL
+        for (int i = 0; i < NV; i += 2) {
+          const int elems = dim - d0 - i * W;
+          T::interleave(T::load_steps(a + d0 + i * W, elems, tables),
+                        b ? T::load_steps(b + d0 + i * W, elems, tables) : T::vzero(), &v[i],
+                        &v[i + 1]);
+        }
+      }
+      FLASHKV_UNROLL
+      for (int r = 0; r < RB; ++r) {
+        FLASHKV_UNROLL
+        for (int i = 0; i < NV; ++i) acc[r][i] = T::madd(acc[r][i], t.p + r * kPSteps + s, v[i]);
+      }
+    }
+    FLASHKV_UNROLL
+    for (int r = 0; r < RB; ++r) {
+      FLASHKV_UNROLL
+      for (int v = 0; v < NV; ++v) T::store(t.o + r * t.dv_pad + d0 + v * W, acc[r][v]);
+    }
+  }
+};
+
+// All dims of RB rows: chunks of NV vectors (NV * RB <= 16 accumulators), a smaller last one.
+template <class T, class Src, int RB, int NV>
+void few_rows_pv_tail(const Tile<T>& t, const char* const* values, int n, int dim, int d0,
+                      int vecs, const Fp8Tables& tables) {
+  if constexpr (NV >= 1) {
+    if (vecs == NV) return FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, d0, tables);
+    few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, d0, vecs, tables);
+  }
+}
+template <class T, class Src, int RB>
+void few_rows_pv_rows(const Tile<T>& t, const char* const* values, int n, int dim,
+                      const Fp8Tables& tables) {
+  constexpr int NV = RB <= 1 ? 16 : RB == 2 ? 8 : RB <= 4 ? 4 : 2;
+  const int vecs = t.dv_pad / T::W;
+  int v = 0;
+  for (; v + NV <= vecs; v += NV) FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, v * T::W, tables);
+  if (v < vecs) few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, v * T::W, vecs - v, tables);
+}
+template <class T, class Src, int RB = kFewRows>
+void few_rows_pv(const Tile<T>& t, int rows, const char* const* values, int n, int dim,
+                 const Fp8Tables& tables) {
+  if constexpr (RB >= 1) {
+    if (rows == RB) return few_rows_pv_rows<T, Src, RB>(t, values, n, dim, tables);
+    few_rows_pv<T, Src, RB - 1>(t, rows, values, n, dim, tables);
+  }
+}
+
+// Loads the score rows back into registers for the shared softmax.
+template <class T>
+void few_rows_softmax(const Tile<T>& t, int rows, const float* scores) {
+  constexpr int NC = Tile<T>::kKeyVecs;
+  for (int r = 0; r < rows; ++r) {
+    typename T::F s[NC];
+    FLASHKV_UNROLL
+    for (int c = 0; c < NC; ++c) s[c] = T::load(scores + r * T::kBlockKeys + c * T::W);
+    softmax_row(t, r, s);
+  }
+}
+
+}  // namespace flashkv::cpu::FLASHKV_CPU_ISA_NS

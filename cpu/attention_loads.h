@@ -1,0 +1,165 @@
+// Loads and stores of CPU attention (compiled per ISA like attention_kernel.h): where a
+// request's K/V rows live, the K and V tiles of a KV block (gathered, converted, transposed or
+// paired; the next block prefetched on the way), query rows into steps, output rows out.
+#ifndef FLASHKV_CPU_ISA_NS
+#error "include cpu/attention_loads.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
+#endif
+
+namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
+
+// KV length of request r (tokens).
+inline int64_t kv_len_of(const AttentionParams& p, int32_t r) {
+  const int64_t n = p.kv_indptr[r + 1] - p.kv_indptr[r];
+  if (!p.paged || p.page_size == 1 || n == 0) return n;
+  return (n - 1) * p.page_size + p.last_page_len[r];
+}
+
+// Which K/V row (pool slot or ragged row) holds each KV position of request r: ragged, rows
+// from kv_indptr[r] on; paged, slots or pages listed in kv_indices (clamped into the pool).
+struct KvRows {
+  bool paged;
+  const int32_t* entries;  // paged: kv_indices + kv_indptr[r]
+  int64_t first_row;       // ragged: kv_indptr[r]
+  int32_t page_size;
+  int64_t last_row;  // num_kv_rows - 1
+
+  KvRows(const AttentionParams& p, int32_t r)
+      : paged(p.paged),
+        entries(p.paged ? p.kv_indices + p.kv_indptr[r] : nullptr),
+        first_row(p.kv_indptr[r]),
+        page_size(p.page_size),
+        last_row(p.num_kv_rows - 1) {}
+
+  // Rows of positions j0 .. j0 + n - 1.
+  void get(int64_t j0, int n, int64_t* rows) const {
+    if (!paged) {
+      for (int i = 0; i < n; ++i) rows[i] = first_row + j0 + i;
+    } else if (page_size == 1) {
+      for (int i = 0; i < n; ++i) rows[i] = clamp64(entries[j0 + i], 0, last_row);
+    } else {
+      int64_t page = j0 / page_size;
+      int32_t offset = static_cast<int32_t>(j0 % page_size);
+      for (int i = 0; i < n; ++i) {
+        rows[i] = clamp64(int64_t{entries[page]} * page_size + offset, 0, last_row);
+        if (++offset == page_size) {
+          offset = 0;
+          ++page;
+        }
+      }
+    }
+  }
+};
+
+inline void prefetch_l2(const char* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
+// One KV head's K or V: row r starts at base + r * row_bytes. `next` lists the rows of the block
+// after the one being loaded: they are prefetched into L2 (not L1, which the tiles and the
+// running state fill) interleaved with the loads, so the memory system always has the next
+// block's lines in flight.
+struct HeadRows {
+  const char* base;
+  int64_t row_bytes;
+  int line_bytes;  // bytes of a row to prefetch
+  const int64_t* rows;
+  const int64_t* next;
+  int n_next;
+
+  const char* row(int i) const { return base + rows[i] * row_bytes; }
+  void prefetch_next(int i) const {
+    if (i >= n_next) return;
+    prefetch_l2(base + next[i] * row_bytes, line_bytes);
+  }
+};
+
+// Loads n keys (n <= kBlockKeys) of K into kt [steps, kBlockKeys]: W keys x W steps per
+// transpose; keys of a partly filled group are zero.
+template <class T, class Src>
+void pack_k(const HeadRows& k, int n, int dim, int steps, typename T::Step* kt,
+            const Fp8Tables& tables) {
+  constexpr int W = T::W, P = T::kPack;
+  for (int k0 = 0; k0 < n; k0 += W) {
+    const int keys = imin(W, n - k0);
+    for (int i = 0; i < W; ++i) k.prefetch_next(k0 + i);
+    for (int s0 = 0; s0 < steps; s0 += W) {
+      typename T::Vec v[W];
+      const int elems = imin(W * P, dim - s0 * P);
+      FLASHKV_UNROLL
+      for (int i = 0; i < W; ++i)
+        v[i] = i < keys ? T::load_steps(reinterpret_cast<const Src*>(k.row(k0 + i)) + s0 * P,
+                                        elems, tables)
+                        : T::vzero();
+      T::transpose_store(v, kt + s0 * T::kBlockKeys + k0, T::kBlockKeys, imin(W, steps - s0));
+    }
+  }
+}
+
+// Loads n rows of V into vp [kBlockKeys / kPack, dv_pad]: fp32 rows, or (bf16) steps pairing
+// rows 2i and 2i + 1 (a missing odd row is zero).
+template <class T, class Src>
+void pack_v(const HeadRows& v, int n, int dim, int dv_pad, typename T::Step* vp,
+            const Fp8Tables& tables) {
+  constexpr int W = T::W;
+  if constexpr (T::kPack == 1) {
+    for (int j = 0; j < n; ++j) {
+      v.prefetch_next(j);
+      const Src* src = reinterpret_cast<const Src*>(v.row(j));
+      for (int d = 0; d < dim; d += W)
+        T::vstore(vp + j * dv_pad + d, T::load_steps(src + d, dim - d, tables));
+    }
+  } else {
+    for (int j = 0; j < n; j += 2) {
+      v.prefetch_next(j);
+      v.prefetch_next(j + 1);
+      const Src* a = reinterpret_cast<const Src*>(v.row(j));
+      const Src* b = j + 1 < n ? reinterpret_cast<const Src*>(v.row(j + 1)) : nullptr;
+      typename T::Step* dst = vp + (j / 2) * dv_pad;
+      for (int d = 0; d < dim; d += 2 * W) {
+        typename T::Vec lo, hi;
+        T::interleave(T::load_steps(a + d, dim - d, tables),
+                      b ? T::load_steps(b + d, dim - d, tables) : T::vzero(), &lo, &hi);
+        T::vstore(dst + d, lo);
+        if (d + W < dim) T::vstore(dst + d + W, hi);
+      }
+    }
+  }
+}
+
+// One row of `dim` elements of type Src -> steps, zero-padded to `pitch` steps.
+template <class T, class Src>
+void load_row_steps(const void* src, int dim, int pitch, typename T::Step* dst,
+                    const Fp8Tables& tables) {
+  constexpr int W = T::W, P = T::kPack;
+  for (int s = 0; s < pitch; s += W)
+    T::vstore(dst + s, s * P < dim ? T::load_steps(static_cast<const Src*>(src) + s * P,
+                                                   dim - s * P, tables)
+                                   : T::vzero());
+}
+template <class T>
+void load_q_row(DType dtype, const void* src, int dim, int pitch, typename T::Step* dst,
+                const Fp8Tables& tables) {
+  switch (dtype) {
+    case DType::f32: return load_row_steps<T, float>(src, dim, pitch, dst, tables);
+    case DType::f16: return load_row_steps<T, f16_t>(src, dim, pitch, dst, tables);
+    default: return load_row_steps<T, bf16_t>(src, dim, pitch, dst, tables);
+  }
+}
+
+// `dim` floats times `scale` -> a row of type Dst.
+template <class T, class Dst>
+void store_row(const float* src, float scale, int dim, Dst* dst) {
+  const typename T::F s = T::set1(scale);
+  for (int d = 0; d < dim; d += T::W)
+    T::store_float(dst + d, T::mul(T::load(src + d), s), dim - d);
+}
+template <class T>
+void store_row(DType dtype, const float* src, float scale, int dim, void* dst) {
+  switch (dtype) {
+    case DType::f32: return store_row<T>(src, scale, dim, static_cast<float*>(dst));
+    case DType::f16: return store_row<T>(src, scale, dim, static_cast<f16_t*>(dst));
+    default: return store_row<T>(src, scale, dim, static_cast<bf16_t*>(dst));
+  }
+}
+
+}  // namespace flashkv::cpu::FLASHKV_CPU_ISA_NS

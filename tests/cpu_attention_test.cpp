@@ -1,0 +1,535 @@
+// The CPU attention kernels against the float64 reference, on every ISA level this CPU has
+// (scalar, AVX2, AVX-512, AVX-512 BF16): random grids over batch sizes, lengths (0, 1 and
+// non-multiples of the KV block), page sizes with shuffled page tables, GQA groups, head dims,
+// dtypes (fp8 KV with scales), causal / window / soft cap / sm_scale / custom mask, LSE, forced
+// splits and the merges. Unused KV slots hold NaN, outputs are poisoned first.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+#include "flashkv/ops/attention.h"
+#include "flashkv/ops/kernels.h"
+#include "flashkv/ops/reference.h"
+#include "test_util.h"
+
+namespace flashkv {
+namespace {
+
+using test::Rng;
+
+// Every ISA level up to the one this CPU supports.
+std::vector<cpu::Isa> isa_levels() {
+  std::vector<cpu::Isa> levels;
+  for (int i = 0; i <= static_cast<int>(cpu::detected_isa()); ++i)
+    levels.push_back(static_cast<cpu::Isa>(i));
+  return levels;
+}
+
+class IsaCap {
+ public:
+  explicit IsaCap(cpu::Isa cap) : previous_(cpu::set_isa_cap(cap)) {}
+  ~IsaCap() { cpu::set_isa_cap(previous_); }
+
+ private:
+  cpu::Isa previous_;
+};
+
+enum class Op { ragged, paged_prefill, decode };
+
+struct Case {
+  Op op = Op::ragged;
+  std::vector<int32_t> q_lens, kv_lens;  // decode: q_lens ignored (one row each)
+  int hq = 4, hkv = 1, dqk = 64, dv = 64;
+  DType dtype = DType::bf16, kv_dtype = DType::bf16;
+  int page_size = 1;
+  bool causal = true;
+  int window_left = -1;
+  float soft_cap = 0, sm_scale = 0;
+  bool custom_mask = false;
+  bool want_lse = true;
+  int fixed_split = 0;
+  float k_scale = 1, v_scale = 1;
+
+  std::string str() const {
+    std::string s = op == Op::ragged ? "ragged" : op == Op::decode ? "decode" : "paged_prefill";
+    s += str_cat(" B=", kv_lens.size(), " hq=", hq, " hkv=", hkv, " d=", dqk, "/", dv, " ",
+                 dtype_name(dtype), "/", dtype_name(kv_dtype), " page=", page_size,
+                 " causal=", causal, " window=", window_left, " cap=", soft_cap,
+                 " scale=", sm_scale, " mask=", custom_mask, " split=", fixed_split, " isa=",
+                 cpu::isa_name(cpu::active_isa()), " kv_lens=");
+    for (int32_t l : kv_lens) s += str_cat(l, ",");
+    if (op != Op::decode) {
+      s += " q_lens=";
+      for (int32_t l : q_lens) s += str_cat(l, ",");
+    }
+    return s;
+  }
+};
+
+// Fills rows (dimension 0) of a [rows, H, D] tensor that are not marked used with NaN.
+void poison_rows(const Tensor& t, const std::vector<char>& used) {
+  const int64_t row_elems = t.numel() / t.size(0);
+  for (int64_t r = 0; r < t.size(0); ++r)
+    if (!used[r])
+      for (int64_t e = 0; e < row_elems; ++e)
+        store_from_double(t.data(), t.dtype(), r * row_elems + e,
+                          std::numeric_limits<double>::quiet_NaN());
+}
+
+// Runs the case on the CPU and checks it against the reference; returns the output.
+Tensor run_case(const Case& c, Rng& rng) {
+  SCOPED_TRACE(c.str());
+  const int32_t batch = static_cast<int32_t>(c.kv_lens.size());
+  const bool decode = c.op == Op::decode;
+  std::vector<int32_t> q_lens = decode ? std::vector<int32_t>(batch, 1) : c.q_lens;
+  const std::vector<int32_t> qo = test::indptr_of(q_lens);
+  const int64_t num_q = qo.back();
+  const bool fp8 = is_fp8(c.kv_dtype);
+  Tensor q = test::random_tensor(rng, {num_q, c.hq, c.dqk}, c.dtype);
+  Tensor out = Tensor::empty({num_q, c.hq, c.dv}, c.dtype);
+  Tensor lse = Tensor::empty({num_q, c.hq}, DType::f32);
+  test::poison(out);
+  test::poison(lse);
+
+  AttentionOptions opt;
+  opt.causal = c.causal;
+  opt.window_left = c.window_left;
+  opt.logits_soft_cap = c.soft_cap;
+  opt.sm_scale = c.sm_scale;
+  Tensor mask, mask_indptr;
+  if (c.custom_mask) {
+    std::vector<int32_t> sizes(batch);
+    for (int32_t i = 0; i < batch; ++i) sizes[i] = q_lens[i] * c.kv_lens[i];
+    const std::vector<int32_t> mi = test::indptr_of(sizes);
+    mask = Tensor::empty({std::max<int64_t>(mi.back(), 1)}, DType::u8);
+    for (int64_t e = 0; e < mask.numel(); ++e) mask.ptr<uint8_t>()[e] = rng.uniform() < 0.6;
+    mask_indptr = Tensor::from_i32(mi);
+    opt.custom_mask = mask;
+    opt.mask_indptr = mask_indptr;
+  }
+
+  BatchShape bs;
+  bs.batch_size = batch;
+  bs.qo_indptr = decode ? nullptr : qo.data();
+  bs.kv_len = c.kv_lens.data();
+  bs.num_qo_heads = c.hq;
+  bs.num_kv_heads = c.hkv;
+  bs.head_dim_qk = c.dqk;
+  bs.head_dim_v = c.dv;
+  bs.page_size = c.op == Op::ragged ? 1 : c.page_size;
+  bs.causal = c.causal && !c.custom_mask;
+  bs.window_left = c.window_left;
+  PlanOptions po;
+  po.fixed_split_size = c.fixed_split;
+  const DeviceInfo dev = device_info(Device::cpu());
+  Plan plan;
+  DecodePlan decode_plan;
+  PrefillPlan prefill_plan;
+  if (decode) {
+    decode_plan = plan_decode(bs, dev, po);
+    plan = decode_plan;
+  } else {
+    prefill_plan = plan_prefill(bs, dev, po);
+    plan = prefill_plan;
+  }
+  if (c.fixed_split > 0 && decode && c.window_left < 0) {
+    int32_t longest = 0;
+    for (int32_t l : c.kv_lens) longest = std::max(longest, l);
+    if (longest > c.fixed_split + 32) EXPECT_FALSE(plan.merges.empty()) << "expected split items";
+  }
+  Workspace ws(plan.layout.total_bytes, Device::cpu());
+  ws.upload(plan);
+  const TensorView lse_view = c.want_lse ? TensorView(lse) : TensorView();
+  Tensor qo_t = Tensor::from_i32(qo);
+
+  reference::Result ref;
+  if (c.op == Op::ragged) {
+    // K/V rows: a NaN gap before and after the batch's rows.
+    const int32_t front = rng.uniform_int(0, 3), back = rng.uniform_int(0, 3);
+    std::vector<int32_t> kvp = test::indptr_of(c.kv_lens);
+    for (int32_t& x : kvp) x += front;
+    const int64_t rows = kvp.back() + back;
+    Tensor k = test::random_tensor(rng, {rows, c.hkv, c.dqk}, c.kv_dtype);
+    Tensor v = test::random_tensor(rng, {rows, c.hkv, c.dv}, c.kv_dtype);
+    std::vector<char> used(rows, 0);
+    for (int64_t r = front; r < kvp.back(); ++r) used[r] = 1;
+    poison_rows(k, used);
+    poison_rows(v, used);
+    Tensor kv_t = Tensor::from_i32(kvp);
+    ragged_prefill(prefill_plan, q, k, v, qo_t, kv_t, opt, out, lse_view, ws);
+    ref = reference::ragged_attention(q, k, v, qo_t, kv_t, opt);
+  } else {
+    // Paged pool: each request's pages drawn from a shuffled list; slots not holding a token
+    // (other pages, the tail of last pages) are NaN.
+    const int ps = c.page_size;
+    std::vector<int32_t> pages_of(batch);
+    int32_t total_pages = 0;
+    for (int32_t i = 0; i < batch; ++i) {
+      pages_of[i] = (c.kv_lens[i] + ps - 1) / ps;
+      total_pages += pages_of[i];
+    }
+    const int32_t pool_pages = total_pages + rng.uniform_int(1, 4);
+    std::vector<int32_t> perm(pool_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng.gen());
+    std::vector<int32_t> indices(perm.begin(), perm.begin() + total_pages);
+    std::vector<int32_t> last(batch, 0);
+    const int64_t slots = int64_t{pool_pages} * ps;
+    std::vector<char> used(slots, 0);
+    int32_t e = 0;
+    for (int32_t i = 0; i < batch; ++i) {
+      for (int32_t t = 0; t < c.kv_lens[i]; ++t) used[int64_t{indices[e + t / ps]} * ps + t % ps] = 1;
+      last[i] = c.kv_lens[i] == 0 ? 0 : (c.kv_lens[i] - 1) % ps + 1;
+      e += pages_of[i];
+    }
+    Tensor k = test::random_tensor(rng, {slots, c.hkv, c.dqk}, c.kv_dtype, fp8 ? 1.0 / c.k_scale : 1.0);
+    Tensor v = test::random_tensor(rng, {slots, c.hkv, c.dv}, c.kv_dtype, fp8 ? 1.0 / c.v_scale : 1.0);
+    poison_rows(k, used);
+    poison_rows(v, used);
+    Tensor indptr = Tensor::from_i32(test::indptr_of(pages_of));
+    Tensor idx = Tensor::from_i32(indices.empty() ? std::vector<int32_t>{0} : indices);
+    Tensor last_t = Tensor::from_i32(last);
+    PagedKV kv{k, v, indptr, idx, ps > 1 ? TensorView(last_t) : TensorView(), ps};
+    kv.k_scale = c.k_scale;
+    kv.v_scale = c.v_scale;
+    if (decode) {
+      paged_decode(decode_plan, q, kv, opt, out, lse_view, ws);
+      ref = reference::paged_attention(q, TensorView(), kv, opt);
+    } else {
+      paged_prefill(prefill_plan, q, qo_t, kv, opt, out, lse_view, ws);
+      ref = reference::paged_attention(q, qo_t, kv, opt);
+    }
+  }
+  test::expect_close(out, lse_view, ref, c.dtype, fp8);
+  return out;
+}
+
+std::vector<int32_t> random_lengths(Rng& rng, int n, int max_len) {
+  std::vector<int32_t> lens(n);
+  for (int32_t& l : lens) {
+    const double u = rng.uniform();
+    l = u < 0.1 ? 0 : u < 0.2 ? 1 : rng.uniform_int(2, max_len);
+  }
+  return lens;
+}
+
+TEST(CpuAttention, DetectsAnIsa) {
+  const cpu::Isa best = cpu::detected_isa();
+  EXPECT_LE(cpu::active_isa(), best);
+  IsaCap cap(cpu::Isa::scalar);
+  EXPECT_EQ(cpu::active_isa(), cpu::Isa::scalar);
+  EXPECT_STREQ(cpu::isa_name(cpu::Isa::avx512_bf16), "avx512_bf16");
+}
+
+TEST(CpuAttention, RaggedPrefillGrid) {
+  FLASHKV_SEEDED_RNG(rng, 101);
+  for (cpu::Isa isa : isa_levels()) {
+    IsaCap cap(isa);
+    for (int iter = 0; iter < 10; ++iter) {
+      Case c;
+      c.op = Op::ragged;
+      const int batch = rng.uniform_int(1, 6);
+      c.q_lens = random_lengths(rng, batch, 40);
+      c.kv_lens = random_lengths(rng, batch, 90);
+      const int gqa[] = {1, 4, 8};
+      c.hkv = rng.uniform_int(1, 2);
+      c.hq = c.hkv * gqa[rng.uniform_int(0, 2)];
+      c.dqk = c.dv = 64;
+      c.dtype = c.kv_dtype = iter % 3 == 0 ? DType::f32 : iter % 3 == 1 ? DType::bf16 : DType::f16;
+      c.causal = rng.uniform() < 0.7;
+      c.window_left = rng.uniform() < 0.3 ? rng.uniform_int(0, 40) : -1;
+      c.soft_cap = rng.uniform() < 0.3 ? 5.0f : 0.0f;
+      c.sm_scale = rng.uniform() < 0.3 ? 0.3f : 0.0f;
+      c.want_lse = rng.uniform() < 0.8;
+      c.fixed_split = rng.uniform() < 0.3 ? 32 : 0;
+      run_case(c, rng);
+    }
+  }
+}
+
+TEST(CpuAttention, PagedPrefillGrid) {
+  FLASHKV_SEEDED_RNG(rng, 102);
+  for (cpu::Isa isa : isa_levels()) {
+    IsaCap cap(isa);
+    for (int iter = 0; iter < 10; ++iter) {
+      Case c;
+      c.op = Op::paged_prefill;
+      const int batch = rng.uniform_int(1, 6);
+      c.kv_lens = random_lengths(rng, batch, 100);
+      c.q_lens.resize(batch);
+      for (int i = 0; i < batch; ++i) c.q_lens[i] = rng.uniform_int(0, std::min(c.kv_lens[i], 37));
+      const int gqa[] = {1, 4, 8};
+      c.hkv = rng.uniform_int(1, 2);
+      c.hq = c.hkv * gqa[rng.uniform_int(0, 2)];
+      c.page_size = iter % 2 ? 16 : 1;
+      c.dtype = c.kv_dtype = iter % 3 == 0 ? DType::f32 : DType::bf16;
+      c.causal = rng.uniform() < 0.8;
+      c.window_left = rng.uniform() < 0.3 ? rng.uniform_int(0, 50) : -1;
+      c.soft_cap = rng.uniform() < 0.2 ? 8.0f : 0.0f;
+      c.want_lse = rng.uniform() < 0.8;
+      c.fixed_split = rng.uniform() < 0.3 ? 48 : 0;
+      run_case(c, rng);
+    }
+  }
+}
+
+TEST(CpuAttention, PagedDecodeGrid) {
+  FLASHKV_SEEDED_RNG(rng, 103);
+  for (cpu::Isa isa : isa_levels()) {
+    IsaCap cap(isa);
+    for (int iter = 0; iter < 8; ++iter) {
+      Case c;
+      c.op = Op::decode;
+      const int batch = iter == 0 ? 64 : rng.uniform_int(1, 40);
+      c.kv_lens = random_lengths(rng, batch, 300);
+      const int gqa[] = {1, 4, 8};
+      c.hkv = rng.uniform_int(1, 2);
+      c.hq = c.hkv * gqa[iter % 3];
+      c.page_size = iter % 2 ? 16 : 1;
+      c.dtype = c.kv_dtype = iter % 4 == 0 ? DType::f32 : iter % 4 == 3 ? DType::f16 : DType::bf16;
+      c.causal = rng.uniform() < 0.5;
+      c.window_left = rng.uniform() < 0.3 ? rng.uniform_int(0, 100) : -1;
+      c.soft_cap = rng.uniform() < 0.3 ? 20.0f : 0.0f;
+      c.want_lse = rng.uniform() < 0.8;
+      c.fixed_split = iter % 3 == 1 ? 64 : 0;
+      run_case(c, rng);
+    }
+  }
+}
+
+// Head dims 64/80/96/128/256, D_qk != D_v, on the fast paths and the scalar one.
+TEST(CpuAttention, HeadDims) {
+  FLASHKV_SEEDED_RNG(rng, 104);
+  const int dims[][2] = {{64, 64}, {80, 80}, {96, 96}, {128, 128}, {256, 256}, {96, 64}, {64, 128}, {72, 40}};
+  for (cpu::Isa isa : isa_levels()) {
+    IsaCap cap(isa);
+    for (const auto& d : dims) {
+      for (DType dt : {DType::bf16, DType::f32}) {
+        Case c;
+        c.op = Op::paged_prefill;
+        c.kv_lens = {45, 70};
+        c.q_lens = {13, 33};
+        c.hq = 8;
+        c.hkv = 2;
+        c.dqk = d[0];
+        c.dv = d[1];
+        c.page_size = 16;
+        c.dtype = c.kv_dtype = dt;
+        run_case(c, rng);
+      }
+    }
+  }
+}
+
+TEST(CpuAttention, Fp8KvWithScales) {
+  FLASHKV_SEEDED_RNG(rng, 105);
+  for (cpu::Isa isa : isa_levels()) {
+    IsaCap cap(isa);
+    for (DType kv : {DType::fp8_e4m3, DType::fp8_e5m2}) {
+      for (DType q : {DType::bf16, DType::f32, DType::f16}) {
+        Case c;
+        c.op = q == DType::bf16 ? Op::decode : Op::paged_prefill;
+        c.kv_lens = random_lengths(rng, 5, 120);
+        c.q_lens.resize(5);
+        for (int i = 0; i < 5; ++i) c.q_lens[i] = std::min(c.kv_lens[i], rng.uniform_int(0, 20));
+        c.hq = 8;
+        c.hkv = 2;
+        c.dqk = c.dv = 96;
+        c.page_size = 16;
+        c.dtype = q;
+        c.kv_dtype = kv;
+        c.k_scale = 0.5f;
+        c.v_scale = 2.0f;
+        c.soft_cap = kv == DType::fp8_e5m2 ? 10.0f : 0.0f;
+        run_case(c, rng);
+      }
+    }
+  }
+}
+
+// Tree-verify style: draft tokens against a prefix through a random mask, with and without a
+// window; non-causal cross attention.
+TEST(CpuAttention, CustomMaskAndNonCausal) {
+  FLASHKV_SEEDED_RNG(rng, 106);
+  for (cpu::Isa isa : isa_levels()) {
+    IsaCap cap(isa);
+    for (int iter = 0; iter < 4; ++iter) {
+      Case c;
+      c.op = iter % 2 ? Op::paged_prefill : Op::ragged;
+      c.kv_lens = random_lengths(rng, 4, 80);
+      c.q_lens.resize(4);
+      for (int i = 0; i < 4; ++i) c.q_lens[i] = std::min(c.kv_lens[i], rng.uniform_int(1, 9));
+      c.hq = 8;
+      c.hkv = 2;
+      c.page_size = 16;
+      c.custom_mask = iter < 3;
+      c.causal = iter == 1;  // ignored with a mask
+      c.window_left = iter == 2 ? 20 : -1;
+      c.dtype = c.kv_dtype = iter == 0 ? DType::f32 : DType::bf16;
+      c.fixed_split = iter == 2 ? 32 : 0;
+      run_case(c, rng);
+    }
+  }
+}
+
+// Rows with nothing to attend: KV length 0, queries before the first key (causal), a window
+// past the keys, a mask row of zeros: O = 0, LSE = -inf, never NaN.
+TEST(CpuAttention, EmptyRows) {
+  FLASHKV_SEEDED_RNG(rng, 107);
+  for (cpu::Isa isa : isa_levels()) {
+    IsaCap cap(isa);
+    Case c;
+    c.op = Op::ragged;
+    c.q_lens = {5, 3, 40};
+    c.kv_lens = {0, 2, 35};  // request 1: row 0 sees nothing causally
+    c.hq = 4;
+    c.hkv = 4;
+    c.dtype = c.kv_dtype = DType::f32;
+    Tensor out = run_case(c, rng);
+    for (int64_t i = 0; i < 5 * 4 * 64; ++i) ASSERT_EQ(out.ptr<float>()[i], 0.0f);
+    c.dtype = c.kv_dtype = DType::bf16;
+    c.window_left = 0;
+    run_case(c, rng);
+    Case d;
+    d.op = Op::decode;
+    d.kv_lens = {0, 0, 1, 33};
+    d.hq = 8;
+    d.hkv = 1;
+    run_case(d, rng);
+  }
+}
+
+// Deterministic mode: with a fixed split size, a request's output is bitwise the same alone or
+// in a batch (whatever the thread schedule).
+TEST(CpuAttention, FixedSplitIsBatchInvariant) {
+  FLASHKV_SEEDED_RNG(rng, 108);
+  const int hq = 8, hkv = 2, d = 64, slots = 1200;
+  Tensor kc = test::random_tensor(rng, {slots, hkv, d}, DType::bf16);
+  Tensor vc = test::random_tensor(rng, {slots, hkv, d}, DType::bf16);
+  Tensor q = test::random_tensor(rng, {3, hq, d}, DType::bf16);
+  std::vector<int32_t> perm(slots);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng.gen());
+  const std::vector<int32_t> lens = {700, 150, 300};
+  auto run = [&](int32_t batch) {
+    std::vector<int32_t> l(lens.begin(), lens.begin() + batch);
+    std::vector<int32_t> idx(perm.begin(), perm.begin() + 1150);
+    Tensor indptr = Tensor::from_i32(test::indptr_of(l)), idx_t = Tensor::from_i32(idx);
+    PagedKV kv{kc, vc, indptr, idx_t, TensorView(), 1};
+    BatchShape bs;
+    bs.batch_size = batch;
+    bs.kv_len = l.data();
+    bs.num_qo_heads = hq;
+    bs.num_kv_heads = hkv;
+    bs.head_dim_qk = bs.head_dim_v = d;
+    PlanOptions po;
+    po.fixed_split_size = 128;
+    DecodePlan plan = plan_decode(bs, device_info(Device::cpu()), po);
+    Workspace ws(plan.layout.total_bytes, Device::cpu());
+    ws.upload(plan);
+    Tensor out = Tensor::empty({batch, hq, d}, DType::bf16);
+    test::poison(out);
+    paged_decode(plan, q.view().rows(0, batch), kv, AttentionOptions(), out, TensorView(), ws);
+    return out;
+  };
+  Tensor alone = run(1), batched = run(3);
+  EXPECT_EQ(std::memcmp(alone.data(), batched.data(), hq * d * sizeof(bf16_t)), 0);
+}
+
+reference::Result result_of(const Tensor& o, const Tensor& lse) {
+  reference::Result r;
+  r.rows = o.size(0);
+  r.heads = static_cast<int>(o.size(1));
+  r.head_dim = static_cast<int>(o.size(2));
+  for (int64_t i = 0; i < o.numel(); ++i) r.o.push_back(load_as_double(o.data(), o.dtype(), i));
+  for (int64_t i = 0; i < lse.numel(); ++i) r.lse.push_back(lse.ptr<float>()[i]);
+  return r;
+}
+
+// Random states (some with LSE = -inf and garbage O) merged against the reference merge.
+TEST(CpuAttention, MergeStateAndStates) {
+  FLASHKV_SEEDED_RNG(rng, 109);
+  for (cpu::Isa isa : isa_levels()) {
+    IsaCap cap(isa);
+    for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+      const int rows = 7, heads = 3, dim = 72;
+      auto random_lse = [&](Tensor& lse) {
+        for (int64_t i = 0; i < lse.numel(); ++i)
+          lse.ptr<float>()[i] = rng.uniform() < 0.15 ? -std::numeric_limits<float>::infinity()
+                                                     : static_cast<float>(rng.normal() * 4);
+      };
+      Tensor oa = test::random_tensor(rng, {rows, heads, dim}, dt);
+      Tensor ob = test::random_tensor(rng, {rows, heads, dim}, dt);
+      Tensor la = Tensor::empty({rows, heads}, DType::f32), lb = Tensor::empty({rows, heads}, DType::f32);
+      random_lse(la);
+      random_lse(lb);
+      la.ptr<float>()[0] = lb.ptr<float>()[0] = -std::numeric_limits<float>::infinity();
+      Tensor o = Tensor::empty({rows, heads, dim}, dt), l = Tensor::empty({rows, heads}, DType::f32);
+      test::poison(o);
+      test::poison(l);
+      merge_state(oa, la, ob, lb, o, l);
+      // The reference treats a -inf state as empty; its O (random here) must not leak in.
+      auto ra = result_of(oa, la), rb = result_of(ob, lb);
+      for (int64_t i = 0; i < rows * heads; ++i) {
+        if (std::isinf(ra.lse[i])) std::fill_n(&ra.o[i * dim], dim, 0.0);
+        if (std::isinf(rb.lse[i])) std::fill_n(&rb.o[i * dim], dim, 0.0);
+      }
+      test::expect_close(o, l, reference::merge_states({ra, rb}), dt);
+
+      const int n = 5;
+      Tensor states = test::random_tensor(rng, {rows, n, heads, dim}, dt);
+      Tensor ls = Tensor::empty({rows, n, heads}, DType::f32);
+      random_lse(ls);
+      Tensor o2 = Tensor::empty({rows, heads, dim}, dt), l2 = Tensor::empty({rows, heads}, DType::f32);
+      test::poison(o2);
+      test::poison(l2);
+      merge_states(states, ls, o2, l2);
+      std::vector<reference::Result> parts(n);
+      for (int s = 0; s < n; ++s) {
+        auto& r = parts[s];
+        r.rows = rows;
+        r.heads = heads;
+        r.head_dim = dim;
+        for (int64_t i = 0; i < rows; ++i)
+          for (int h = 0; h < heads; ++h) {
+            const float lv = ls.ptr<float>()[(i * n + s) * heads + h];
+            r.lse.push_back(lv);
+            for (int d = 0; d < dim; ++d)
+              r.o.push_back(std::isinf(lv) ? 0.0
+                                           : load_as_double(states.data(), dt,
+                                                            ((i * n + s) * heads + h) * dim + d));
+          }
+      }
+      test::expect_close(o2, l2, reference::merge_states(parts), dt);
+    }
+  }
+}
+
+// A few Llama-like medium cases on the best ISA: long KV, GQA 4, bf16, decode and prefill.
+TEST(CpuAttention, MediumLlamaShapes) {
+  FLASHKV_SEEDED_RNG(rng, 110);
+  Case c;
+  c.op = Op::decode;
+  c.kv_lens = {1500, 777, 2049};
+  c.hq = 8;
+  c.hkv = 2;
+  c.dqk = c.dv = 128;
+  c.page_size = 16;
+  run_case(c, rng);
+  c.fixed_split = 256;
+  run_case(c, rng);
+  Case p;
+  p.op = Op::paged_prefill;
+  p.kv_lens = {300, 517};
+  p.q_lens = {300, 129};
+  p.hq = 8;
+  p.hkv = 2;
+  p.dqk = p.dv = 128;
+  p.page_size = 16;
+  run_case(p, rng);
+}
+
+}  // namespace
+}  // namespace flashkv
