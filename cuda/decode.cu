@@ -188,9 +188,14 @@ LaunchFn select(const AttentionParams& p) {
     case 256:
       return pick_q<256>(p, group);
 #endif
-    default:
-      throw_error(str_cat("paged_decode (CUDA): head_dim ", p.head_dim_qk,
-                          " is not built (FLASHKV_HEAD_DIMS; the kernels support 64, 128, 256)"));
+    default: {
+      const int d = p.head_dim_qk;
+      const bool kernel_exists = d == 64 || d == 128 || d == 256;
+      throw_error(str_cat("paged_decode (CUDA): head_dim ", d,
+                          kernel_exists
+                              ? " is not in this build's FLASHKV_HEAD_DIMS"
+                              : " is unsupported (the decode kernels cover 64, 128, 256)"));
+    }
   }
 }
 
