@@ -26,8 +26,9 @@ void ensure_i32(Tensor& t, int64_t n, Device d, bool fixed, const char* what) {
   t = Tensor::empty({n}, DType::i32, d);
 }
 
-void upload_i32(const Tensor& dst, const std::vector<int32_t>& src) {
-  copy_bytes(dst.data(), dst.device(), src.data(), Device::cpu(), src.size() * sizeof(int32_t));
+void upload_i32(const Tensor& dst, const std::vector<int32_t>& src, Stream stream) {
+  copy_bytes(dst.data(), dst.device(), src.data(), Device::cpu(), src.size() * sizeof(int32_t),
+             stream);
 }
 
 std::vector<int32_t> prefix_sums(const std::vector<int32_t>& lens) {
@@ -251,7 +252,7 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
   auto upload_plan = [&](const Plan& plan, Workspace& ws) {
     FLASHKV_CHECK(!fixed || ws.bytes() >= plan.layout.total_bytes, "workspace moved in graph mode");
     ws.reserve(std::max<size_t>(plan.layout.total_bytes, 1), dev);
-    ws.upload(plan);
+    ws.upload(plan, o.stream);
   };
 
   const int w = o.sliding_window_size;
@@ -323,18 +324,19 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
       FLASHKV_CHECK(!fixed, "last_page_len: past the CUDA-graph capacity");
       wr.d_last_page_len = Tensor::from_i32(std::vector<int32_t>(std::max<int64_t>(cap_b, 1), 1), dev);
     }
-    upload_i32(wr.d_kv_len, wr.kv_len);
-    upload_i32(wr.d_kv_start, wr.kv_start);
-    upload_i32(wr.d_kv_indptr, wr.kv_indptr);
+    upload_i32(wr.d_kv_len, wr.kv_len, o.stream);
+    upload_i32(wr.d_kv_start, wr.kv_start, o.stream);
+    upload_i32(wr.d_kv_indptr, wr.kv_indptr, o.stream);
     TensorView lens = wr.d_kv_len.view().rows(0, B), starts = wr.d_kv_start.view().rows(0, B);
     TensorView indptr = wr.d_kv_indptr.view().rows(0, B + 1);
     wr.indptr = indptr;
     wr.indices = wr.d_kv_indices;
     build_kv_indices(b.req_to_token_pool->req_to_token(), b.req_pool_indices, lens, starts, indptr,
-                     wr.d_kv_indices);
+                     wr.d_kv_indices, o.stream);
     if (wr.kind == WrapperKind::window && o.swa_allocator) {
       TensorView idx = wr.d_kv_indices.view().rows(0, std::max<int64_t>(entries, 0));
-      if (entries > 0) translate_slots(idx, o.swa_allocator->full_to_swa_table(), idx);
+      if (entries > 0)
+        translate_slots(idx, o.swa_allocator->full_to_swa_table(o.stream), idx, o.stream);
     }
     // Plans.
     shape.kv_len = wr.kv_len.data();
@@ -355,7 +357,7 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
   }
   if (!decode) {
     ensure_i32(s.d_qo_indptr, cap_b + 1, dev, fixed, "qo_indptr");
-    upload_i32(s.d_qo_indptr, s.qo_indptr);
+    upload_i32(s.d_qo_indptr, s.qo_indptr, o.stream);
     if (s.use_ragged || o.has_encoder_only_layers) {
       shape.kv_len = s.qo_len.data();
       shape.window_left = -1;
@@ -376,13 +378,13 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
                     s.mask_indptr.back(), " entries (draft_token_num x seq_len per request), got ",
                     b.spec.custom_mask.numel());
       ensure_i32(s.d_mask_indptr, cap_b + 1, dev, fixed, "mask_indptr");
-      upload_i32(s.d_mask_indptr, s.mask_indptr);
+      upload_i32(s.d_mask_indptr, s.mask_indptr, o.stream);
     }
   }
   if (o.swa_allocator && s.num_tokens > 0) {
     ensure_i32(s.d_swa_out_cache_loc, graph ? s.graph_max_tokens : s.num_tokens, dev, fixed, "swa_out_cache_loc");
-    translate_slots(b.out_cache_loc, o.swa_allocator->full_to_swa_table(),
-                    s.d_swa_out_cache_loc.view().rows(0, s.num_tokens));
+    translate_slots(b.out_cache_loc, o.swa_allocator->full_to_swa_table(o.stream),
+                    s.d_swa_out_cache_loc.view().rows(0, s.num_tokens), o.stream);
   }
   // Output and scratch.
   const int64_t rows = graph ? s.graph_max_tokens : std::max<int64_t>(s.num_tokens, 1);
@@ -448,11 +450,11 @@ static LayerIO layer_io(const BackendOptions& o, const LayerSpec& layer, const F
   return io;
 }
 
-static void save_kv(const LayerIO& io, const LayerSpec& layer) {
+static void save_kv(const LayerIO& io, const LayerSpec& layer, Stream stream) {
   FLASHKV_CHECK(io.k.shape[0] == io.cache_loc.numel(), "k: ", io.k.shape[0], " rows but the cache location",
                 " list has ", io.cache_loc.numel(), " (", layer.is_cross_attention ? "encoder_out_cache_loc" : "out_cache_loc", ")");
   append_kv(io.k, io.v, io.cache_loc, io.pool->k(layer.layer_id), io.pool->v(layer.layer_id),
-            io.pool->k_scale(layer.layer_id), io.pool->v_scale(layer.layer_id));
+            io.pool->k_scale(layer.layer_id), io.pool->v_scale(layer.layer_id), stream);
 }
 
 static PagedKV paged_view(const KVPool& pool, int layer, const TensorView& indptr,
@@ -499,10 +501,10 @@ TensorView FlashKVBackend::forward_decode(const TensorView& q, const TensorView&
                 "forward_decode: call init_forward_metadata with this DECODE batch first");
   LayerIO io = layer_io(options_, layer, b, q, k, v, out, s.out, s.num_tokens, swa_loc_of(s.d_swa_out_cache_loc, s.num_tokens));
   State::Wrapper& wr = s.wrappers[wrapper_index(options_, layer)];
-  if (save_kv_cache && k.defined()) save_kv(io, layer);
+  if (save_kv_cache && k.defined()) save_kv(io, layer, options_.stream);
   const PagedKV kv = paged_view(*io.pool, layer.layer_id, wr.indptr, wr.indices,
                                 wr.d_last_page_len, s.batch_size);
-  paged_decode(wr.decode, io.q, kv, io.opt, io.out, TensorView(), wr.ws_decode);
+  paged_decode(wr.decode, io.q, kv, io.opt, io.out, TensorView(), wr.ws_decode, options_.stream);
   return flat_output(io.out);
 }
 
@@ -526,36 +528,39 @@ TensorView FlashKVBackend::forward_extend(const TensorView& q, const TensorView&
                   ": ENCODER_ONLY needs BackendOptions.has_encoder_only_layers");
     FLASHKV_CHECK(k.defined(), "k: an encoder-only layer needs the new tokens' k and v");
     io.opt.causal = false;
-    ragged_prefill(s.ragged_full, io.q, io.k, io.v, qo, qo, io.opt, io.out, TensorView(), s.ws_ragged_full);
+    ragged_prefill(s.ragged_full, io.q, io.k, io.v, qo, qo, io.opt, io.out, TensorView(),
+                   s.ws_ragged_full, options_.stream);
     return flat_output(io.out);
   }
   const bool ragged = s.use_ragged && wr.kind == WrapperKind::full && !layer.is_cross_attention;
   if (!ragged) {
     // One paged pass over everything the wrapper indexes; the new K/V must be in the pool first.
-    if (save_kv_cache && k.defined()) save_kv(io, layer);
+    if (save_kv_cache && k.defined()) save_kv(io, layer, options_.stream);
     io.opt.causal = wr.paged_causal;
     if (b.mode == ForwardMode::TARGET_VERIFY && !layer.is_cross_attention) {
       io.opt.custom_mask = b.spec.custom_mask;
       io.opt.mask_indptr = s.d_mask_indptr.view().rows(0, s.batch_size + 1);
     }
-    paged_prefill(wr.paged, io.q, qo, kv, io.opt, io.out, TensorView(), wr.ws_paged);
+    paged_prefill(wr.paged, io.q, qo, kv, io.opt, io.out, TensorView(), wr.ws_paged,
+                  options_.stream);
     return flat_output(io.out);
   }
   FLASHKV_CHECK(k.defined(), "k: the ragged extend path needs the new tokens' k and v");
   io.opt.causal = true;
   if (s.extend_no_prefix) {
     ragged_prefill(s.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out, TensorView(),
-                   s.ws_ragged_causal);
+                   s.ws_ragged_causal, options_.stream);
   } else {
     // New tokens among themselves (causal), then the cached prefix (all visible), merged by LSE.
     const TensorView lse_a = s.lse_a.view().rows(0, T), lse_b = s.lse_b.view().rows(0, T);
     const TensorView tmp = s.tmp_o.view().rows(0, T);
-    ragged_prefill(s.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out, lse_a, s.ws_ragged_causal);
+    ragged_prefill(s.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out, lse_a,
+                   s.ws_ragged_causal, options_.stream);
     io.opt.causal = false;
-    paged_prefill(wr.paged, io.q, qo, kv, io.opt, tmp, lse_b, wr.ws_paged);
-    merge_state(io.out, lse_a, tmp, lse_b, io.out, TensorView());
+    paged_prefill(wr.paged, io.q, qo, kv, io.opt, tmp, lse_b, wr.ws_paged, options_.stream);
+    merge_state(io.out, lse_a, tmp, lse_b, io.out, TensorView(), options_.stream);
   }
-  if (save_kv_cache) save_kv(io, layer);
+  if (save_kv_cache) save_kv(io, layer, options_.stream);
   return flat_output(io.out);
 }
 

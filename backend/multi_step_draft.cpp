@@ -23,8 +23,9 @@ void ensure(Tensor& t, int64_t n, Device d, bool fixed) {
                 " entries, past the CUDA-graph capacity (init_cuda_graph_state)");
   t = Tensor::empty({n}, DType::i32, d);
 }
-void upload(const Tensor& dst, const std::vector<int32_t>& src) {
-  copy_bytes(dst.data(), dst.device(), src.data(), Device::cpu(), src.size() * sizeof(int32_t));
+void upload(const Tensor& dst, const std::vector<int32_t>& src, Stream stream) {
+  copy_bytes(dst.data(), dst.device(), src.data(), Device::cpu(), src.size() * sizeof(int32_t),
+             stream);
 }
 }  // namespace
 
@@ -105,13 +106,14 @@ void MultiStepDraftBackend::plan(const ForwardBatch& batch, const TensorView& dr
   std::vector<int32_t> seq(batch.seq_lens_cpu), row_ids(rows);
   ensure(buf.rows, cap_rows, dev, fixed);
   ensure(buf.seq_lens, cap_bs, dev, fixed);
-  upload(buf.seq_lens, seq);
+  upload(buf.seq_lens, seq, options_.stream);
   // Rows of the step batches: a small gather (req_pool_indices may live on the device).
   {
     Tensor host_rpi = Tensor::empty({bs}, DType::i32);
-    copy_bytes(host_rpi.data(), Device::cpu(), batch.req_pool_indices.data, dev, bs * sizeof(int32_t));
+    copy_bytes(host_rpi.data(), Device::cpu(), batch.req_pool_indices.data, dev,
+               bs * sizeof(int32_t), options_.stream);
     for (int64_t i = 0; i < rows; ++i) row_ids[i] = host_rpi.ptr<int32_t>()[i / topk_];
-    upload(buf.rows, row_ids);
+    upload(buf.rows, row_ids, options_.stream);
   }
   const TensorView rpi = batch.req_pool_indices;
   const TensorView seq_d = buf.seq_lens.view().rows(0, bs);
@@ -127,11 +129,11 @@ void MultiStepDraftBackend::plan(const ForwardBatch& batch, const TensorView& dr
     ensure(buf.indptr[step], cap_rows + 1, dev, fixed);
     ensure(buf.indices[step], cap_entries, dev, fixed);
     ensure(buf.loc[step], cap_rows, dev, fixed);
-    upload(buf.indptr[step], indptr);
+    upload(buf.indptr[step], indptr, options_.stream);
     const TensorView indptr_d = buf.indptr[step].view().rows(0, rows + 1);
     const TensorView loc_d = buf.loc[step].view().rows(0, rows);
     build_draft_kv_indices(batch.req_to_token_pool->req_to_token(), rpi, seq_d, draft_loc, step,
-                           indptr_d, buf.indices[step], loc_d);
+                           indptr_d, buf.indices[step], loc_d, options_.stream);
     ForwardBatch& sb = step_batches_[step];
     sb = ForwardBatch();
     sb.mode = ForwardMode::DECODE;

@@ -10,9 +10,11 @@
 namespace flashkv {
 namespace {
 
+#if !FLASHKV_WITH_CUDA
 [[noreturn]] void no_cuda_build(const char* op) {
   throw_error(str_cat(op, ": CUDA tensors given, but this flashkv was built without CUDA"));
 }
+#endif
 
 void check_plan_matches(const Plan& plan, const char* op, const TensorView& q, int64_t batch,
                         int64_t hkv, int64_t dqk, int64_t dv, const Workspace& ws) {

@@ -184,6 +184,14 @@ reference::Result Harness::reference_for(const ForwardBatch& b, int l, const Ten
                          swa_pool_ ? swa_alloc_ : nullptr);
 }
 
+void Harness::check_layer(const ForwardBatch& b, int l, const Tensor& q_host, const TensorView& out) {
+  const int dv = shape_.head_dim_v ? shape_.head_dim_v : shape_.head_dim;
+  Tensor host = Tensor::empty({out.shape[0], int64_t{shape_.hq}, dv}, shape_.dtype);
+  copy_bytes(host.data(), Device::cpu(), out.data, out.device, host.view().nbytes());
+  SCOPED_TRACE(::testing::Message() << "layer " << l << " mode " << mode_name(b.mode));
+  expect_close(host, TensorView(), reference_for(b, l, q_host), shape_.dtype, is_fp8(shape_.kv_dtype));
+}
+
 std::vector<Tensor> Harness::run_and_check(const ForwardBatch& b, bool use_graph_state, uint64_t qkv_seed) {
   if (use_graph_state) backend_->init_forward_metadata_replay_cuda_graph(b);
   else backend_->init_forward_metadata(b);

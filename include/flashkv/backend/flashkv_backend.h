@@ -45,6 +45,9 @@ struct BackendOptions {
   bool disable_split_kv = false;
   // Tensor-core decode: -1 auto (GQA group >= 4 or fp8 KV, as the seed decides), 0 off, 1 on.
   int use_tensor_cores = -1;
+  // The CUDA stream every launch and copy of the backend is ordered on (null: the default
+  // stream). A CUDA graph is captured on a stream of its own: pass it here (or set_stream).
+  Stream stream;
 };
 
 class FlashKVBackend : public AttentionBackend {
@@ -58,6 +61,7 @@ class FlashKVBackend : public AttentionBackend {
   void init_forward_metadata_replay_cuda_graph(const ForwardBatch& batch) override;
 
   const BackendOptions& options() const { return options_; }
+  void set_stream(Stream stream) { options_.stream = stream; }
   int num_wrappers() const;
   // Whether decode uses the tensor-core kernel for this KV dtype (the seed's rule).
   bool decode_uses_tensor_cores(DType kv_dtype) const;
