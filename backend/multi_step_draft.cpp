@@ -30,12 +30,16 @@ void upload(const Tensor& dst, const std::vector<int32_t>& src, Stream stream) {
 }  // namespace
 
 MultiStepDraftBackend::MultiStepDraftBackend(const BackendOptions& options, int topk, int num_steps)
-    : options_(options), topk_(topk), num_steps_(num_steps), eager_(std::make_unique<Buffers>()),
+    : options_(options),
+      topk_(topk),
+      num_steps_(num_steps),
+      eager_(std::make_unique<Buffers>()),
       graph_(std::make_unique<Buffers>()) {
   FLASHKV_CHECK(topk >= 1, "MultiStepDraftBackend: topk: expected >= 1, got ", topk);
   FLASHKV_CHECK(num_steps >= 1, "MultiStepDraftBackend: num_steps: expected >= 1, got ", num_steps);
   FLASHKV_CHECK(options.sliding_window_size < 0 && !options.is_encoder_decoder,
-                "MultiStepDraftBackend: draft models with sliding-window or cross-attention layers are not supported");
+                "MultiStepDraftBackend: draft models with sliding-window or cross-attention layers "
+                "are not supported");
   for (int i = 0; i < num_steps; ++i) steps_.push_back(std::make_unique<FlashKVBackend>(options));
   step_batches_.resize(num_steps);
   for (Buffers* b : {eager_.get(), graph_.get()}) {
@@ -48,7 +52,8 @@ MultiStepDraftBackend::MultiStepDraftBackend(const BackendOptions& options, int 
 
 MultiStepDraftBackend::~MultiStepDraftBackend() = default;
 
-void MultiStepDraftBackend::init_forward_metadata(const ForwardBatch& batch, const TensorView& draft_loc) {
+void MultiStepDraftBackend::init_forward_metadata(const ForwardBatch& batch,
+                                                  const TensorView& draft_loc) {
   plan(batch, draft_loc, false, 0);
 }
 
@@ -70,7 +75,8 @@ void MultiStepDraftBackend::init_forward_metadata_replay_cuda_graph(const Forwar
 }
 
 const ForwardBatch& MultiStepDraftBackend::step_batch(int step) const {
-  FLASHKV_CHECK(step >= 0 && step < num_steps_, "step: expected 0..", num_steps_ - 1, ", got ", step);
+  FLASHKV_CHECK(step >= 0 && step < num_steps_, "step: expected 0..", num_steps_ - 1, ", got ",
+                step);
   return step_batches_[step];
 }
 
@@ -83,20 +89,35 @@ TensorView MultiStepDraftBackend::forward(int step, const TensorView& q, const T
 
 void MultiStepDraftBackend::plan(const ForwardBatch& batch, const TensorView& draft_loc, bool graph,
                                  int phase) {
-  FLASHKV_CHECK(!graph || graph_max_bs_ > 0, "MultiStepDraftBackend: call init_cuda_graph_state first");
+  FLASHKV_CHECK(!graph || graph_max_bs_ > 0,
+                "MultiStepDraftBackend: call init_cuda_graph_state first");
   const Device dev = options_.device;
   const int32_t bs = batch.batch_size;
   FLASHKV_CHECK(batch.req_to_token_pool && batch.token_to_kv_pool,
                 "batch: expected req_to_token_pool and token_to_kv_pool");
-  FLASHKV_CHECK_EQ("batch.seq_lens_cpu size", static_cast<int64_t>(batch.seq_lens_cpu.size()), int64_t{bs});
-  Expect(batch.req_pool_indices, "batch.req_pool_indices").ndim(1).device(dev).dtype(DType::i32).dim(0, bs, "batch_size");
-  Expect(draft_loc, "draft_loc").ndim(3).device(dev).dtype(DType::i32).contiguous()
-      .dim(0, bs, "batch_size").dim(1, topk_, "topk").dim(2, num_steps_, "num_steps");
+  FLASHKV_CHECK_EQ("batch.seq_lens_cpu size", static_cast<int64_t>(batch.seq_lens_cpu.size()),
+                   int64_t{bs});
+  Expect(batch.req_pool_indices, "batch.req_pool_indices")
+      .ndim(1)
+      .device(dev)
+      .dtype(DType::i32)
+      .dim(0, bs, "batch_size");
+  Expect(draft_loc, "draft_loc")
+      .ndim(3)
+      .device(dev)
+      .dtype(DType::i32)
+      .contiguous()
+      .dim(0, bs, "batch_size")
+      .dim(1, topk_, "topk")
+      .dim(2, num_steps_, "num_steps");
   const int64_t max_ctx = batch.req_to_token_pool->max_context_len();
   for (int32_t r = 0; r < bs; ++r)
-    FLASHKV_CHECK(batch.seq_lens_cpu[r] >= 0 && batch.seq_lens_cpu[r] <= max_ctx, "batch.seq_lens_cpu[", r,
-                  "] = ", batch.seq_lens_cpu[r], ": expected 0..", max_ctx);
-  if (graph) FLASHKV_CHECK(bs <= graph_max_bs_, "batch_size ", bs, " exceeds the CUDA-graph capacity ", graph_max_bs_);
+    FLASHKV_CHECK(batch.seq_lens_cpu[r] >= 0 && batch.seq_lens_cpu[r] <= max_ctx,
+                  "batch.seq_lens_cpu[", r, "] = ", batch.seq_lens_cpu[r], ": expected 0..",
+                  max_ctx);
+  if (graph)
+    FLASHKV_CHECK(bs <= graph_max_bs_, "batch_size ", bs, " exceeds the CUDA-graph capacity ",
+                  graph_max_bs_);
   Buffers& buf = graph ? *graph_ : *eager_;
   const bool fixed = phase == 2;
   const int64_t rows = int64_t{bs} * topk_;
@@ -146,9 +167,12 @@ void MultiStepDraftBackend::plan(const ForwardBatch& batch, const TensorView& dr
     sb.spec.kv_indptr = indptr_d;
     sb.spec.kv_indices = buf.indices[step];
     sb.spec.kv_indptr_cpu = indptr;
-    if (!graph) steps_[step]->init_forward_metadata(sb);
-    else if (phase == 1) steps_[step]->init_forward_metadata_capture_cuda_graph(sb);
-    else steps_[step]->init_forward_metadata_replay_cuda_graph(sb);
+    if (!graph)
+      steps_[step]->init_forward_metadata(sb);
+    else if (phase == 1)
+      steps_[step]->init_forward_metadata_capture_cuda_graph(sb);
+    else
+      steps_[step]->init_forward_metadata_replay_cuda_graph(sb);
   }
 }
 

@@ -65,7 +65,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } catch (const Error&) {
     }
     // Invariants.
-    if (!swa && alloc->num_free() + static_cast<int64_t>(live.size()) / page * page > capacity + page * 64)
+    if (!swa &&
+        alloc->num_free() + static_cast<int64_t>(live.size()) / page * page > capacity + page * 64)
       __builtin_trap();
     for (int32_t s : live)
       if (!alloc->is_live(s)) __builtin_trap();

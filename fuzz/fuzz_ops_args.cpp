@@ -12,14 +12,16 @@ using namespace flashkv;
 
 namespace {
 
-const DType kTypes[] = {DType::f32, DType::bf16, DType::f16, DType::fp8_e4m3, DType::i32, DType::u8};
+const DType kTypes[] = {DType::f32,      DType::bf16, DType::f16,
+                        DType::fp8_e4m3, DType::i32,  DType::u8};
 
 Tensor tensor(fuzz::Input& in, std::initializer_list<int64_t> shape, DType t) {
   Tensor x = Tensor::empty(shape, t);
   for (int64_t i = 0; i < static_cast<int64_t>(x.view().nbytes()); ++i)
     static_cast<uint8_t*>(x.data())[i] = static_cast<uint8_t>(i * 37 + 11);
   if (t == DType::i32)
-    for (int64_t i = 0; i < x.numel(); ++i) x.ptr<int32_t>()[i] = static_cast<int32_t>(in.range(-3, 70));
+    for (int64_t i = 0; i < x.numel(); ++i)
+      x.ptr<int32_t>()[i] = static_cast<int32_t>(in.range(-3, 70));
   return x;
 }
 
@@ -31,7 +33,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int64_t hq = in.range(1, 8), hkv = in.range(1, 4), d = in.range(1, 3) * 16;
   const DType qt = kTypes[in.range(0, 2)], kt = kTypes[in.range(0, 3)];
   Tensor q = tensor(in, {in.flag() ? T : B, hq, d}, qt);
-  Tensor k = tensor(in, {slots, hkv, d}, kt), v = tensor(in, {slots, hkv, in.flag() ? d : d + 16}, kt);
+  Tensor k = tensor(in, {slots, hkv, d}, kt),
+         v = tensor(in, {slots, hkv, in.flag() ? d : d + 16}, kt);
   Tensor out = tensor(in, {q.size(0), hq, d}, qt);
   Tensor lse = tensor(in, {q.size(0), hq}, in.flag() ? DType::f32 : DType::bf16);
   Tensor indptr = tensor(in, {B + in.range(0, 1)}, DType::i32);

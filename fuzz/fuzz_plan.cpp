@@ -45,8 +45,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   Plan plan;
   try {
-    if (decode) plan = plan_decode(b, dev, o);
-    else plan = plan_prefill(b, dev, o);
+    if (decode)
+      plan = plan_decode(b, dev, o);
+    else
+      plan = plan_prefill(b, dev, o);
   } catch (const Error&) {
     return 0;
   }
@@ -57,15 +59,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     seen[r].assign(static_cast<size_t>(q1 - q0) * (kv_len[r] + 1), 0);
   }
   for (const WorkItem& it : plan.items) {
-    if (it.request < 0 || it.request >= batch || it.kv_begin < 0 || it.kv_end > kv_len[it.request] ||
-        it.kv_begin > it.kv_end)
+    if (it.request < 0 || it.request >= batch || it.kv_begin < 0 ||
+        it.kv_end > kv_len[it.request] || it.kv_begin > it.kv_end)
       __builtin_trap();
     const int32_t q0 = decode ? it.request : qo_indptr[it.request];
     for (int32_t q = it.q_begin; q < it.q_begin + it.q_len; ++q)
       for (int32_t j = it.kv_begin; j < it.kv_end; ++j)
-        if (++seen[it.request][static_cast<size_t>(q - q0) * (kv_len[it.request] + 1) + j] > 1) __builtin_trap();
+        if (++seen[it.request][static_cast<size_t>(q - q0) * (kv_len[it.request] + 1) + j] > 1)
+          __builtin_trap();
   }
-  if (plan.layout.partial_lse > plan.layout.total_bytes || plan.layout.plan_bytes > plan.layout.total_bytes)
+  if (plan.layout.partial_lse > plan.layout.total_bytes ||
+      plan.layout.plan_bytes > plan.layout.total_bytes)
     __builtin_trap();
   std::vector<uint8_t> buf(plan.layout.plan_bytes);
   serialize_plan(plan, buf.data());

@@ -30,7 +30,8 @@ TEST(CudaBackendGraph, CaptureOnceReplayOtherBatches) {
     std::vector<Request> reqs;
     for (int32_t len : {5, 90, 33, 1, 700, 64, 17, 300, 2}) reqs.push_back(h.add_request(len));
     // What the graph reads and writes lives at fixed addresses; each batch is copied in.
-    Tensor rpi = Tensor::empty({bs}, DType::i32, s.device), loc = Tensor::empty({T}, DType::i32, s.device);
+    Tensor rpi = Tensor::empty({bs}, DType::i32, s.device),
+           loc = Tensor::empty({T}, DType::i32, s.device);
     Tensor mask = Tensor::empty({int64_t{T} * 1024}, DType::u8, s.device);
     Tensor q = Tensor::empty({T, s.hq, s.head_dim}, s.dtype, s.device);
     Tensor k = Tensor::empty({T, s.hkv, s.head_dim}, s.dtype, s.device);
@@ -44,7 +45,8 @@ TEST(CudaBackendGraph, CaptureOnceReplayOtherBatches) {
       b.req_pool_indices = rpi;
       b.out_cache_loc = loc;
       if (mode == ForwardMode::TARGET_VERIFY) {
-        copy_bytes(mask.data(), s.device, b.spec.custom_mask.data, s.device, b.spec.custom_mask.numel());
+        copy_bytes(mask.data(), s.device, b.spec.custom_mask.data, s.device,
+                   b.spec.custom_mask.numel());
         b.spec.custom_mask = mask;
       }
       return b;
@@ -52,10 +54,13 @@ TEST(CudaBackendGraph, CaptureOnceReplayOtherBatches) {
     cudaGraphExec_t exec = nullptr;
     for (int round = 0; round < 3; ++round) {
       SCOPED_TRACE(::testing::Message() << "round " << round);
-      std::vector<Request*> batch_reqs = {&reqs[3 * round], &reqs[3 * round + 1], &reqs[3 * round + 2]};
+      std::vector<Request*> batch_reqs = {&reqs[3 * round], &reqs[3 * round + 1],
+                                          &reqs[3 * round + 2]};
       ForwardBatch b = fix(h.make_batch(mode, batch_reqs, std::vector<int32_t>(bs, per_req)));
-      if (round == 0) h.backend().init_forward_metadata_capture_cuda_graph(b);
-      else h.backend().init_forward_metadata_replay_cuda_graph(b);
+      if (round == 0)
+        h.backend().init_forward_metadata_capture_cuda_graph(b);
+      else
+        h.backend().init_forward_metadata_replay_cuda_graph(b);
       // Fresh activations in the fixed buffers (one q/k/v for all layers).
       Tensor q_host = random_tensor(h.rng(), {T, s.hq, s.head_dim}, s.dtype);
       q.copy_from(q_host);
@@ -65,12 +70,14 @@ TEST(CudaBackendGraph, CaptureOnceReplayOtherBatches) {
       if (round == 0) {
         cudaGraph_t graph;
         CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        for (int l = 0; l < s.num_layers; ++l) h.backend().forward(q, k, v, h.layer(l), b, true, outs[l]);
+        for (int l = 0; l < s.num_layers; ++l)
+          h.backend().forward(q, k, v, h.layer(l), b, true, outs[l]);
         CUDA_OK(cudaStreamEndCapture(stream, &graph));
         CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
         CUDA_OK(cudaGraphDestroy(graph));
       }
-      for (Tensor& out : outs) fill_bytes(out.data(), s.device, 0xff, out.view().nbytes(), Stream{stream});
+      for (Tensor& out : outs)
+        fill_bytes(out.data(), s.device, 0xff, out.view().nbytes(), Stream{stream});
       CUDA_OK(cudaGraphLaunch(exec, stream));
       CUDA_OK(cudaStreamSynchronize(stream));
       for (int l = 0; l < s.num_layers; ++l) h.check_layer(b, l, q_host, outs[l]);

@@ -7,7 +7,8 @@
 
 namespace flashkv::test {
 
-Harness::Harness(const ModelShape& shape, BackendOptions extra) : shape_(shape), rng_(test_seed(777)) {
+Harness::Harness(const ModelShape& shape, BackendOptions extra)
+    : shape_(shape), rng_(test_seed(777)) {
   const Device d = shape.device;
   r2t_ = std::make_unique<ReqToTokenPool>(shape.max_reqs, shape.max_context, d);
   KVPoolConfig pc;
@@ -70,7 +71,8 @@ void Harness::fill_random_kv(const std::vector<int32_t>& slots, bool encoder) {
     const LayerSpec spec = layer(l);
     // Encoder tokens live in cross layers; decoder tokens in the others.
     if (shape_.encoder_decoder && spec.is_cross_attention != encoder) continue;
-    Tensor k = random_tensor(rng_, {n, shape_.hkv, shape_.head_dim}, shape_.dtype).to(shape_.device);
+    Tensor k =
+        random_tensor(rng_, {n, shape_.hkv, shape_.head_dim}, shape_.dtype).to(shape_.device);
     Tensor v = random_tensor(rng_, {n, shape_.hkv, dv}, shape_.dtype).to(shape_.device);
     append_kv(k, v, loc, pool_->k(l), pool_->v(l), pool_->k_scale(l), pool_->v_scale(l));
     if (swa_pool_ && spec.sliding_window_size >= 0) {
@@ -184,17 +186,22 @@ reference::Result Harness::reference_for(const ForwardBatch& b, int l, const Ten
                          swa_pool_ ? swa_alloc_ : nullptr);
 }
 
-void Harness::check_layer(const ForwardBatch& b, int l, const Tensor& q_host, const TensorView& out) {
+void Harness::check_layer(const ForwardBatch& b, int l, const Tensor& q_host,
+                          const TensorView& out) {
   const int dv = shape_.head_dim_v ? shape_.head_dim_v : shape_.head_dim;
   Tensor host = Tensor::empty({out.shape[0], int64_t{shape_.hq}, dv}, shape_.dtype);
   copy_bytes(host.data(), Device::cpu(), out.data, out.device, host.view().nbytes());
   SCOPED_TRACE(::testing::Message() << "layer " << l << " mode " << mode_name(b.mode));
-  expect_close(host, TensorView(), reference_for(b, l, q_host), shape_.dtype, is_fp8(shape_.kv_dtype));
+  expect_close(host, TensorView(), reference_for(b, l, q_host), shape_.dtype,
+               is_fp8(shape_.kv_dtype));
 }
 
-std::vector<Tensor> Harness::run_and_check(const ForwardBatch& b, bool use_graph_state, uint64_t qkv_seed) {
-  if (use_graph_state) backend_->init_forward_metadata_replay_cuda_graph(b);
-  else backend_->init_forward_metadata(b);
+std::vector<Tensor> Harness::run_and_check(const ForwardBatch& b, bool use_graph_state,
+                                           uint64_t qkv_seed) {
+  if (use_graph_state)
+    backend_->init_forward_metadata_replay_cuda_graph(b);
+  else
+    backend_->init_forward_metadata(b);
   const int64_t T = b.num_tokens();
   const int dv = shape_.head_dim_v ? shape_.head_dim_v : shape_.head_dim;
   const uint64_t base_seed = qkv_seed ? qkv_seed : rng_.gen()();
@@ -219,8 +226,9 @@ std::vector<Tensor> Harness::run_and_check(const ForwardBatch& b, bool use_graph
     poison(out);
     Tensor out_d = out.to(shape_.device);
     const bool cross = spec.is_cross_attention;
-    TensorView result = backend_->forward(q.to(shape_.device), cross ? TensorView() : k.to(shape_.device).view(),
-                                          cross ? TensorView() : v.to(shape_.device).view(), spec, b, true, out_d);
+    TensorView result =
+        backend_->forward(q.to(shape_.device), cross ? TensorView() : k.to(shape_.device).view(),
+                          cross ? TensorView() : v.to(shape_.device).view(), spec, b, true, out_d);
     EXPECT_EQ(result.data, out_d.data());
     Tensor host = out_d.to(Device::cpu());
     TensorView h3 = host.view();

@@ -29,9 +29,9 @@ struct BackendOptions {
   int num_qo_heads = 0, num_kv_heads = 0, head_dim_qk = 0, head_dim_v = 0;  // head_dim_v 0: = qk
 
   // Model structure.
-  int sliding_window_size = -1;  // >= 0: window and full layers mix (two wrappers)
-  bool is_encoder_decoder = false;  // self + cross attention wrappers
-  bool is_multimodal = false;    // extend runs one paged pass over everything
+  int sliding_window_size = -1;          // >= 0: window and full layers mix (two wrappers)
+  bool is_encoder_decoder = false;       // self + cross attention wrappers
+  bool is_multimodal = false;            // extend runs one paged pass over everything
   bool has_encoder_only_layers = false;  // plan the non-causal ragged pass they need
   // Sliding-window layers keep their KV in this pool, addressed through the allocator's
   // full-to-SWA table (both or neither).

@@ -25,10 +25,10 @@ struct PagedKV {
 };
 
 struct AttentionOptions {
-  bool causal = true;        // ignored when custom_mask is given
-  int window_left = -1;      // < 0: no window; else key j visible iff j >= p(q) - window_left
+  bool causal = true;         // ignored when custom_mask is given
+  int window_left = -1;       // < 0: no window; else key j visible iff j >= p(q) - window_left
   float logits_soft_cap = 0;  // > 0: s = cap * tanh(s / cap)
-  float sm_scale = 0;        // 0: 1 / sqrt(D_qk)
+  float sm_scale = 0;         // 0: 1 / sqrt(D_qk)
   // Speculative-decoding tree mask: u8 (0/1), request i's [qo_len_i, kv_len_i] row-major matrix
   // at element offset mask_indptr[i]. The operators require mask_indptr with a mask; the
   // reference also accepts it absent (matrices packed back to back).
@@ -79,10 +79,9 @@ class Workspace {
 // request i owns q rows qo_indptr[i].. and k/v rows kv_indptr[i]..; out [Tq, Hq, D_v];
 // lse [Tq, Hq] f32 (optional, base 2).
 void ragged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorView& k,
-                    const TensorView& v, const TensorView& qo_indptr,
-                    const TensorView& kv_indptr, const AttentionOptions& opt,
-                    const TensorView& out, const TensorView& lse, Workspace& ws,
-                    Stream stream = {});
+                    const TensorView& v, const TensorView& qo_indptr, const TensorView& kv_indptr,
+                    const AttentionOptions& opt, const TensorView& out, const TensorView& lse,
+                    Workspace& ws, Stream stream = {});
 
 // Paged prefill: q [Tq, Hq, D_qk] against the paged KV; query rows are the last qo_len
 // positions of each request (causal-with-prefix alignment).

@@ -47,7 +47,7 @@ struct AttentionParams {
   bool causal = true;
   int32_t window_left = -1;
   float logits_soft_cap = 0;
-  float sm_scale = 0;  // already resolved (never 0 here)
+  float sm_scale = 0;                    // already resolved (never 0 here)
   const uint8_t* custom_mask = nullptr;  // [sum qo_len * kv_len] u8; replaces causal
   const int32_t* mask_indptr = nullptr;  // [B + 1], required with custom_mask
 
@@ -63,7 +63,7 @@ struct AttentionParams {
   // num_workers only; a merge pass whenever the layout has room for partial states, since a
   // replayed batch may split where the captured one did not).
   bool cuda_graph = false;
-  int32_t max_merges = 0;  // merge capacity of the layout (graph mode: the merge grid's size)
+  int32_t max_merges = 0;        // merge capacity of the layout (graph mode: the merge grid's size)
   float* partial_o = nullptr;    // [partial_rows, Hq, D_v]
   float* partial_lse = nullptr;  // [partial_rows, Hq]
 };
