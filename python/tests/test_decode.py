@@ -164,7 +164,9 @@ def test_fp8_cache_as_uint8(rng, workspace):
     vs = [vf[indices[indptr[i]:indptr[i + 1]]] * 2.0 for i in range(3)]
     ref_out, ref_lse = R.attention(q, [k * 64 for k in ks], [v * 64 for v in vs], [1, 1, 1])
     out, lse = w.run(q, (bits_k, bits_v), k_scale=0.25, v_scale=2.0, return_lse=True)
-    R.assert_close(out, lse, ref_out, ref_lse, tol=1e-5)
+    # SEMANTICS.md bounds fp8 KV at 5e-2 against the dequantized reference; the CPU kernels
+    # compute fp8 KV through bf16 dot products, some 1e-4 off, so f32's 1e-5 does not apply.
+    R.assert_close(out, lse, ref_out, ref_lse, tol=1e-3)
 
 
 def test_cuda_graph_mode_fixed_buffers(rng, workspace):
