@@ -160,13 +160,15 @@ def test_fp8_cache_as_uint8(rng, workspace):
            kv_data_type="float8_e4m3fn")
     q = rng.standard_normal((3, HQ, D)).astype(np.float32)
     kf, vf = e4m3_to_float(bits_k) / 64, e4m3_to_float(bits_v) / 64
-    ks = [kf[indices[indptr[i]:indptr[i + 1]]] * 0.25 for i in range(3)]
+    # Raw e4m3 bits reach +-448: a small k_scale keeps the logits in the range real caches have.
+    k_scale = 1.0 / 128
+    ks = [kf[indices[indptr[i]:indptr[i + 1]]] * k_scale for i in range(3)]
     vs = [vf[indices[indptr[i]:indptr[i + 1]]] * 2.0 for i in range(3)]
     ref_out, ref_lse = R.attention(q, [k * 64 for k in ks], [v * 64 for v in vs], [1, 1, 1])
-    out, lse = w.run(q, (bits_k, bits_v), k_scale=0.25, v_scale=2.0, return_lse=True)
+    out, lse = w.run(q, (bits_k, bits_v), k_scale=k_scale, v_scale=2.0, return_lse=True)
     # SEMANTICS.md bounds fp8 KV at 5e-2 against the dequantized reference; the CPU kernels
-    # compute fp8 KV through bf16 dot products, some 1e-4 off, so f32's 1e-5 does not apply.
-    R.assert_close(out, lse, ref_out, ref_lse, tol=1e-3)
+    # compute fp8 KV through bf16 dot products, so f32's 1e-5 does not apply: bf16's bounds do.
+    R.assert_close(out, lse, ref_out, ref_lse, tol=1e-2, lse_tol=2e-2)
 
 
 def test_cuda_graph_mode_fixed_buffers(rng, workspace):
