@@ -169,8 +169,11 @@ void attention(const AttentionParams& p) {
   ThreadPool& pool = ThreadPool::global();
   const int32_t group = heads_per_task(p, pool.size());
   const int64_t groups = p.num_kv_heads / group;
-  pool.parallel_for(int64_t{p.num_items} * groups, [&](int64_t t, int) {
-    kernel(p, p.items[t / groups], static_cast<int32_t>(t % groups) * group, group);
+  // Head-major order: the tasks a thread takes one after another read the same KV head, whose
+  // K/V then stays in its caches (prefill re-reads a head's keys for every query tile).
+  const int64_t items = p.num_items;
+  pool.parallel_for(items * groups, [&](int64_t t, int) {
+    kernel(p, p.items[t % items], static_cast<int32_t>(t / items) * group, group);
   });
   if (p.num_merges == 0) return;
   const PartialMergeKernel merge_partials = select_partial_merge(isa);

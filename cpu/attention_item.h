@@ -14,7 +14,7 @@
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 
-constexpr int kMaxRows = 64;
+constexpr int kMaxRows = 128;
 
 inline size_t align64(size_t x) { return (x + 63) & ~size_t{63}; }
 

@@ -104,7 +104,7 @@ inline void softmax_row(const Tile<T>& t, int r, typename T::F (&s)[Tile<T>::kKe
   F sum = T::zero();
   FLASHKV_UNROLL
   for (int c = 0; c < NC; ++c) {
-    s[c] = T::exp2(T::sub(s[c], mv));
+    s[c] = T::exp2_probs(T::sub(s[c], mv));
     sum = T::add(sum, s[c]);
   }
   float* l = t.lsum + r * T::W;

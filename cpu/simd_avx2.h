@@ -57,6 +57,7 @@ struct Avx2F32 {
     return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
   }
   // tanh: odd Taylor series below |x| = 1/4, 1 - 2 / (e^2|x| + 1) above (error < 1e-6).
+  static F exp2_probs(F x) { return exp2(x); }
   static F tanh(F x) {
     const F sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
     const F a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);

@@ -9,7 +9,7 @@ namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 
 struct Avx512Common {
   static constexpr int W = 16;
-  static constexpr int kBlockKeys = 32;  // keys per KV block
+  static constexpr int kBlockKeys = 64;  // keys per KV block
   using F = __m512;
 
   // Masks of the first n lanes (n may be <= 0 or past the width).
@@ -31,16 +31,24 @@ struct Avx512Common {
   static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
   static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
 
-  // 2^x: scalef(degree-6 polynomial of x - round(x), round(x)); relative error < 2e-7; exactly 0
-  // below -126 (and for -inf).
+  // 2^x: scalef(polynomial of x - round(x), round(x)); exactly 0 below -126 (and for -inf).
+  // Degree 6 (Taylor): relative error < 2e-7; degree 4: < 6e-5, for probabilities that are
+  // rounded to bf16 (relative step 4e-3) anyway.
+  template <int kDegree = 6>
   static F exp2(F x) {
+    static_assert(kDegree == 4 || kDegree == 6, "exp2: degree 4 or 6");
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
     x = _mm512_min_ps(x, _mm512_set1_ps(127.0f));
     const F n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const F f = _mm512_sub_ps(x, n);
-    F p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    F p;
+    if constexpr (kDegree == 6) {
+      p = _mm512_set1_ps(1.5403530393381606e-4f);
+      p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+      p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    } else {
+      p = _mm512_set1_ps(9.6181291076284772e-3f);
+    }
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
@@ -165,7 +173,8 @@ struct Avx512Common {
 
 struct Avx512F32 : Avx512Common {
   static constexpr int kPack = 1;
-  static constexpr int kQkRows = 8;
+  static F exp2_probs(F x) { return exp2<6>(x); }
+  static constexpr int kQkRows = 4;  // 4 rows x 4 key vectors = 16 accumulators
   static constexpr int kPvRows = 6;  // 6 rows x 4 vectors of 16 dims = 24 accumulators
   static constexpr int kPvVecs = 4;
   using Step = float;
@@ -205,7 +214,8 @@ struct Avx512F32 : Avx512Common {
 #if FLASHKV_CPU_HAS_BF16
 struct Avx512Bf16 : Avx512Common {
   static constexpr int kPack = 2;
-  static constexpr int kQkRows = 8;
+  static F exp2_probs(F x) { return exp2<4>(x); }  // P is rounded to bf16
+  static constexpr int kQkRows = 4;
   static constexpr int kPvRows = 6;
   static constexpr int kPvVecs = 4;
   using Step = uint32_t;  // two bf16: (element 2i, element 2i + 1)

@@ -34,6 +34,7 @@ struct ScalarF32 {
   static float reduce_max(F v) { return v; }
   static float reduce_add(F v) { return v; }
   static F exp2(F x) { return x < -126.0f ? 0.0f : std::exp2(x); }
+  static F exp2_probs(F x) { return exp2(x); }
   static F tanh(F x) { return std::tanh(x); }
   // Scores of keys outside [lo, hi] (key index j0 + lane) become -inf.
   static F keep_range(F s, int j0, int lo, int hi) {

@@ -50,6 +50,7 @@ struct Case {
   bool custom_mask = false;
   bool want_lse = true;
   int fixed_split = 0;
+  int q_tile = 0;  // 0: the planner's default
   float k_scale = 1, v_scale = 1;
 
   std::string str() const {
@@ -58,7 +59,7 @@ struct Case {
                  dtype_name(dtype), "/", dtype_name(kv_dtype), " page=", page_size,
                  " causal=", causal, " window=", window_left, " cap=", soft_cap,
                  " scale=", sm_scale, " mask=", custom_mask, " split=", fixed_split,
-                 " isa=", cpu::isa_name(cpu::active_isa()), " kv_lens=");
+                 " q_tile=", q_tile, " isa=", cpu::isa_name(cpu::active_isa()), " kv_lens=");
     for (int32_t l : kv_lens) s += str_cat(l, ",");
     if (op != Op::decode) {
       s += " q_lens=";
@@ -123,6 +124,7 @@ Tensor run_case(const Case& c, Rng& rng) {
   bs.window_left = c.window_left;
   PlanOptions po;
   po.fixed_split_size = c.fixed_split;
+  po.q_tile = c.q_tile;
   const DeviceInfo dev = device_info(Device::cpu());
   Plan plan;
   DecodePlan decode_plan;
@@ -247,6 +249,9 @@ TEST(CpuAttention, RaggedPrefillGrid) {
       c.sm_scale = rng.uniform() < 0.3 ? 0.3f : 0.0f;
       c.want_lse = rng.uniform() < 0.8;
       c.fixed_split = rng.uniform() < 0.3 ? 32 : 0;
+      // Few rows per item (the decode-style path), the default, and more rows than a chunk.
+      const int q_tiles[] = {0, 0, 1, 2, 40};
+      c.q_tile = q_tiles[rng.uniform_int(0, 4)];
       run_case(c, rng);
     }
   }
@@ -273,6 +278,8 @@ TEST(CpuAttention, PagedPrefillGrid) {
       c.soft_cap = rng.uniform() < 0.2 ? 8.0f : 0.0f;
       c.want_lse = rng.uniform() < 0.8;
       c.fixed_split = rng.uniform() < 0.3 ? 48 : 0;
+      const int q_tiles[] = {0, 0, 1, 3, 40};
+      c.q_tile = q_tiles[rng.uniform_int(0, 4)];
       run_case(c, rng);
     }
   }
