@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <new>
 #include <string>
 
 #include "commands.h"
@@ -17,6 +18,10 @@ struct Command {
 };
 
 const Command kCommands[] = {
+    {"serve", "run a serving workload through the attention backend and report on it",
+     flashkv::app::cmd_serve},
+    {"bench", "time the attention kernels against the machine's measured roofline",
+     flashkv::app::cmd_bench},
     {"check", "compare every operator with the float64 reference on random inputs",
      flashkv::app::cmd_check},
     {"info", "build features, devices, CPU features, GPU name and SMs", flashkv::app::cmd_info},
@@ -40,6 +45,12 @@ int main(int argc, char** argv) {
     try {
       return c.run(argc, argv);
     } catch (const flashkv::Error& e) {
+      std::fprintf(stderr, "flashkv %s: %s\n", c.name, e.what());
+      return 1;
+    } catch (const std::bad_alloc&) {
+      std::fprintf(stderr, "flashkv %s: out of memory\n", c.name);
+      return 1;
+    } catch (const std::exception& e) {
       std::fprintf(stderr, "flashkv %s: %s\n", c.name, e.what());
       return 1;
     }

@@ -19,7 +19,9 @@ struct HostPaged {
   Tensor k, v, indptr, indices, last_page_len;
   int page_size = 1;
   float k_scale = 1, v_scale = 1;
-  PagedKV view() const { return {k, v, indptr, indices, last_page_len, page_size, k_scale, v_scale}; }
+  PagedKV view() const {
+    return {k, v, indptr, indices, last_page_len, page_size, k_scale, v_scale};
+  }
 };
 
 HostPaged make_paged(const OpCase& c, const std::vector<int32_t>& lens, std::mt19937_64& gen) {
@@ -148,11 +150,16 @@ void make_mask(const std::vector<int32_t>& q_lens, const std::vector<int32_t>& k
 
 const char* op_name(OpKind op) {
   switch (op) {
-    case OpKind::decode: return "decode";
-    case OpKind::ragged_prefill: return "ragged_prefill";
-    case OpKind::paged_prefill: return "paged_prefill";
-    case OpKind::extend: return "extend";
-    case OpKind::merge_states: return "merge_states";
+    case OpKind::decode:
+      return "decode";
+    case OpKind::ragged_prefill:
+      return "ragged_prefill";
+    case OpKind::paged_prefill:
+      return "paged_prefill";
+    case OpKind::extend:
+      return "extend";
+    case OpKind::merge_states:
+      return "merge_states";
   }
   return "?";
 }
@@ -163,7 +170,8 @@ std::string OpCase::describe() const {
   if (head_dim_v != head_dim) os << "/" << head_dim_v;
   os << " P=" << page_size << " " << dtype_name(dtype);
   if (kv_dtype != dtype) os << "/kv " << dtype_name(kv_dtype);
-  if (op != OpKind::decode && op != OpKind::merge_states) os << (custom_mask ? " mask" : causal ? " causal" : " full");
+  if (op != OpKind::decode && op != OpKind::merge_states)
+    os << (custom_mask ? " mask" : causal ? " causal" : " full");
   if (window_left >= 0) os << " win=" << window_left;
   if (soft_cap > 0) os << " cap=" << soft_cap;
   if (fixed_split > 0) os << " split=" << fixed_split;
@@ -239,13 +247,15 @@ OpResult run_op_case(const OpCase& c, Device d) {
           opt.mask_indptr = mask_indptr;
         }
         ref = reference::ragged_attention(q, k, v, qo_t, kvp_t, opt);
-        Tensor mask_d = c.custom_mask ? mask.to(d) : Tensor(), mi_d = c.custom_mask ? mask_indptr.to(d) : Tensor();
+        Tensor mask_d = c.custom_mask ? mask.to(d) : Tensor(),
+               mi_d = c.custom_mask ? mask_indptr.to(d) : Tensor();
         opt.custom_mask = mask_d;
         opt.mask_indptr = mi_d;
         Planned<PrefillPlan> p;
         plan_into(p, shape_of(c, &qo, c.kv_lens, c.causal), c, d,
                   [](auto&&... a) { return plan_prefill(a...); });
-        ragged_prefill(p.plan, q.to(d), k.to(d), v.to(d), qo_t.to(d), kvp_t.to(d), opt, out, lse, p.ws);
+        ragged_prefill(p.plan, q.to(d), k.to(d), v.to(d), qo_t.to(d), kvp_t.to(d), opt, out, lse,
+                       p.ws);
       } else if (c.op == OpKind::paged_prefill) {
         HostPaged h = make_paged(c, c.kv_lens, gen);
         AttentionOptions opt = options_of(c, c.causal);
@@ -255,7 +265,8 @@ OpResult run_op_case(const OpCase& c, Device d) {
           opt.mask_indptr = mask_indptr;
         }
         ref = reference::paged_attention(q, qo_t, h.view(), opt);
-        Tensor mask_d = c.custom_mask ? mask.to(d) : Tensor(), mi_d = c.custom_mask ? mask_indptr.to(d) : Tensor();
+        Tensor mask_d = c.custom_mask ? mask.to(d) : Tensor(),
+               mi_d = c.custom_mask ? mask_indptr.to(d) : Tensor();
         opt.custom_mask = mask_d;
         opt.mask_indptr = mi_d;
         DevicePaged dk = to_device(h, d);
@@ -276,8 +287,10 @@ OpResult run_op_case(const OpCase& c, Device d) {
         Tensor o2 = Tensor::empty({T, c.hq, c.head_dim_v}, c.dtype, d),
                lse2 = Tensor::empty({T, c.hq}, DType::f32, d);
         Planned<PrefillPlan> pr, pp;
-        plan_into(pr, shape_of(c, &qo, c.qo_lens, true), c, d, [](auto&&... a) { return plan_prefill(a...); });
-        plan_into(pp, shape_of(c, &qo, c.kv_lens, false), c, d, [](auto&&... a) { return plan_prefill(a...); });
+        plan_into(pr, shape_of(c, &qo, c.qo_lens, true), c, d,
+                  [](auto&&... a) { return plan_prefill(a...); });
+        plan_into(pp, shape_of(c, &qo, c.kv_lens, false), c, d,
+                  [](auto&&... a) { return plan_prefill(a...); });
         ragged_prefill(pr.plan, qd, k.to(d), v.to(d), qo_d, qo_d, causal, out, lse, pr.ws);
         paged_prefill(pp.plan, qd, qo_d, dk.view(h), full, o2, lse2, pp.ws);
         merge_state(out, lse, o2, lse2, out, lse);
@@ -336,7 +349,8 @@ std::vector<OpCase> op_case_grid(bool quick, uint64_t seed) {
         paged.op = OpKind::paged_prefill;
         paged.qo_lens = lens(3, 1, 30 * scale);
         paged.kv_lens = paged.qo_lens;
-        for (size_t i = 0; i < paged.kv_lens.size(); ++i) paged.kv_lens[i] += lens(1, 0, 90 * scale)[0];
+        for (size_t i = 0; i < paged.kv_lens.size(); ++i)
+          paged.kv_lens[i] += lens(1, 0, 90 * scale)[0];
         paged.seed = gen();
         cases.push_back(paged);
         OpCase ext = paged;

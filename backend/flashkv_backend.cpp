@@ -26,8 +26,9 @@ void ensure_i32(Tensor& t, int64_t n, Device d, bool fixed, const char* what) {
   t = Tensor::empty({n}, DType::i32, d);
 }
 
-void upload_i32(const Tensor& dst, const std::vector<int32_t>& src) {
-  copy_bytes(dst.data(), dst.device(), src.data(), Device::cpu(), src.size() * sizeof(int32_t));
+void upload_i32(const Tensor& dst, const std::vector<int32_t>& src, Stream stream) {
+  copy_bytes(dst.data(), dst.device(), src.data(), Device::cpu(), src.size() * sizeof(int32_t),
+             stream);
 }
 
 std::vector<int32_t> prefix_sums(const std::vector<int32_t>& lens) {
@@ -133,22 +134,27 @@ void FlashKVBackend::init_forward_metadata(const ForwardBatch& batch) {
 }
 
 void FlashKVBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
-  FLASHKV_CHECK(max_bs > 0 && max_num_tokens >= max_bs, "init_cuda_graph_state: expected max_bs > 0 and ",
-                "max_num_tokens >= max_bs, got ", max_bs, " and ", max_num_tokens);
+  FLASHKV_CHECK(max_bs > 0 && max_num_tokens >= max_bs,
+                "init_cuda_graph_state: expected max_bs > 0 and ", "max_num_tokens >= max_bs, got ",
+                max_bs, " and ", max_num_tokens);
   State& s = *graph_;
-  FLASHKV_CHECK(!s.graph_ready, "init_cuda_graph_state: already initialized (buffers a captured graph uses must not move)");
+  FLASHKV_CHECK(
+      !s.graph_ready,
+      "init_cuda_graph_state: already initialized (buffers a captured graph uses must not move)");
   s.graph_max_bs = max_bs;
   s.graph_max_tokens = max_num_tokens;
   s.graph_ready = true;
 }
 
 void FlashKVBackend::init_forward_metadata_capture_cuda_graph(const ForwardBatch& batch) {
-  FLASHKV_CHECK(graph_->graph_ready, "init_forward_metadata_capture_cuda_graph: call init_cuda_graph_state first");
+  FLASHKV_CHECK(graph_->graph_ready,
+                "init_forward_metadata_capture_cuda_graph: call init_cuda_graph_state first");
   plan_batch(batch, /*graph=*/true);
 }
 
 void FlashKVBackend::init_forward_metadata_replay_cuda_graph(const ForwardBatch& batch) {
-  FLASHKV_CHECK(graph_->graph_ready, "init_forward_metadata_replay_cuda_graph: call init_cuda_graph_state first");
+  FLASHKV_CHECK(graph_->graph_ready,
+                "init_forward_metadata_replay_cuda_graph: call init_cuda_graph_state first");
   plan_batch(batch, /*graph=*/true);
 }
 
@@ -168,20 +174,29 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
     return;
   }
   const int32_t B = b.batch_size;
-  FLASHKV_CHECK(b.req_to_token_pool != nullptr, "batch.req_to_token_pool: expected a pool, got null");
+  FLASHKV_CHECK(b.req_to_token_pool != nullptr,
+                "batch.req_to_token_pool: expected a pool, got null");
   FLASHKV_CHECK(b.token_to_kv_pool != nullptr, "batch.token_to_kv_pool: expected a pool, got null");
-  FLASHKV_CHECK(b.token_to_kv_pool->page_size() == 1,
-                "batch.token_to_kv_pool: the backend indexes KV by token (page_size 1), got page_size ",
-                b.token_to_kv_pool->page_size());
+  FLASHKV_CHECK(
+      b.token_to_kv_pool->page_size() == 1,
+      "batch.token_to_kv_pool: the backend indexes KV by token (page_size 1), got page_size ",
+      b.token_to_kv_pool->page_size());
   FLASHKV_CHECK(b.req_to_token_pool->device() == dev && b.token_to_kv_pool->device() == dev,
                 "batch pools: expected device ", dev.str());
-  FLASHKV_CHECK_EQ("batch.seq_lens_cpu size", static_cast<int64_t>(b.seq_lens_cpu.size()), int64_t{B});
-  Expect(b.req_pool_indices, "batch.req_pool_indices").ndim(1).device(dev).dtype(DType::i32).dim(0, B, "batch_size");
+  FLASHKV_CHECK_EQ("batch.seq_lens_cpu size", static_cast<int64_t>(b.seq_lens_cpu.size()),
+                   int64_t{B});
+  Expect(b.req_pool_indices, "batch.req_pool_indices")
+      .ndim(1)
+      .device(dev)
+      .dtype(DType::i32)
+      .dim(0, B, "batch_size");
   const bool decode = b.mode == ForwardMode::DECODE;
   const bool extend = b.mode == ForwardMode::EXTEND || b.mode == ForwardMode::MIXED;
   if (extend) {
-    FLASHKV_CHECK_EQ("batch.extend_seq_lens_cpu size", static_cast<int64_t>(b.extend_seq_lens_cpu.size()), int64_t{B});
-    FLASHKV_CHECK_EQ("batch.extend_prefix_lens_cpu size", static_cast<int64_t>(b.extend_prefix_lens_cpu.size()), int64_t{B});
+    FLASHKV_CHECK_EQ("batch.extend_seq_lens_cpu size",
+                     static_cast<int64_t>(b.extend_seq_lens_cpu.size()), int64_t{B});
+    FLASHKV_CHECK_EQ("batch.extend_prefix_lens_cpu size",
+                     static_cast<int64_t>(b.extend_prefix_lens_cpu.size()), int64_t{B});
   }
   if (b.mode == ForwardMode::TARGET_VERIFY) {
     FLASHKV_CHECK(b.spec.draft_token_num > 0, "batch.spec.draft_token_num: expected > 0, got ",
@@ -189,9 +204,11 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
     Expect(b.spec.custom_mask, "batch.spec.custom_mask").ndim(1).device(dev).dtype(DType::u8);
   }
   if (b.mode == ForwardMode::DRAFT_EXTEND)
-    FLASHKV_CHECK_EQ("batch.spec.accept_length_cpu size", static_cast<int64_t>(b.spec.accept_length_cpu.size()), int64_t{B});
+    FLASHKV_CHECK_EQ("batch.spec.accept_length_cpu size",
+                     static_cast<int64_t>(b.spec.accept_length_cpu.size()), int64_t{B});
   if (o.is_encoder_decoder)
-    FLASHKV_CHECK_EQ("batch.encoder_lens_cpu size", static_cast<int64_t>(b.encoder_lens_cpu.size()), int64_t{B});
+    FLASHKV_CHECK_EQ("batch.encoder_lens_cpu size", static_cast<int64_t>(b.encoder_lens_cpu.size()),
+                     int64_t{B});
   const int64_t max_ctx = b.req_to_token_pool->max_context_len();
   s.qo_len.assign(B, 0);
   for (int32_t i = 0; i < B; ++i) {
@@ -211,12 +228,15 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
   }
   s.qo_indptr = prefix_sums(s.qo_len);
   s.num_tokens = s.qo_indptr.back();
-  Expect(b.out_cache_loc, "batch.out_cache_loc").ndim(1).device(dev).dtype(DType::i32)
+  Expect(b.out_cache_loc, "batch.out_cache_loc")
+      .ndim(1)
+      .device(dev)
+      .dtype(DType::i32)
       .dim(0, s.num_tokens, "num_tokens");
   if (graph) {
-    FLASHKV_CHECK(B <= s.graph_max_bs && s.num_tokens <= s.graph_max_tokens, "CUDA-graph batch of ", B,
-                  " requests / ", s.num_tokens, " tokens exceeds the capacity ", s.graph_max_bs, " / ",
-                  s.graph_max_tokens);
+    FLASHKV_CHECK(B <= s.graph_max_bs && s.num_tokens <= s.graph_max_tokens, "CUDA-graph batch of ",
+                  B, " requests / ", s.num_tokens, " tokens exceeds the capacity ", s.graph_max_bs,
+                  " / ", s.graph_max_tokens);
   }
   s.batch_size = B;
   s.use_ragged = extend && !o.is_multimodal && !o.deterministic;
@@ -251,7 +271,7 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
   auto upload_plan = [&](const Plan& plan, Workspace& ws) {
     FLASHKV_CHECK(!fixed || ws.bytes() >= plan.layout.total_bytes, "workspace moved in graph mode");
     ws.reserve(std::max<size_t>(plan.layout.total_bytes, 1), dev);
-    ws.upload(plan);
+    ws.upload(plan, o.stream);
   };
 
   const int w = o.sliding_window_size;
@@ -259,16 +279,23 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
   if (external) {
     FLASHKV_CHECK(s.wrappers.size() == 1, "batch.spec.kv_indices: precomputed indices need a model",
                   " without sliding-window or cross-attention layers");
-    FLASHKV_CHECK_EQ("batch.spec.kv_indptr_cpu size", static_cast<int64_t>(b.spec.kv_indptr_cpu.size()), int64_t{B} + 1);
-    Expect(b.spec.kv_indptr, "batch.spec.kv_indptr").ndim(1).device(dev).dtype(DType::i32).dim(0, B + 1, "batch + 1");
+    FLASHKV_CHECK_EQ("batch.spec.kv_indptr_cpu size",
+                     static_cast<int64_t>(b.spec.kv_indptr_cpu.size()), int64_t{B} + 1);
+    Expect(b.spec.kv_indptr, "batch.spec.kv_indptr")
+        .ndim(1)
+        .device(dev)
+        .dtype(DType::i32)
+        .dim(0, B + 1, "batch + 1");
     Expect(b.spec.kv_indices, "batch.spec.kv_indices").ndim(1).device(dev).dtype(DType::i32);
     for (int32_t i = 0; i < B; ++i)
       FLASHKV_CHECK(b.spec.kv_indptr_cpu[i + 1] - b.spec.kv_indptr_cpu[i] == b.seq_lens_cpu[i],
-                    "batch.spec.kv_indptr_cpu: row ", i, " spans ", b.spec.kv_indptr_cpu[i + 1] - b.spec.kv_indptr_cpu[i],
+                    "batch.spec.kv_indptr_cpu: row ", i, " spans ",
+                    b.spec.kv_indptr_cpu[i + 1] - b.spec.kv_indptr_cpu[i],
                     " entries, seq_lens_cpu says ", b.seq_lens_cpu[i]);
-    FLASHKV_CHECK(b.spec.kv_indptr_cpu[0] >= 0 && b.spec.kv_indptr_cpu[B] <= b.spec.kv_indices.numel(),
-                  "batch.spec.kv_indices: expected at least ", b.spec.kv_indptr_cpu[B], " entries, got ",
-                  b.spec.kv_indices.numel());
+    FLASHKV_CHECK(
+        b.spec.kv_indptr_cpu[0] >= 0 && b.spec.kv_indptr_cpu[B] <= b.spec.kv_indices.numel(),
+        "batch.spec.kv_indices: expected at least ", b.spec.kv_indptr_cpu[B], " entries, got ",
+        b.spec.kv_indices.numel());
   }
   for (State::Wrapper& wr : s.wrappers) {
     if (external) {
@@ -276,9 +303,11 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
       wr.kv_len = b.seq_lens_cpu;
       wr.indptr = b.spec.kv_indptr;
       wr.indices = b.spec.kv_indices;
-      if (!wr.d_last_page_len.defined() || wr.d_last_page_len.numel() < std::max<int64_t>(cap_b, 1)) {
+      if (!wr.d_last_page_len.defined() ||
+          wr.d_last_page_len.numel() < std::max<int64_t>(cap_b, 1)) {
         FLASHKV_CHECK(!fixed, "last_page_len: past the CUDA-graph capacity");
-        wr.d_last_page_len = Tensor::from_i32(std::vector<int32_t>(std::max<int64_t>(cap_b, 1), 1), dev);
+        wr.d_last_page_len =
+            Tensor::from_i32(std::vector<int32_t>(std::max<int64_t>(cap_b, 1), 1), dev);
       }
       shape.kv_len = wr.kv_len.data();
       shape.window_left = -1;
@@ -300,7 +329,7 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
         case WrapperKind::window: {
           // Decode sees the last w + 1 tokens, extend the last w + new ones; a tree-mask verify
           // keeps the whole sequence so the mask's columns line up (the kernel applies the window).
-          const int64_t keep = decode ? int64_t{w} + 1
+          const int64_t keep = decode                                 ? int64_t{w} + 1
                                : b.mode == ForwardMode::TARGET_VERIFY ? int64_t{seq}
                                                                       : int64_t{w} + qo;
           wr.kv_len[i] = static_cast<int32_t>(std::min<int64_t>(seq, keep));
@@ -318,23 +347,26 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
     ensure_i32(wr.d_kv_len, cap_b, dev, fixed, "kv_len");
     ensure_i32(wr.d_kv_start, cap_b, dev, fixed, "kv_start");
     ensure_i32(wr.d_kv_indptr, cap_b + 1, dev, fixed, "kv_indptr");
-    ensure_i32(wr.d_kv_indices, graph ? int64_t{s.graph_max_bs} * max_ctx : entries, dev, fixed, "kv_indices");
+    ensure_i32(wr.d_kv_indices, graph ? int64_t{s.graph_max_bs} * max_ctx : entries, dev, fixed,
+               "kv_indices");
     if (!wr.d_last_page_len.defined() || wr.d_last_page_len.numel() < std::max<int64_t>(cap_b, 1)) {
       FLASHKV_CHECK(!fixed, "last_page_len: past the CUDA-graph capacity");
-      wr.d_last_page_len = Tensor::from_i32(std::vector<int32_t>(std::max<int64_t>(cap_b, 1), 1), dev);
+      wr.d_last_page_len =
+          Tensor::from_i32(std::vector<int32_t>(std::max<int64_t>(cap_b, 1), 1), dev);
     }
-    upload_i32(wr.d_kv_len, wr.kv_len);
-    upload_i32(wr.d_kv_start, wr.kv_start);
-    upload_i32(wr.d_kv_indptr, wr.kv_indptr);
+    upload_i32(wr.d_kv_len, wr.kv_len, o.stream);
+    upload_i32(wr.d_kv_start, wr.kv_start, o.stream);
+    upload_i32(wr.d_kv_indptr, wr.kv_indptr, o.stream);
     TensorView lens = wr.d_kv_len.view().rows(0, B), starts = wr.d_kv_start.view().rows(0, B);
     TensorView indptr = wr.d_kv_indptr.view().rows(0, B + 1);
     wr.indptr = indptr;
     wr.indices = wr.d_kv_indices;
     build_kv_indices(b.req_to_token_pool->req_to_token(), b.req_pool_indices, lens, starts, indptr,
-                     wr.d_kv_indices);
+                     wr.d_kv_indices, o.stream);
     if (wr.kind == WrapperKind::window && o.swa_allocator) {
       TensorView idx = wr.d_kv_indices.view().rows(0, std::max<int64_t>(entries, 0));
-      if (entries > 0) translate_slots(idx, o.swa_allocator->full_to_swa_table(), idx);
+      if (entries > 0)
+        translate_slots(idx, o.swa_allocator->full_to_swa_table(o.stream), idx, o.stream);
     }
     // Plans.
     shape.kv_len = wr.kv_len.data();
@@ -346,8 +378,8 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
     } else {
       // The prefix-only pass of a ragged extend sees the whole prefix; everything else is
       // causal, except cross attention and a tree-masked verify.
-      wr.paged_causal = !(s.use_ragged && wr.kind == WrapperKind::full) && wr.kind != WrapperKind::cross &&
-                        b.mode != ForwardMode::TARGET_VERIFY;
+      wr.paged_causal = !(s.use_ragged && wr.kind == WrapperKind::full) &&
+                        wr.kind != WrapperKind::cross && b.mode != ForwardMode::TARGET_VERIFY;
       shape.causal = wr.paged_causal;
       plan_prefill(shape, info, po, &wr.paged);
       upload_plan(wr.paged, wr.ws_paged);
@@ -355,7 +387,7 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
   }
   if (!decode) {
     ensure_i32(s.d_qo_indptr, cap_b + 1, dev, fixed, "qo_indptr");
-    upload_i32(s.d_qo_indptr, s.qo_indptr);
+    upload_i32(s.d_qo_indptr, s.qo_indptr, o.stream);
     if (s.use_ragged || o.has_encoder_only_layers) {
       shape.kv_len = s.qo_len.data();
       shape.window_left = -1;
@@ -372,17 +404,19 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
       s.mask_indptr.assign(B + 1, 0);
       for (int32_t i = 0; i < B; ++i)
         s.mask_indptr[i + 1] = s.mask_indptr[i] + s.qo_len[i] * b.seq_lens_cpu[i];
-      FLASHKV_CHECK(b.spec.custom_mask.numel() >= s.mask_indptr.back(), "batch.spec.custom_mask: expected ",
-                    s.mask_indptr.back(), " entries (draft_token_num x seq_len per request), got ",
+      FLASHKV_CHECK(b.spec.custom_mask.numel() >= s.mask_indptr.back(),
+                    "batch.spec.custom_mask: expected ", s.mask_indptr.back(),
+                    " entries (draft_token_num x seq_len per request), got ",
                     b.spec.custom_mask.numel());
       ensure_i32(s.d_mask_indptr, cap_b + 1, dev, fixed, "mask_indptr");
-      upload_i32(s.d_mask_indptr, s.mask_indptr);
+      upload_i32(s.d_mask_indptr, s.mask_indptr, o.stream);
     }
   }
   if (o.swa_allocator && s.num_tokens > 0) {
-    ensure_i32(s.d_swa_out_cache_loc, graph ? s.graph_max_tokens : s.num_tokens, dev, fixed, "swa_out_cache_loc");
-    translate_slots(b.out_cache_loc, o.swa_allocator->full_to_swa_table(),
-                    s.d_swa_out_cache_loc.view().rows(0, s.num_tokens));
+    ensure_i32(s.d_swa_out_cache_loc, graph ? s.graph_max_tokens : s.num_tokens, dev, fixed,
+               "swa_out_cache_loc");
+    translate_slots(b.out_cache_loc, o.swa_allocator->full_to_swa_table(o.stream),
+                    s.d_swa_out_cache_loc.view().rows(0, s.num_tokens), o.stream);
   }
   // Output and scratch.
   const int64_t rows = graph ? s.graph_max_tokens : std::max<int64_t>(s.num_tokens, 1);
@@ -413,10 +447,12 @@ static LayerIO layer_io(const BackendOptions& o, const LayerSpec& layer, const F
                         const TensorView& swa_loc) {
   FLASHKV_CHECK(layer.num_qo_heads == o.num_qo_heads && layer.num_kv_heads == o.num_kv_heads &&
                     layer.head_dim_qk == o.head_dim_qk && layer.v_dim() == o.head_dim_v,
-                "layer ", layer.layer_id, ": heads/dims ", layer.num_qo_heads, "/", layer.num_kv_heads,
-                "/", layer.head_dim_qk, "/", layer.v_dim(), " differ from the backend's ", o.num_qo_heads,
-                "/", o.num_kv_heads, "/", o.head_dim_qk, "/", o.head_dim_v);
-  FLASHKV_CHECK((layer.sliding_window_size >= 0) == (o.sliding_window_size >= 0 && layer.sliding_window_size >= 0),
+                "layer ", layer.layer_id, ": heads/dims ", layer.num_qo_heads, "/",
+                layer.num_kv_heads, "/", layer.head_dim_qk, "/", layer.v_dim(),
+                " differ from the backend's ", o.num_qo_heads, "/", o.num_kv_heads, "/",
+                o.head_dim_qk, "/", o.head_dim_v);
+  FLASHKV_CHECK((layer.sliding_window_size >= 0) ==
+                    (o.sliding_window_size >= 0 && layer.sliding_window_size >= 0),
                 "layer ", layer.layer_id, ": sliding window ", layer.sliding_window_size,
                 " but the backend was built without one");
   FLASHKV_CHECK(layer.sliding_window_size < 0 || layer.sliding_window_size == o.sliding_window_size,
@@ -428,7 +464,8 @@ static LayerIO layer_io(const BackendOptions& o, const LayerSpec& layer, const F
   io.q = as_heads(q, o.num_qo_heads, o.head_dim_qk, "q");
   Expect(io.q, "q").device(o.device).dtype(o.q_dtype).dim(0, T, "num_tokens");
   io.out = as_heads(out.defined() ? out : own_out.rows(0, T), o.num_qo_heads, o.head_dim_v, "out");
-  if (out.defined()) Expect(io.out, "out").device(o.device).dtype(o.q_dtype).dim(0, T, "num_tokens");
+  if (out.defined())
+    Expect(io.out, "out").device(o.device).dtype(o.q_dtype).dim(0, T, "num_tokens");
   if (k.defined()) {
     io.k = as_heads(k, o.num_kv_heads, o.head_dim_qk, "k");
     io.v = as_heads(v, o.num_kv_heads, o.head_dim_v, "v");
@@ -437,9 +474,10 @@ static LayerIO layer_io(const BackendOptions& o, const LayerSpec& layer, const F
   }
   const bool window = layer.sliding_window_size >= 0;
   io.pool = (window && o.swa_kv_pool) ? o.swa_kv_pool : b.token_to_kv_pool;
-  FLASHKV_CHECK(layer.layer_id >= 0 && layer.layer_id < io.pool->num_layers(), "layer.layer_id: expected 0..",
-                io.pool->num_layers() - 1, ", got ", layer.layer_id);
-  io.cache_loc = layer.is_cross_attention ? b.encoder_out_cache_loc
+  FLASHKV_CHECK(layer.layer_id >= 0 && layer.layer_id < io.pool->num_layers(),
+                "layer.layer_id: expected 0..", io.pool->num_layers() - 1, ", got ",
+                layer.layer_id);
+  io.cache_loc = layer.is_cross_attention    ? b.encoder_out_cache_loc
                  : (window && o.swa_kv_pool) ? swa_loc
                                              : b.out_cache_loc;
   io.opt.sm_scale = layer.scaling;
@@ -448,11 +486,12 @@ static LayerIO layer_io(const BackendOptions& o, const LayerSpec& layer, const F
   return io;
 }
 
-static void save_kv(const LayerIO& io, const LayerSpec& layer) {
-  FLASHKV_CHECK(io.k.shape[0] == io.cache_loc.numel(), "k: ", io.k.shape[0], " rows but the cache location",
-                " list has ", io.cache_loc.numel(), " (", layer.is_cross_attention ? "encoder_out_cache_loc" : "out_cache_loc", ")");
+static void save_kv(const LayerIO& io, const LayerSpec& layer, Stream stream) {
+  FLASHKV_CHECK(io.k.shape[0] == io.cache_loc.numel(), "k: ", io.k.shape[0],
+                " rows but the cache location", " list has ", io.cache_loc.numel(), " (",
+                layer.is_cross_attention ? "encoder_out_cache_loc" : "out_cache_loc", ")");
   append_kv(io.k, io.v, io.cache_loc, io.pool->k(layer.layer_id), io.pool->v(layer.layer_id),
-            io.pool->k_scale(layer.layer_id), io.pool->v_scale(layer.layer_id));
+            io.pool->k_scale(layer.layer_id), io.pool->v_scale(layer.layer_id), stream);
 }
 
 static PagedKV paged_view(const KVPool& pool, int layer, const TensorView& indptr,
@@ -497,12 +536,13 @@ TensorView FlashKVBackend::forward_decode(const TensorView& q, const TensorView&
   State& s = *active_;
   FLASHKV_CHECK(s.planned && s.mode == ForwardMode::DECODE && s.batch_size == b.batch_size,
                 "forward_decode: call init_forward_metadata with this DECODE batch first");
-  LayerIO io = layer_io(options_, layer, b, q, k, v, out, s.out, s.num_tokens, swa_loc_of(s.d_swa_out_cache_loc, s.num_tokens));
+  LayerIO io = layer_io(options_, layer, b, q, k, v, out, s.out, s.num_tokens,
+                        swa_loc_of(s.d_swa_out_cache_loc, s.num_tokens));
   State::Wrapper& wr = s.wrappers[wrapper_index(options_, layer)];
-  if (save_kv_cache && k.defined()) save_kv(io, layer);
-  const PagedKV kv = paged_view(*io.pool, layer.layer_id, wr.indptr, wr.indices,
-                                wr.d_last_page_len, s.batch_size);
-  paged_decode(wr.decode, io.q, kv, io.opt, io.out, TensorView(), wr.ws_decode);
+  if (save_kv_cache && k.defined()) save_kv(io, layer, options_.stream);
+  const PagedKV kv =
+      paged_view(*io.pool, layer.layer_id, wr.indptr, wr.indices, wr.d_last_page_len, s.batch_size);
+  paged_decode(wr.decode, io.q, kv, io.opt, io.out, TensorView(), wr.ws_decode, options_.stream);
   return flat_output(io.out);
 }
 
@@ -512,13 +552,16 @@ TensorView FlashKVBackend::forward_extend(const TensorView& q, const TensorView&
                                           const TensorView& out) {
   FLASHKV_CHECK(active_ != nullptr, "forward: call init_forward_metadata first");
   State& s = *active_;
-  FLASHKV_CHECK(s.planned && s.mode == b.mode && s.mode != ForwardMode::DECODE && s.batch_size == b.batch_size,
-                "forward_extend: call init_forward_metadata with this ", mode_name(b.mode), " batch first");
-  LayerIO io = layer_io(options_, layer, b, q, k, v, out, s.out, s.num_tokens, swa_loc_of(s.d_swa_out_cache_loc, s.num_tokens));
+  FLASHKV_CHECK(s.planned && s.mode == b.mode && s.mode != ForwardMode::DECODE &&
+                    s.batch_size == b.batch_size,
+                "forward_extend: call init_forward_metadata with this ", mode_name(b.mode),
+                " batch first");
+  LayerIO io = layer_io(options_, layer, b, q, k, v, out, s.out, s.num_tokens,
+                        swa_loc_of(s.d_swa_out_cache_loc, s.num_tokens));
   State::Wrapper& wr = s.wrappers[wrapper_index(options_, layer)];
   const TensorView qo = s.d_qo_indptr.view().rows(0, s.batch_size + 1);
-  const PagedKV kv = paged_view(*io.pool, layer.layer_id, wr.indptr, wr.indices,
-                                wr.d_last_page_len, s.batch_size);
+  const PagedKV kv =
+      paged_view(*io.pool, layer.layer_id, wr.indptr, wr.indices, wr.d_last_page_len, s.batch_size);
   const int64_t T = s.num_tokens;
   if (layer.attn_type == AttentionType::ENCODER_ONLY) {
     // Encoder-only layers: bidirectional over the new tokens; nothing is cached.
@@ -526,36 +569,39 @@ TensorView FlashKVBackend::forward_extend(const TensorView& q, const TensorView&
                   ": ENCODER_ONLY needs BackendOptions.has_encoder_only_layers");
     FLASHKV_CHECK(k.defined(), "k: an encoder-only layer needs the new tokens' k and v");
     io.opt.causal = false;
-    ragged_prefill(s.ragged_full, io.q, io.k, io.v, qo, qo, io.opt, io.out, TensorView(), s.ws_ragged_full);
+    ragged_prefill(s.ragged_full, io.q, io.k, io.v, qo, qo, io.opt, io.out, TensorView(),
+                   s.ws_ragged_full, options_.stream);
     return flat_output(io.out);
   }
   const bool ragged = s.use_ragged && wr.kind == WrapperKind::full && !layer.is_cross_attention;
   if (!ragged) {
     // One paged pass over everything the wrapper indexes; the new K/V must be in the pool first.
-    if (save_kv_cache && k.defined()) save_kv(io, layer);
+    if (save_kv_cache && k.defined()) save_kv(io, layer, options_.stream);
     io.opt.causal = wr.paged_causal;
     if (b.mode == ForwardMode::TARGET_VERIFY && !layer.is_cross_attention) {
       io.opt.custom_mask = b.spec.custom_mask;
       io.opt.mask_indptr = s.d_mask_indptr.view().rows(0, s.batch_size + 1);
     }
-    paged_prefill(wr.paged, io.q, qo, kv, io.opt, io.out, TensorView(), wr.ws_paged);
+    paged_prefill(wr.paged, io.q, qo, kv, io.opt, io.out, TensorView(), wr.ws_paged,
+                  options_.stream);
     return flat_output(io.out);
   }
   FLASHKV_CHECK(k.defined(), "k: the ragged extend path needs the new tokens' k and v");
   io.opt.causal = true;
   if (s.extend_no_prefix) {
     ragged_prefill(s.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out, TensorView(),
-                   s.ws_ragged_causal);
+                   s.ws_ragged_causal, options_.stream);
   } else {
     // New tokens among themselves (causal), then the cached prefix (all visible), merged by LSE.
     const TensorView lse_a = s.lse_a.view().rows(0, T), lse_b = s.lse_b.view().rows(0, T);
     const TensorView tmp = s.tmp_o.view().rows(0, T);
-    ragged_prefill(s.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out, lse_a, s.ws_ragged_causal);
+    ragged_prefill(s.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out, lse_a,
+                   s.ws_ragged_causal, options_.stream);
     io.opt.causal = false;
-    paged_prefill(wr.paged, io.q, qo, kv, io.opt, tmp, lse_b, wr.ws_paged);
-    merge_state(io.out, lse_a, tmp, lse_b, io.out, TensorView());
+    paged_prefill(wr.paged, io.q, qo, kv, io.opt, tmp, lse_b, wr.ws_paged, options_.stream);
+    merge_state(io.out, lse_a, tmp, lse_b, io.out, TensorView(), options_.stream);
   }
-  if (save_kv_cache) save_kv(io, layer);
+  if (save_kv_cache) save_kv(io, layer, options_.stream);
   return flat_output(io.out);
 }
 

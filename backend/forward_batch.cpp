@@ -5,24 +5,35 @@ namespace flashkv {
 
 const char* mode_name(ForwardMode m) {
   switch (m) {
-    case ForwardMode::EXTEND: return "EXTEND";
-    case ForwardMode::DECODE: return "DECODE";
-    case ForwardMode::MIXED: return "MIXED";
-    case ForwardMode::IDLE: return "IDLE";
-    case ForwardMode::TARGET_VERIFY: return "TARGET_VERIFY";
-    case ForwardMode::DRAFT_EXTEND: return "DRAFT_EXTEND";
+    case ForwardMode::EXTEND:
+      return "EXTEND";
+    case ForwardMode::DECODE:
+      return "DECODE";
+    case ForwardMode::MIXED:
+      return "MIXED";
+    case ForwardMode::IDLE:
+      return "IDLE";
+    case ForwardMode::TARGET_VERIFY:
+      return "TARGET_VERIFY";
+    case ForwardMode::DRAFT_EXTEND:
+      return "DRAFT_EXTEND";
   }
   return "?";
 }
 
 int32_t ForwardBatch::extend_len(int32_t i) const {
   switch (mode) {
-    case ForwardMode::DECODE: return 1;
-    case ForwardMode::IDLE: return 0;
-    case ForwardMode::TARGET_VERIFY: return spec.draft_token_num;
-    case ForwardMode::DRAFT_EXTEND: return spec.accept_length_cpu.at(i);
+    case ForwardMode::DECODE:
+      return 1;
+    case ForwardMode::IDLE:
+      return 0;
+    case ForwardMode::TARGET_VERIFY:
+      return spec.draft_token_num;
+    case ForwardMode::DRAFT_EXTEND:
+      return spec.accept_length_cpu.at(i);
     case ForwardMode::EXTEND:
-    case ForwardMode::MIXED: return extend_seq_lens_cpu.at(i);
+    case ForwardMode::MIXED:
+      return extend_seq_lens_cpu.at(i);
   }
   return 0;
 }

@@ -23,18 +23,23 @@ void ensure(Tensor& t, int64_t n, Device d, bool fixed) {
                 " entries, past the CUDA-graph capacity (init_cuda_graph_state)");
   t = Tensor::empty({n}, DType::i32, d);
 }
-void upload(const Tensor& dst, const std::vector<int32_t>& src) {
-  copy_bytes(dst.data(), dst.device(), src.data(), Device::cpu(), src.size() * sizeof(int32_t));
+void upload(const Tensor& dst, const std::vector<int32_t>& src, Stream stream) {
+  copy_bytes(dst.data(), dst.device(), src.data(), Device::cpu(), src.size() * sizeof(int32_t),
+             stream);
 }
 }  // namespace
 
 MultiStepDraftBackend::MultiStepDraftBackend(const BackendOptions& options, int topk, int num_steps)
-    : options_(options), topk_(topk), num_steps_(num_steps), eager_(std::make_unique<Buffers>()),
+    : options_(options),
+      topk_(topk),
+      num_steps_(num_steps),
+      eager_(std::make_unique<Buffers>()),
       graph_(std::make_unique<Buffers>()) {
   FLASHKV_CHECK(topk >= 1, "MultiStepDraftBackend: topk: expected >= 1, got ", topk);
   FLASHKV_CHECK(num_steps >= 1, "MultiStepDraftBackend: num_steps: expected >= 1, got ", num_steps);
   FLASHKV_CHECK(options.sliding_window_size < 0 && !options.is_encoder_decoder,
-                "MultiStepDraftBackend: draft models with sliding-window or cross-attention layers are not supported");
+                "MultiStepDraftBackend: draft models with sliding-window or cross-attention layers "
+                "are not supported");
   for (int i = 0; i < num_steps; ++i) steps_.push_back(std::make_unique<FlashKVBackend>(options));
   step_batches_.resize(num_steps);
   for (Buffers* b : {eager_.get(), graph_.get()}) {
@@ -47,7 +52,8 @@ MultiStepDraftBackend::MultiStepDraftBackend(const BackendOptions& options, int 
 
 MultiStepDraftBackend::~MultiStepDraftBackend() = default;
 
-void MultiStepDraftBackend::init_forward_metadata(const ForwardBatch& batch, const TensorView& draft_loc) {
+void MultiStepDraftBackend::init_forward_metadata(const ForwardBatch& batch,
+                                                  const TensorView& draft_loc) {
   plan(batch, draft_loc, false, 0);
 }
 
@@ -69,7 +75,8 @@ void MultiStepDraftBackend::init_forward_metadata_replay_cuda_graph(const Forwar
 }
 
 const ForwardBatch& MultiStepDraftBackend::step_batch(int step) const {
-  FLASHKV_CHECK(step >= 0 && step < num_steps_, "step: expected 0..", num_steps_ - 1, ", got ", step);
+  FLASHKV_CHECK(step >= 0 && step < num_steps_, "step: expected 0..", num_steps_ - 1, ", got ",
+                step);
   return step_batches_[step];
 }
 
@@ -82,20 +89,35 @@ TensorView MultiStepDraftBackend::forward(int step, const TensorView& q, const T
 
 void MultiStepDraftBackend::plan(const ForwardBatch& batch, const TensorView& draft_loc, bool graph,
                                  int phase) {
-  FLASHKV_CHECK(!graph || graph_max_bs_ > 0, "MultiStepDraftBackend: call init_cuda_graph_state first");
+  FLASHKV_CHECK(!graph || graph_max_bs_ > 0,
+                "MultiStepDraftBackend: call init_cuda_graph_state first");
   const Device dev = options_.device;
   const int32_t bs = batch.batch_size;
   FLASHKV_CHECK(batch.req_to_token_pool && batch.token_to_kv_pool,
                 "batch: expected req_to_token_pool and token_to_kv_pool");
-  FLASHKV_CHECK_EQ("batch.seq_lens_cpu size", static_cast<int64_t>(batch.seq_lens_cpu.size()), int64_t{bs});
-  Expect(batch.req_pool_indices, "batch.req_pool_indices").ndim(1).device(dev).dtype(DType::i32).dim(0, bs, "batch_size");
-  Expect(draft_loc, "draft_loc").ndim(3).device(dev).dtype(DType::i32).contiguous()
-      .dim(0, bs, "batch_size").dim(1, topk_, "topk").dim(2, num_steps_, "num_steps");
+  FLASHKV_CHECK_EQ("batch.seq_lens_cpu size", static_cast<int64_t>(batch.seq_lens_cpu.size()),
+                   int64_t{bs});
+  Expect(batch.req_pool_indices, "batch.req_pool_indices")
+      .ndim(1)
+      .device(dev)
+      .dtype(DType::i32)
+      .dim(0, bs, "batch_size");
+  Expect(draft_loc, "draft_loc")
+      .ndim(3)
+      .device(dev)
+      .dtype(DType::i32)
+      .contiguous()
+      .dim(0, bs, "batch_size")
+      .dim(1, topk_, "topk")
+      .dim(2, num_steps_, "num_steps");
   const int64_t max_ctx = batch.req_to_token_pool->max_context_len();
   for (int32_t r = 0; r < bs; ++r)
-    FLASHKV_CHECK(batch.seq_lens_cpu[r] >= 0 && batch.seq_lens_cpu[r] <= max_ctx, "batch.seq_lens_cpu[", r,
-                  "] = ", batch.seq_lens_cpu[r], ": expected 0..", max_ctx);
-  if (graph) FLASHKV_CHECK(bs <= graph_max_bs_, "batch_size ", bs, " exceeds the CUDA-graph capacity ", graph_max_bs_);
+    FLASHKV_CHECK(batch.seq_lens_cpu[r] >= 0 && batch.seq_lens_cpu[r] <= max_ctx,
+                  "batch.seq_lens_cpu[", r, "] = ", batch.seq_lens_cpu[r], ": expected 0..",
+                  max_ctx);
+  if (graph)
+    FLASHKV_CHECK(bs <= graph_max_bs_, "batch_size ", bs, " exceeds the CUDA-graph capacity ",
+                  graph_max_bs_);
   Buffers& buf = graph ? *graph_ : *eager_;
   const bool fixed = phase == 2;
   const int64_t rows = int64_t{bs} * topk_;
@@ -105,13 +127,14 @@ void MultiStepDraftBackend::plan(const ForwardBatch& batch, const TensorView& dr
   std::vector<int32_t> seq(batch.seq_lens_cpu), row_ids(rows);
   ensure(buf.rows, cap_rows, dev, fixed);
   ensure(buf.seq_lens, cap_bs, dev, fixed);
-  upload(buf.seq_lens, seq);
+  upload(buf.seq_lens, seq, options_.stream);
   // Rows of the step batches: a small gather (req_pool_indices may live on the device).
   {
     Tensor host_rpi = Tensor::empty({bs}, DType::i32);
-    copy_bytes(host_rpi.data(), Device::cpu(), batch.req_pool_indices.data, dev, bs * sizeof(int32_t));
+    copy_bytes(host_rpi.data(), Device::cpu(), batch.req_pool_indices.data, dev,
+               bs * sizeof(int32_t), options_.stream);
     for (int64_t i = 0; i < rows; ++i) row_ids[i] = host_rpi.ptr<int32_t>()[i / topk_];
-    upload(buf.rows, row_ids);
+    upload(buf.rows, row_ids, options_.stream);
   }
   const TensorView rpi = batch.req_pool_indices;
   const TensorView seq_d = buf.seq_lens.view().rows(0, bs);
@@ -127,11 +150,11 @@ void MultiStepDraftBackend::plan(const ForwardBatch& batch, const TensorView& dr
     ensure(buf.indptr[step], cap_rows + 1, dev, fixed);
     ensure(buf.indices[step], cap_entries, dev, fixed);
     ensure(buf.loc[step], cap_rows, dev, fixed);
-    upload(buf.indptr[step], indptr);
+    upload(buf.indptr[step], indptr, options_.stream);
     const TensorView indptr_d = buf.indptr[step].view().rows(0, rows + 1);
     const TensorView loc_d = buf.loc[step].view().rows(0, rows);
     build_draft_kv_indices(batch.req_to_token_pool->req_to_token(), rpi, seq_d, draft_loc, step,
-                           indptr_d, buf.indices[step], loc_d);
+                           indptr_d, buf.indices[step], loc_d, options_.stream);
     ForwardBatch& sb = step_batches_[step];
     sb = ForwardBatch();
     sb.mode = ForwardMode::DECODE;
@@ -144,9 +167,12 @@ void MultiStepDraftBackend::plan(const ForwardBatch& batch, const TensorView& dr
     sb.spec.kv_indptr = indptr_d;
     sb.spec.kv_indices = buf.indices[step];
     sb.spec.kv_indptr_cpu = indptr;
-    if (!graph) steps_[step]->init_forward_metadata(sb);
-    else if (phase == 1) steps_[step]->init_forward_metadata_capture_cuda_graph(sb);
-    else steps_[step]->init_forward_metadata_replay_cuda_graph(sb);
+    if (!graph)
+      steps_[step]->init_forward_metadata(sb);
+    else if (phase == 1)
+      steps_[step]->init_forward_metadata_capture_cuda_graph(sb);
+    else
+      steps_[step]->init_forward_metadata_replay_cuda_graph(sb);
   }
 }
 

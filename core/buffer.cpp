@@ -22,7 +22,9 @@ Buffer::Buffer(size_t bytes, Device device) : bytes_(bytes), device_(device) {
 Buffer::~Buffer() { release(); }
 
 Buffer::Buffer(Buffer&& o) noexcept
-    : data_(std::exchange(o.data_, nullptr)), bytes_(std::exchange(o.bytes_, 0)), device_(o.device_) {}
+    : data_(std::exchange(o.data_, nullptr)),
+      bytes_(std::exchange(o.bytes_, 0)),
+      device_(o.device_) {}
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
   if (this != &o) {
@@ -36,8 +38,10 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 
 void Buffer::release() {
   if (!data_) return;
-  if (device_.is_cpu()) std::free(data_);
-  else detail::cuda_free(data_, device_);
+  if (device_.is_cpu())
+    std::free(data_);
+  else
+    detail::cuda_free(data_, device_);
   data_ = nullptr;
 }
 
@@ -83,8 +87,8 @@ Tensor Tensor::to(Device device, Stream stream) const {
 }
 
 void Tensor::copy_from(const TensorView& src, Stream stream) {
-  FLASHKV_CHECK(src.dtype == view_.dtype && src.numel() == view_.numel(), "Tensor::copy_from: ",
-                "expected ", view_.str(), ", got ", src.str());
+  FLASHKV_CHECK(src.dtype == view_.dtype && src.numel() == view_.numel(),
+                "Tensor::copy_from: ", "expected ", view_.str(), ", got ", src.str());
   FLASHKV_CHECK(src.is_contiguous(), "Tensor::copy_from: source ", src.str(),
                 " must be contiguous");
   copy_bytes(view_.data, view_.device, src.data, src.device, src.nbytes(), stream);

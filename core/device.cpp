@@ -1,8 +1,9 @@
+#include "flashkv/core/device.h"
+
 #include <cstring>
 #include <string>
 
 #include "flashkv/core/cuda_runtime.h"
-#include "flashkv/core/device.h"
 #include "flashkv/core/error.h"
 #include "flashkv/core/thread_pool.h"
 
@@ -43,8 +44,8 @@ namespace detail {
 void cuda_check(int status, const char* what) {
   if (status != cudaSuccess) {
     const auto err = static_cast<cudaError_t>(status);
-    throw_error(str_cat(what, ": CUDA error ", cudaGetErrorName(err), " (",
-                        cudaGetErrorString(err), ")"));
+    throw_error(
+        str_cat(what, ": CUDA error ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
   }
 }
 void cuda_set_device(Device device) {
@@ -125,7 +126,8 @@ int cuda_device_count() { return 0; }
 
 namespace detail {
 [[noreturn]] static void no_cuda(const char* what) {
-  throw_error(str_cat(what, ": this flashkv was built without CUDA (configure with FLASHKV_CUDA=ON)"));
+  throw_error(
+      str_cat(what, ": this flashkv was built without CUDA (configure with FLASHKV_CUDA=ON)"));
 }
 void cuda_check(int status, const char* what) {
   if (status != 0) no_cuda(what);

@@ -59,8 +59,10 @@ uint32_t encode(const SmallFloat& f, float x, bool saturate) {
     a = std::nearbyint(a / quantum) * quantum;  // default rounding mode: to nearest even
   }
   if (a > f.max_finite) {
-    if (saturate || !f.has_inf) a = f.max_finite;
-    else return sign | (exp_all_ones << f.mant_bits);
+    if (saturate || !f.has_inf)
+      a = f.max_finite;
+    else
+      return sign | (exp_all_ones << f.mant_bits);
   }
   if (a == 0) return sign;
   int e;
@@ -69,8 +71,7 @@ uint32_t encode(const SmallFloat& f, float x, bool saturate) {
   if (e < emin) {  // subnormal
     return sign | static_cast<uint32_t>(std::ldexp(a, f.bias - 1 + f.mant_bits));
   }
-  const uint32_t mant =
-      static_cast<uint32_t>(std::ldexp(a, f.mant_bits - e)) - (1u << f.mant_bits);
+  const uint32_t mant = static_cast<uint32_t>(std::ldexp(a, f.mant_bits - e)) - (1u << f.mant_bits);
   return sign | (static_cast<uint32_t>(e + f.bias) << f.mant_bits) | mant;
 }
 
@@ -85,24 +86,40 @@ fp8_e5m2_t to_fp8_e5m2(float f) { return fp8_e5m2_t{static_cast<uint8_t>(encode(
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: case DType::i32: return 4;
-    case DType::f16: case DType::bf16: return 2;
-    case DType::fp8_e4m3: case DType::fp8_e5m2: case DType::u8: return 1;
-    case DType::i64: return 8;
+    case DType::f32:
+    case DType::i32:
+      return 4;
+    case DType::f16:
+    case DType::bf16:
+      return 2;
+    case DType::fp8_e4m3:
+    case DType::fp8_e5m2:
+    case DType::u8:
+      return 1;
+    case DType::i64:
+      return 8;
   }
   throw_error(str_cat("dtype: unknown value ", static_cast<int>(t)));
 }
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::f32: return "f32";
-    case DType::f16: return "f16";
-    case DType::bf16: return "bf16";
-    case DType::fp8_e4m3: return "fp8_e4m3";
-    case DType::fp8_e5m2: return "fp8_e5m2";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-    case DType::u8: return "u8";
+    case DType::f32:
+      return "f32";
+    case DType::f16:
+      return "f16";
+    case DType::bf16:
+      return "bf16";
+    case DType::fp8_e4m3:
+      return "fp8_e4m3";
+    case DType::fp8_e5m2:
+      return "fp8_e5m2";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
+    case DType::u8:
+      return "u8";
   }
   return "unknown";
 }
@@ -117,20 +134,28 @@ DType parse_dtype(const char* name) {
   if (s == "i32" || s == "int32") return DType::i32;
   if (s == "i64" || s == "int64") return DType::i64;
   if (s == "u8" || s == "uint8" || s == "bool") return DType::u8;
-  throw_error(str_cat("dtype: expected one of f32, f16, bf16, fp8_e4m3, fp8_e5m2, i32, i64, u8; got '",
-                      s, "'"));
+  throw_error(str_cat(
+      "dtype: expected one of f32, f16, bf16, fp8_e4m3, fp8_e5m2, i32, i64, u8; got '", s, "'"));
 }
 
 double load_as_double(const void* data, DType t, int64_t i) {
   switch (t) {
-    case DType::f32: return static_cast<const float*>(data)[i];
-    case DType::f16: return to_float(static_cast<const f16_t*>(data)[i]);
-    case DType::bf16: return to_float(static_cast<const bf16_t*>(data)[i]);
-    case DType::fp8_e4m3: return to_float(static_cast<const fp8_e4m3_t*>(data)[i]);
-    case DType::fp8_e5m2: return to_float(static_cast<const fp8_e5m2_t*>(data)[i]);
-    case DType::i32: return static_cast<const int32_t*>(data)[i];
-    case DType::i64: return static_cast<double>(static_cast<const int64_t*>(data)[i]);
-    case DType::u8: return static_cast<const uint8_t*>(data)[i];
+    case DType::f32:
+      return static_cast<const float*>(data)[i];
+    case DType::f16:
+      return to_float(static_cast<const f16_t*>(data)[i]);
+    case DType::bf16:
+      return to_float(static_cast<const bf16_t*>(data)[i]);
+    case DType::fp8_e4m3:
+      return to_float(static_cast<const fp8_e4m3_t*>(data)[i]);
+    case DType::fp8_e5m2:
+      return to_float(static_cast<const fp8_e5m2_t*>(data)[i]);
+    case DType::i32:
+      return static_cast<const int32_t*>(data)[i];
+    case DType::i64:
+      return static_cast<double>(static_cast<const int64_t*>(data)[i]);
+    case DType::u8:
+      return static_cast<const uint8_t*>(data)[i];
   }
   throw_error("load_as_double: unknown dtype");
 }
@@ -138,14 +163,30 @@ double load_as_double(const void* data, DType t, int64_t i) {
 void store_from_double(void* data, DType t, int64_t i, double v) {
   const float f = static_cast<float>(v);
   switch (t) {
-    case DType::f32: static_cast<float*>(data)[i] = f; return;
-    case DType::f16: static_cast<f16_t*>(data)[i] = to_f16(f); return;
-    case DType::bf16: static_cast<bf16_t*>(data)[i] = to_bf16(f); return;
-    case DType::fp8_e4m3: static_cast<fp8_e4m3_t*>(data)[i] = to_fp8_e4m3(f); return;
-    case DType::fp8_e5m2: static_cast<fp8_e5m2_t*>(data)[i] = to_fp8_e5m2(f); return;
-    case DType::i32: static_cast<int32_t*>(data)[i] = static_cast<int32_t>(v); return;
-    case DType::i64: static_cast<int64_t*>(data)[i] = static_cast<int64_t>(v); return;
-    case DType::u8: static_cast<uint8_t*>(data)[i] = static_cast<uint8_t>(v); return;
+    case DType::f32:
+      static_cast<float*>(data)[i] = f;
+      return;
+    case DType::f16:
+      static_cast<f16_t*>(data)[i] = to_f16(f);
+      return;
+    case DType::bf16:
+      static_cast<bf16_t*>(data)[i] = to_bf16(f);
+      return;
+    case DType::fp8_e4m3:
+      static_cast<fp8_e4m3_t*>(data)[i] = to_fp8_e4m3(f);
+      return;
+    case DType::fp8_e5m2:
+      static_cast<fp8_e5m2_t*>(data)[i] = to_fp8_e5m2(f);
+      return;
+    case DType::i32:
+      static_cast<int32_t*>(data)[i] = static_cast<int32_t>(v);
+      return;
+    case DType::i64:
+      static_cast<int64_t*>(data)[i] = static_cast<int64_t>(v);
+      return;
+    case DType::u8:
+      static_cast<uint8_t*>(data)[i] = static_cast<uint8_t>(v);
+      return;
   }
   throw_error("store_from_double: unknown dtype");
 }

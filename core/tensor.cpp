@@ -97,8 +97,8 @@ Expect& Expect::ndim(int n) {
 Expect& Expect::dim(int d, int64_t expected, const char* what) {
   if (t_.ndim <= d) fail(str_cat("expected at least ", d + 1, " dims"));
   if (t_.shape[d] != expected)
-    fail(str_cat("expected size ", expected, what ? str_cat(" (", what, ")") : "",
-                 " in dimension ", d, ", got ", t_.shape[d]));
+    fail(str_cat("expected size ", expected, what ? str_cat(" (", what, ")") : "", " in dimension ",
+                 d, ", got ", t_.shape[d]));
   return *this;
 }
 
@@ -111,7 +111,8 @@ Expect& Expect::dim_at_least(int d, int64_t minimum, const char* what) {
 }
 
 Expect& Expect::dtype(DType t) {
-  if (t_.dtype != t) fail(str_cat("expected dtype ", dtype_name(t), ", got ", dtype_name(t_.dtype)));
+  if (t_.dtype != t)
+    fail(str_cat("expected dtype ", dtype_name(t), ", got ", dtype_name(t_.dtype)));
   return *this;
 }
 

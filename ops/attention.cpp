@@ -2,6 +2,7 @@
 #include "flashkv/ops/attention.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "flashkv/ops/kernels.h"
@@ -9,9 +10,11 @@
 namespace flashkv {
 namespace {
 
+#if !FLASHKV_WITH_CUDA
 [[noreturn]] void no_cuda_build(const char* op) {
   throw_error(str_cat(op, ": CUDA tensors given, but this flashkv was built without CUDA"));
 }
+#endif
 
 void check_plan_matches(const Plan& plan, const char* op, const TensorView& q, int64_t batch,
                         int64_t hkv, int64_t dqk, int64_t dv, const Workspace& ws) {
@@ -26,8 +29,12 @@ void check_plan_matches(const Plan& plan, const char* op, const TensorView& q, i
                 ", tensors are on ", q.device.str());
   FLASHKV_CHECK(ws.device() == q.device, op, ": workspace: expected device ", q.device.str(),
                 ", got ", ws.device().str());
-  FLASHKV_CHECK(ws.bytes() >= plan.layout.total_bytes, op, ": workspace: expected at least ",
-                plan.layout.total_bytes, " bytes, got ", ws.bytes());
+  FLASHKV_CHECK(ws.bytes() >= ws.bytes_needed(plan), op, ": workspace: expected at least ",
+                ws.bytes_needed(plan), " bytes, got ", ws.bytes());
+  const size_t scratch_needed = plan.layout.total_bytes - plan.layout.plan_bytes;
+  FLASHKV_CHECK(!ws.has_external_scratch() || ws.external_scratch_bytes() >= scratch_needed, op,
+                ": workspace scratch: expected at least ", scratch_needed, " bytes, got ",
+                ws.external_scratch_bytes());
   FLASHKV_CHECK(ws.plan_id() == plan.id, op,
                 ": workspace: this plan was not uploaded (call Workspace::upload(plan) after "
                 "planning)");
@@ -39,13 +46,24 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
                               const AttentionOptions& opt, int64_t dv, const Workspace& ws) {
   const Device dev = q.device;
   Expect(q, "q").ndim(3).float_dtype().inner_contiguous();
-  Expect(out, "out").ndim(3).device(dev).dtype(q.dtype).inner_contiguous()
-      .dim(0, q.shape[0], "num_qo_tokens").dim(1, q.shape[1], "num_qo_heads").dim(2, dv, "head_dim_v");
+  Expect(out, "out")
+      .ndim(3)
+      .device(dev)
+      .dtype(q.dtype)
+      .inner_contiguous()
+      .dim(0, q.shape[0], "num_qo_tokens")
+      .dim(1, q.shape[1], "num_qo_heads")
+      .dim(2, dv, "head_dim_v");
   if (lse.defined())
-    Expect(lse, "lse").ndim(2).device(dev).dtype(DType::f32).contiguous()
-        .dim(0, q.shape[0], "num_qo_tokens").dim(1, q.shape[1], "num_qo_heads");
-  FLASHKV_CHECK(opt.sm_scale >= 0 && std::isfinite(opt.sm_scale), "sm_scale: expected >= 0 (0: 1/sqrt(head_dim)), got ",
-                opt.sm_scale);
+    Expect(lse, "lse")
+        .ndim(2)
+        .device(dev)
+        .dtype(DType::f32)
+        .contiguous()
+        .dim(0, q.shape[0], "num_qo_tokens")
+        .dim(1, q.shape[1], "num_qo_heads");
+  FLASHKV_CHECK(opt.sm_scale >= 0 && std::isfinite(opt.sm_scale),
+                "sm_scale: expected >= 0 (0: 1/sqrt(head_dim)), got ", opt.sm_scale);
   FLASHKV_CHECK(opt.logits_soft_cap >= 0 && std::isfinite(opt.logits_soft_cap),
                 "logits_soft_cap: expected >= 0 (0: off), got ", opt.logits_soft_cap);
   AttentionParams p;
@@ -68,7 +86,10 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   p.sm_scale = opt.sm_scale > 0 ? opt.sm_scale : 1.0f / std::sqrt(static_cast<float>(q.shape[2]));
   if (opt.custom_mask.defined()) {
     Expect(opt.custom_mask, "custom_mask").ndim(1).device(dev).dtype(DType::u8);
-    Expect(opt.mask_indptr, "mask_indptr").ndim(1).device(dev).dtype(DType::i32)
+    Expect(opt.mask_indptr, "mask_indptr")
+        .ndim(1)
+        .device(dev)
+        .dtype(DType::i32)
         .dim(0, int64_t{plan.batch_size} + 1, "batch + 1");
     p.custom_mask = static_cast<const uint8_t*>(opt.custom_mask.data);
     p.mask_indptr = static_cast<const int32_t*>(opt.mask_indptr.data);
@@ -76,6 +97,7 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   // The plan as uploaded into the workspace.
   const auto* base = static_cast<unsigned char*>(ws.data());
   const WorkspaceLayout& l = plan.layout;
+  p.plan_header = reinterpret_cast<const PlanHeader*>(base + l.header);
   p.items = reinterpret_cast<const WorkItem*>(base + l.items);
   p.worker_indptr = reinterpret_cast<const int32_t*>(base + l.worker_indptr);
   p.merges = reinterpret_cast<const MergeItem*>(base + l.merges);
@@ -83,9 +105,10 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   p.num_merges = static_cast<int32_t>(plan.merges.size());
   p.num_workers = plan.num_workers;
   p.cuda_graph = plan.cuda_graph;
-  p.counts = reinterpret_cast<const int32_t*>(base + l.counts);
-  p.partial_o = reinterpret_cast<float*>(const_cast<unsigned char*>(base) + l.partial_o);
-  p.partial_lse = reinterpret_cast<float*>(const_cast<unsigned char*>(base) + l.partial_lse);
+  p.max_merges = static_cast<int32_t>(l.max_merges);
+  unsigned char* scratch = ws.scratch(plan);
+  p.partial_o = reinterpret_cast<float*>(scratch + (l.partial_o - l.plan_bytes));
+  p.partial_lse = reinterpret_cast<float*>(scratch + (l.partial_lse - l.plan_bytes));
   (void)op;
   return p;
 }
@@ -93,12 +116,20 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
 void set_kv(AttentionParams& p, const TensorView& k, const TensorView& v, const TensorView& q,
             const char* kname, const char* vname) {
   Expect(k, kname).ndim(3).device(q.device).inner_contiguous().dim(2, q.shape[2], "head_dim_qk");
-  FLASHKV_CHECK(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0, "num_qo_heads: expected a multiple of num_kv_heads (",
-                k.shape[1], "), got ", q.shape[1]);
-  Expect(v, vname).ndim(3).device(q.device).inner_contiguous().dtype(k.dtype)
-      .dim(0, k.shape[0], "rows of k").dim(1, k.shape[1], "num_kv_heads");
-  if (!is_fp8(k.dtype)) Expect(k, kname).dtype(q.dtype);
-  else Expect(k, kname).dtype_in({DType::fp8_e4m3, DType::fp8_e5m2});
+  FLASHKV_CHECK(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0,
+                "num_qo_heads: expected a multiple of num_kv_heads (", k.shape[1], "), got ",
+                q.shape[1]);
+  Expect(v, vname)
+      .ndim(3)
+      .device(q.device)
+      .inner_contiguous()
+      .dtype(k.dtype)
+      .dim(0, k.shape[0], "rows of k")
+      .dim(1, k.shape[1], "num_kv_heads");
+  if (!is_fp8(k.dtype))
+    Expect(k, kname).dtype(q.dtype);
+  else
+    Expect(k, kname).dtype_in({DType::fp8_e4m3, DType::fp8_e5m2});
   p.k = k.data;
   p.v = v.data;
   p.kv_dtype = k.dtype;
@@ -116,21 +147,26 @@ void check_indptr(const TensorView& t, const char* name, int64_t batch, Device d
   const auto* a = static_cast<const int32_t*>(t.data);
   FLASHKV_CHECK(a[0] >= 0, name, ": expected indptr[0] >= 0, got ", a[0]);
   for (int64_t i = 0; i < batch; ++i)
-    FLASHKV_CHECK(a[i] <= a[i + 1], name, ": expected non-decreasing values, got [", i, "] = ",
-                  a[i], " > [", i + 1, "] = ", a[i + 1]);
+    FLASHKV_CHECK(a[i] <= a[i + 1], name, ": expected non-decreasing values, got [", i,
+                  "] = ", a[i], " > [", i + 1, "] = ", a[i + 1]);
 }
 
 // Paged KV arguments; on the host, also every index against the pool.
 void set_paged(AttentionParams& p, const PagedKV& kv, const TensorView& q, int64_t batch) {
   set_kv(p, kv.k, kv.v, q, "kv.k", "kv.v");
   FLASHKV_CHECK(kv.page_size >= 1, "kv.page_size: expected >= 1, got ", kv.page_size);
-  FLASHKV_CHECK(kv.k_scale > 0 && std::isfinite(kv.k_scale) && kv.v_scale > 0 && std::isfinite(kv.v_scale),
-                "kv.k_scale/kv.v_scale: expected finite values > 0, got ", kv.k_scale, "/", kv.v_scale);
+  FLASHKV_CHECK(
+      kv.k_scale > 0 && std::isfinite(kv.k_scale) && kv.v_scale > 0 && std::isfinite(kv.v_scale),
+      "kv.k_scale/kv.v_scale: expected finite values > 0, got ", kv.k_scale, "/", kv.v_scale);
   check_indptr(kv.indptr, "kv.indptr", batch, q.device);
   Expect(kv.indices, "kv.indices").ndim(1).device(q.device).dtype(DType::i32).contiguous();
   if (kv.page_size > 1)
-    Expect(kv.last_page_len, "kv.last_page_len").ndim(1).device(q.device).dtype(DType::i32)
-        .contiguous().dim(0, batch, "batch");
+    Expect(kv.last_page_len, "kv.last_page_len")
+        .ndim(1)
+        .device(q.device)
+        .dtype(DType::i32)
+        .contiguous()
+        .dim(0, batch, "batch");
   if (q.device.is_cpu()) {
     const auto* indptr = static_cast<const int32_t*>(kv.indptr.data);
     FLASHKV_CHECK(indptr[batch] <= kv.indices.numel(), "kv.indices: expected at least ",
@@ -139,8 +175,10 @@ void set_paged(AttentionParams& p, const PagedKV& kv, const TensorView& q, int64
     // Every listed page must lie wholly inside the pool.
     const int64_t num_pages = kv.k.shape[0] / kv.page_size;
     for (int64_t e = indptr[0]; e < indptr[batch]; ++e)
-      FLASHKV_CHECK(idx[e] >= 0 && idx[e] < num_pages, "kv.indices: entry ", e, " = ", idx[e],
-                    " outside the pool's ", num_pages, kv.page_size > 1 ? " pages" : " slots");
+      FLASHKV_CHECK(idx[e] >= 0 && idx[e]<num_pages, "kv.indices: entry ", e, " = ", idx[e],
+                                          " outside the pool's ", num_pages, kv.page_size> 1
+                        ? " pages"
+                        : " slots");
     if (kv.page_size > 1) {
       const auto* lpl = static_cast<const int32_t*>(kv.last_page_len.data);
       for (int64_t i = 0; i < batch; ++i)
@@ -179,9 +217,9 @@ void check_mask_extent(const AttentionParams& p, const AttentionOptions& opt) {
       kv_len = p.page_size == 1 ? n : (n == 0 ? 0 : (n - 1) * p.page_size + p.last_page_len[i]);
     }
     const int64_t off = p.mask_indptr[i];
-    FLASHKV_CHECK(off >= 0 && off + q_len * kv_len <= opt.custom_mask.numel(), "custom_mask: request ",
-                  i, " needs elements [", off, ", ", off + q_len * kv_len, "), mask has ",
-                  opt.custom_mask.numel());
+    FLASHKV_CHECK(off >= 0 && off + q_len * kv_len <= opt.custom_mask.numel(),
+                  "custom_mask: request ", i, " needs elements [", off, ", ", off + q_len * kv_len,
+                  "), mask has ", opt.custom_mask.numel());
   }
 }
 
@@ -191,8 +229,10 @@ void run_attention(const AttentionParams& p, const TensorView& q, bool decode, S
     return;
   }
 #if FLASHKV_WITH_CUDA
-  if (decode) cuda::paged_decode(p, stream);
-  else cuda::prefill(p, stream);
+  if (decode)
+    cuda::paged_decode(p, stream);
+  else
+    cuda::prefill(p, stream);
 #else
   (void)decode;
   (void)stream;
@@ -218,18 +258,40 @@ void Workspace::reserve(size_t bytes, Device device) {
   plan_id_ = 0;
 }
 
+void Workspace::set_external_scratch(void* data, size_t bytes) {
+  if (data == nullptr) {
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    return;
+  }
+  const auto addr = reinterpret_cast<uintptr_t>(data);
+  const size_t pad = (256 - addr % 256) % 256;
+  scratch_ = static_cast<unsigned char*>(data) + pad;
+  scratch_bytes_ = bytes > pad ? bytes - pad : 0;
+}
+
+size_t Workspace::bytes_needed(const Plan& plan) const {
+  return scratch_ ? plan.layout.plan_bytes : plan.layout.total_bytes;
+}
+
+unsigned char* Workspace::scratch(const Plan& plan) const {
+  return scratch_ ? scratch_ : static_cast<unsigned char*>(data()) + plan.layout.plan_bytes;
+}
+
 void Workspace::upload(const Plan& plan, Stream stream) {
-  FLASHKV_CHECK(plan.id != 0, "Workspace::upload: plan: expected a plan from plan_decode/plan_prefill");
+  FLASHKV_CHECK(plan.id != 0,
+                "Workspace::upload: plan: expected a plan from plan_decode/plan_prefill");
   FLASHKV_CHECK(device() == plan.device, "Workspace::upload: workspace is on ", device().str(),
                 ", plan is for ", plan.device.str());
-  FLASHKV_CHECK(bytes() >= plan.layout.total_bytes, "Workspace::upload: workspace: expected at least ",
-                plan.layout.total_bytes, " bytes, got ", bytes());
+  FLASHKV_CHECK(bytes() >= bytes_needed(plan), "Workspace::upload: workspace: expected at least ",
+                bytes_needed(plan), " bytes, got ", bytes());
   if (device().is_cpu()) {
     serialize_plan(plan, data());
   } else {
     host_staging_.resize(plan.layout.plan_bytes);
     serialize_plan(plan, host_staging_.data());
-    copy_bytes(data(), device(), host_staging_.data(), Device::cpu(), plan.layout.plan_bytes, stream);
+    copy_bytes(data(), device(), host_staging_.data(), Device::cpu(), plan.layout.plan_bytes,
+               stream);
   }
   plan_id_ = plan.id;
 }
@@ -249,7 +311,8 @@ void ragged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorVi
   check_query_rows(qo_indptr, q.shape[0]);
   if (q.device.is_cpu()) {
     const int32_t last = static_cast<const int32_t*>(kv_indptr.data)[batch];
-    FLASHKV_CHECK(last <= k.shape[0], "kv_indptr: last value ", last, " exceeds k's ", k.shape[0], " rows");
+    FLASHKV_CHECK(last <= k.shape[0], "kv_indptr: last value ", last, " exceeds k's ", k.shape[0],
+                  " rows");
   }
   p.qo_indptr = static_cast<const int32_t*>(qo_indptr.data);
   p.kv_indptr = static_cast<const int32_t*>(kv_indptr.data);
@@ -280,7 +343,8 @@ void paged_decode(const DecodePlan& plan, const TensorView& q, const PagedKV& kv
   Expect(kv.v, "kv.v").ndim(3);
   AttentionParams p = common_params(plan, "paged_decode", q, out, lse, opt, kv.v.shape[2], ws);
   set_paged(p, kv, q, q.shape[0]);
-  check_plan_matches(plan, "paged_decode", q, q.shape[0], kv.k.shape[1], q.shape[2], kv.v.shape[2], ws);
+  check_plan_matches(plan, "paged_decode", q, q.shape[0], kv.k.shape[1], q.shape[2], kv.v.shape[2],
+                     ws);
   check_mask_extent(p, opt);
   run_attention(p, q, true, stream);
 }
@@ -306,12 +370,32 @@ void merge_state(const TensorView& o_a, const TensorView& lse_a, const TensorVie
   Expect(o_a, "o_a").ndim(3).float_dtype().inner_contiguous();
   const Device dev = o_a.device;
   const int64_t rows = o_a.shape[0], heads = o_a.shape[1], dim = o_a.shape[2];
-  Expect(o_b, "o_b").ndim(3).device(dev).dtype(o_a.dtype).inner_contiguous()
-      .dim(0, rows).dim(1, heads).dim(2, dim);
-  Expect(o, "o").ndim(3).device(dev).dtype(o_a.dtype).inner_contiguous().dim(0, rows).dim(1, heads).dim(2, dim);
+  Expect(o_b, "o_b")
+      .ndim(3)
+      .device(dev)
+      .dtype(o_a.dtype)
+      .inner_contiguous()
+      .dim(0, rows)
+      .dim(1, heads)
+      .dim(2, dim);
+  Expect(o, "o")
+      .ndim(3)
+      .device(dev)
+      .dtype(o_a.dtype)
+      .inner_contiguous()
+      .dim(0, rows)
+      .dim(1, heads)
+      .dim(2, dim);
   for (auto [t, name] : {std::pair{&lse_a, "lse_a"}, std::pair{&lse_b, "lse_b"}})
     Expect(*t, name).ndim(2).device(dev).dtype(DType::f32).contiguous().dim(0, rows).dim(1, heads);
-  if (lse.defined()) Expect(lse, "lse").ndim(2).device(dev).dtype(DType::f32).contiguous().dim(0, rows).dim(1, heads);
+  if (lse.defined())
+    Expect(lse, "lse")
+        .ndim(2)
+        .device(dev)
+        .dtype(DType::f32)
+        .contiguous()
+        .dim(0, rows)
+        .dim(1, heads);
   FLASHKV_CHECK(o_a.stride[0] == o_b.stride[0] && o_a.stride[1] == o_b.stride[1],
                 "o_b: expected the same strides as o_a");
   MergeParams p;
@@ -341,10 +425,30 @@ void merge_states(const TensorView& states, const TensorView& lse, const TensorV
   const int64_t rows = states.shape[0], n = states.shape[1], heads = states.shape[2],
                 dim = states.shape[3];
   FLASHKV_CHECK(n >= 1, "states: expected at least one state in dimension 1, got ", n);
-  Expect(lse, "lse").ndim(3).device(dev).dtype(DType::f32).contiguous().dim(0, rows).dim(1, n).dim(2, heads);
-  Expect(o, "o").ndim(3).device(dev).dtype(states.dtype).inner_contiguous().dim(0, rows).dim(1, heads).dim(2, dim);
+  Expect(lse, "lse")
+      .ndim(3)
+      .device(dev)
+      .dtype(DType::f32)
+      .contiguous()
+      .dim(0, rows)
+      .dim(1, n)
+      .dim(2, heads);
+  Expect(o, "o")
+      .ndim(3)
+      .device(dev)
+      .dtype(states.dtype)
+      .inner_contiguous()
+      .dim(0, rows)
+      .dim(1, heads)
+      .dim(2, dim);
   if (lse_out.defined())
-    Expect(lse_out, "lse_out").ndim(2).device(dev).dtype(DType::f32).contiguous().dim(0, rows).dim(1, heads);
+    Expect(lse_out, "lse_out")
+        .ndim(2)
+        .device(dev)
+        .dtype(DType::f32)
+        .contiguous()
+        .dim(0, rows)
+        .dim(1, heads);
   MergeParams p;
   p.stacked = true;
   p.o_in[0] = states.data;

@@ -1,24 +1,30 @@
 // The planner. Why it works the way it does:
 // - Tiles: each request's query rows cut into q_tile-row tiles (decode: one row). A tile's KV
 //   range is trimmed to what its rows can see (causal: up to the last row's position; window:
-//   from the first row's window start), so no worker walks fully masked KV.
-// - Split-KV: when there are fewer tiles than workers, long KV ranges are cut into chunks so
-//   every worker gets work; the chunk is the smallest (aligned) size that keeps the number of
-//   items within one wave of workers, and never below min_split_size, since every extra chunk
-//   costs a partial state and a merge. Chunk boundaries are absolute multiples of the chunk
-//   size, so in deterministic mode (a fixed chunk) a request's chunks, and its result, do not
-//   depend on the rest of the batch.
-// - Balance: items go to workers longest first, each to the least-loaded worker (LPT greedy).
+//   from the first row's window start), so no worker walks fully masked KV. Rows that see
+//   nothing keep an item with an empty KV range, so that their O = 0 / LSE = -inf get written.
+// - Split-KV (automatic): a tile whose KV is longer than one worker's share of the batch would
+//   keep its worker busy after the others are done, so long tiles are cut into chunks of about
+//   that share: total cost / workers, in KV tokens of a full tile. This both fills the GPU when
+//   a few long requests are all there is, and cuts the one huge request of a large batch. A
+//   chunk is never shorter than min_split_size (every chunk costs a partial state and a merge),
+//   and the split never adds more than `workers` items (bounded graph-mode capacities).
+//   Chunk boundaries are absolute multiples of the chunk size, so in deterministic mode (a fixed
+//   chunk) a request's chunks, and its result, do not depend on the rest of the batch.
+// - Balance: items go to workers costliest first, each to the least-loaded worker (LPT greedy).
+//   It is the planner's hot loop, so: "costliest first" is a counting sort on an 8-bit
+//   float-like key (costs within ~6% may swap; the cost model is no more exact than that), the
+//   first `workers` items go one to each worker, and the least-loaded worker of the rest comes
+//   from a tournament tree whose update is a short chain of branch-free minimums.
 // - Graph mode: the worker count and the workspace layout come from the capacities only, so a
 //   graph captured once replays with any batch that fits.
 #include "flashkv/plan/plan.h"
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstring>
-#include <functional>
-#include <numeric>
-#include <queue>
+#include <utility>
 
 #include "flashkv/core/error.h"
 
@@ -27,53 +33,95 @@ namespace {
 
 std::atomic<uint64_t> g_next_plan_id{1};
 constexpr size_t kAlign = 256;
+constexpr int32_t kDefaultKvAlign = 16;
+constexpr int32_t kDefaultMinSplit = 256;
+constexpr int32_t kDefaultBlocksPerSm = 2;
+// What an item costs beyond its KV (loading Q, writing O), in units of one KV token per row.
+constexpr int64_t kItemOverhead = 16;
+// A worker's entry packs (load << kWorkerBits) | worker, so that one integer compare orders by
+// load, then by worker id (deterministic ties).
+constexpr int kWorkerBits = 20;
+constexpr int64_t kMaxWorkers = int64_t{1} << kWorkerBits;
+constexpr int kLoadBits = 64 - kWorkerBits - 1;  // one bit of headroom for the per-item minimum
+
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int bit_width(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
 
-struct Tile {
-  int32_t request, q_begin, q_len, kv_begin, kv_end;
-};
+// Chunks of `chunk` tokens, at absolute multiples of it, that KV range [lo, hi) touches (an
+// empty range still needs its one item).
+int64_t num_chunks(int64_t lo, int64_t hi, int64_t chunk) {
+  return (chunk == 0 || hi <= lo) ? 1 : (hi - 1) / chunk - lo / chunk + 1;
+}
+
+int64_t item_cost(const WorkItem& it) {
+  return int64_t{it.q_len} * (int64_t{it.kv_end} - it.kv_begin + kItemOverhead);
+}
 
 // Per-thread scratch, so steady-state planning allocates nothing.
 struct Scratch {
-  std::vector<Tile> tiles;
-  std::vector<int64_t> cost;
-  std::vector<int32_t> order, owner, count;
-  std::vector<WorkItem> items;
+  std::vector<WorkItem> tiles;  // one item per (request, query tile), in request order
+  std::vector<WorkItem> split;  // the tiles cut into KV chunks (used when a chunk is set)
+  std::vector<uint64_t> tile_cost, split_cost;  // item_cost of each
+  std::vector<uint8_t> key;
+  std::vector<uint32_t> order;
+  std::vector<uint64_t> tree;  // see balance()
+  std::vector<int32_t> owner, cursor;
 };
 Scratch& scratch() {
   static thread_local Scratch s;
   return s;
 }
 
+// The first i in [0, n) for which ok(i) is false, or -1. One branch-free pass first: on good
+// input (the case to be fast) the loop vectorizes; a second pass finds the culprit.
+template <typename Ok>
+int32_t first_failing(int32_t n, Ok ok) {
+  bool all = true;
+  for (int32_t i = 0; i < n; ++i) all &= ok(i);
+  if (all) return -1;
+  for (int32_t i = 0; i < n; ++i)
+    if (!ok(i)) return i;
+  return -1;
+}
+
 void validate(const BatchShape& b, const PlanOptions& o, const DeviceInfo& dev, bool decode) {
   FLASHKV_CHECK(b.batch_size >= 0, "batch_size: expected >= 0, got ", b.batch_size);
   FLASHKV_CHECK(b.num_qo_heads > 0, "num_qo_heads: expected > 0, got ", b.num_qo_heads);
   FLASHKV_CHECK(b.num_kv_heads > 0, "num_kv_heads: expected > 0, got ", b.num_kv_heads);
-  FLASHKV_CHECK(b.num_qo_heads % b.num_kv_heads == 0, "num_qo_heads: expected a multiple of num_kv_heads (",
-                b.num_kv_heads, "), got ", b.num_qo_heads);
-  FLASHKV_CHECK(b.head_dim_qk > 0 && b.head_dim_v > 0, "head_dim: expected > 0, got ", b.head_dim_qk,
-                "/", b.head_dim_v);
+  FLASHKV_CHECK(b.num_qo_heads % b.num_kv_heads == 0,
+                "num_qo_heads: expected a multiple of num_kv_heads (", b.num_kv_heads, "), got ",
+                b.num_qo_heads);
+  FLASHKV_CHECK(b.head_dim_qk > 0, "head_dim_qk: expected > 0, got ", b.head_dim_qk);
+  FLASHKV_CHECK(b.head_dim_v > 0, "head_dim_v: expected > 0, got ", b.head_dim_v);
   FLASHKV_CHECK(b.page_size >= 1, "page_size: expected >= 1, got ", b.page_size);
   FLASHKV_CHECK(b.batch_size == 0 || b.kv_len != nullptr, "kv_len: expected an array of ",
                 b.batch_size, " lengths, got null");
-  for (int32_t i = 0; i < b.batch_size; ++i)
-    FLASHKV_CHECK(b.kv_len[i] >= 0, "kv_len: request ", i, ": expected >= 0, got ", b.kv_len[i]);
+  const int32_t* kv = b.kv_len;
+  if (const int32_t i = first_failing(b.batch_size, [&](int32_t i) { return kv[i] >= 0; }); i >= 0)
+    throw_error(str_cat("kv_len: request ", i, ": expected >= 0, got ", kv[i]));
   if (!decode) {
-    FLASHKV_CHECK(b.qo_indptr != nullptr, "qo_indptr: expected ", b.batch_size + 1, " values, got null");
-    FLASHKV_CHECK(b.qo_indptr[0] >= 0, "qo_indptr: expected [0] >= 0, got ", b.qo_indptr[0]);
-    for (int32_t i = 0; i < b.batch_size; ++i) {
-      FLASHKV_CHECK(b.qo_indptr[i] <= b.qo_indptr[i + 1], "qo_indptr: expected non-decreasing values, got [",
-                    i, "] = ", b.qo_indptr[i], " > [", i + 1, "] = ", b.qo_indptr[i + 1]);
-    }
+    const int32_t* qo = b.qo_indptr;
+    FLASHKV_CHECK(qo != nullptr, "qo_indptr: expected ", int64_t{b.batch_size} + 1,
+                  " values, got null");
+    FLASHKV_CHECK(qo[0] >= 0, "qo_indptr: expected [0] >= 0, got ", qo[0]);
+    if (const int32_t i =
+            first_failing(b.batch_size, [&](int32_t i) { return qo[i] <= qo[i + 1]; });
+        i >= 0)
+      throw_error(str_cat("qo_indptr: expected non-decreasing values, got [", i, "] = ", qo[i],
+                          " > [", i + 1, "] = ", qo[i + 1]));
   }
-  FLASHKV_CHECK(o.q_tile >= 0, "q_tile: expected >= 0, got ", o.q_tile);
-  FLASHKV_CHECK(o.fixed_split_size >= 0, "fixed_split_size: expected >= 0, got ", o.fixed_split_size);
-  FLASHKV_CHECK(o.kv_align >= 0, "kv_align: expected >= 0, got ", o.kv_align);
-  FLASHKV_CHECK(o.blocks_per_sm >= 0, "blocks_per_sm: expected >= 0, got ", o.blocks_per_sm);
-  FLASHKV_CHECK(o.min_split_size >= 0, "min_split_size: expected >= 0, got ", o.min_split_size);
+  FLASHKV_CHECK(o.q_tile >= 0, "q_tile: expected >= 0 (0: the device's default), got ", o.q_tile);
+  FLASHKV_CHECK(o.fixed_split_size >= 0, "fixed_split_size: expected >= 0 (0: automatic), got ",
+                o.fixed_split_size);
+  FLASHKV_CHECK(o.kv_align >= 0, "kv_align: expected >= 0 (0: default), got ", o.kv_align);
+  FLASHKV_CHECK(o.blocks_per_sm >= 0, "blocks_per_sm: expected >= 0 (0: default), got ",
+                o.blocks_per_sm);
+  FLASHKV_CHECK(o.min_split_size >= 0, "min_split_size: expected >= 0 (0: default), got ",
+                o.min_split_size);
   if (dev.device.is_cuda())
-    FLASHKV_CHECK(dev.num_sms > 0, "device: expected num_sms > 0 for ", dev.device.str());
+    FLASHKV_CHECK(dev.num_sms > 0, "device: expected num_sms > 0 for ", dev.device.str(), ", got ",
+                  dev.num_sms);
   if (o.cuda_graph) {
     FLASHKV_CHECK(o.max_batch_size > 0, "max_batch_size: graph mode needs a capacity > 0, got ",
                   o.max_batch_size);
@@ -82,26 +130,35 @@ void validate(const BatchShape& b, const PlanOptions& o, const DeviceInfo& dev, 
     if (!decode) {
       FLASHKV_CHECK(o.max_num_tokens > 0, "max_num_tokens: graph mode needs a capacity > 0, got ",
                     o.max_num_tokens);
-      FLASHKV_CHECK(b.qo_indptr[b.batch_size] - b.qo_indptr[0] <= o.max_num_tokens, "num_tokens: ",
-                    b.qo_indptr[b.batch_size] - b.qo_indptr[0],
-                    " exceeds the graph capacity max_num_tokens = ", o.max_num_tokens);
       FLASHKV_CHECK(b.qo_indptr[b.batch_size] <= o.max_num_tokens, "qo_indptr: last value ",
-                    b.qo_indptr[b.batch_size], " exceeds the graph capacity max_num_tokens = ",
-                    o.max_num_tokens);
+                    b.qo_indptr[b.batch_size],
+                    " exceeds the graph capacity max_num_tokens = ", o.max_num_tokens);
     }
     if (o.fixed_split_size > 0 && o.enable_split_kv) {
-      FLASHKV_CHECK(o.max_kv_len > 0, "max_kv_len: graph mode with fixed_split_size needs the longest KV length");
-      for (int32_t i = 0; i < b.batch_size; ++i)
-        FLASHKV_CHECK(b.kv_len[i] <= o.max_kv_len, "kv_len: request ", i, " has ", b.kv_len[i],
-                      " entries, past the graph capacity max_kv_len = ", o.max_kv_len);
+      FLASHKV_CHECK(o.max_kv_len > 0,
+                    "max_kv_len: graph mode with fixed_split_size needs the longest KV length "
+                    "(> 0), got ",
+                    o.max_kv_len);
+      const int32_t cap = o.max_kv_len;
+      if (const int32_t i = first_failing(b.batch_size, [&](int32_t i) { return kv[i] <= cap; });
+          i >= 0)
+        throw_error(str_cat("kv_len: request ", i, " has ", kv[i],
+                            " entries, past the graph capacity max_kv_len = ", cap));
     }
   }
 }
 
+// Workers of one wave: CUDA CTAs per KV head (grid.y runs the heads), CPU threads per KV head.
 int32_t max_workers_of(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& o) {
-  if (dev.device.is_cpu()) return std::max(1, dev.num_threads);
-  const int bps = o.blocks_per_sm > 0 ? o.blocks_per_sm : 2;
-  return std::max(1, dev.num_sms * bps / b.num_kv_heads);
+  const int64_t slots =
+      dev.device.is_cpu()
+          ? int64_t{dev.num_threads}
+          : int64_t{dev.num_sms} * (o.blocks_per_sm > 0 ? o.blocks_per_sm : kDefaultBlocksPerSm);
+  const int64_t workers = std::max<int64_t>(1, slots / b.num_kv_heads);
+  FLASHKV_CHECK(workers <= kMaxWorkers, "device: ", workers, " workers per KV head (",
+                dev.device.is_cpu() ? "num_threads" : "num_sms x blocks_per_sm",
+                " / num_kv_heads) exceed the planner's limit of ", kMaxWorkers);
+  return static_cast<int32_t>(workers);
 }
 
 int32_t q_tile_of(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& o, bool decode) {
@@ -115,40 +172,356 @@ int32_t q_tile_of(const BatchShape& b, const DeviceInfo& dev, const PlanOptions&
   return std::max(1, packed_rows / group);
 }
 
-// Smallest chunk (a multiple of align, >= min_chunk) for which the tiles cut into at most
-// `budget` items; returns 0 when no split is needed or possible.
-int64_t auto_chunk(const std::vector<Tile>& tiles, int64_t budget, int64_t align, int64_t min_chunk) {
-  if (static_cast<int64_t>(tiles.size()) >= budget) return 0;
-  int64_t longest = 0;
-  for (const Tile& t : tiles) longest = std::max<int64_t>(longest, t.kv_end - t.kv_begin);
-  min_chunk = ceil_div(std::max(min_chunk, align), align) * align;
-  if (longest <= min_chunk) return 0;
-  auto items_for = [&](int64_t c) {
-    int64_t n = 0;
-    for (const Tile& t : tiles) {
-      if (t.kv_end <= t.kv_begin) { ++n; continue; }
-      n += (t.kv_end - 1) / c - t.kv_begin / c + 1;  // absolute chunk boundaries
+// The most q_tile-row tiles that `tokens` query rows of `requests` requests can make: each
+// request's last tile may be partial, so sum_r ceil(q_r / q_tile) <= (tokens + nonempty
+// requests * (q_tile - 1)) / q_tile, and no tile is empty.
+int64_t max_tiles_of(int64_t tokens, int64_t requests, int64_t q_tile) {
+  const int64_t nonempty = std::min(requests, tokens);
+  return std::min(tokens, (tokens + nonempty * (q_tile - 1)) / q_tile);
+}
+
+// What the automatic split needs to know about the tiles.
+struct TileStats {
+  int64_t total_cost = 0;    // sum of item_cost over the tiles
+  int64_t largest_cost = 0;  // max item_cost over the tiles (>= that of any chunk of them)
+  int64_t longest = 0;       // longest KV range
+};
+
+// One item per (request, q_tile rows), KV trimmed to what the tile's rows can see.
+TileStats build_tiles(const BatchShape& b, bool decode, int32_t q_tile,
+                      std::vector<WorkItem>* tiles, std::vector<uint64_t>* costs) {
+  TileStats st;
+  if (decode) {
+    tiles->resize(b.batch_size);
+    costs->resize(b.batch_size);
+    WorkItem* t = tiles->data();
+    uint64_t* cost = costs->data();
+    for (int32_t r = 0; r < b.batch_size; ++r) {
+      const int32_t kv_len = b.kv_len[r];
+      // The row sits at position kv_len - 1: causal trims nothing.
+      const int32_t lo = b.window_left >= 0 ? std::clamp(kv_len - 1 - b.window_left, 0, kv_len) : 0;
+      t[r] = {r, r, 1, lo, kv_len, -1, 0, 0};
+      cost[r] = static_cast<uint64_t>(kv_len - lo + kItemOverhead);
+      st.longest = std::max<int64_t>(st.longest, kv_len - lo);
+      st.total_cost += static_cast<int64_t>(cost[r]);
     }
-    return n;
-  };
-  int64_t lo = min_chunk / align, hi = ceil_div(longest, align);  // in units of align
-  if (items_for(lo * align) <= budget) return lo * align;
-  while (lo + 1 < hi) {  // invariant: items_for(lo) > budget, items_for(hi) <= budget
-    const int64_t mid = (lo + hi) / 2;
-    if (items_for(mid * align) <= budget) hi = mid;
-    else lo = mid;
+    st.largest_cost = st.longest + kItemOverhead;
+    return st;
   }
-  const int64_t c = hi * align;
-  return c >= longest ? 0 : c;
+  // Room for the most tiles the rows can make (no division per request), trimmed below.
+  const int64_t room =
+      max_tiles_of(b.qo_indptr[b.batch_size] - b.qo_indptr[0], b.batch_size, q_tile);
+  tiles->resize(room);
+  costs->resize(room);
+  WorkItem* const first = tiles->data();
+  WorkItem* t = first;
+  uint64_t* cost = costs->data();
+  for (int32_t r = 0; r < b.batch_size; ++r) {
+    const int32_t q0 = b.qo_indptr[r];
+    const int32_t q_len = b.qo_indptr[r + 1] - q0;
+    const int64_t kv_len = b.kv_len[r];
+    for (int32_t row = 0; row < q_len; row += q_tile) {
+      const int32_t rows = std::min(q_tile, q_len - row);
+      // Query row q of a request sits at position kv_len - q_len + q (negative: sees nothing
+      // under causal masking).
+      const int64_t first_pos = kv_len - q_len + row;
+      const int64_t last_pos = first_pos + rows - 1;
+      const int64_t lo =
+          b.window_left >= 0 ? std::clamp<int64_t>(first_pos - b.window_left, 0, kv_len) : 0;
+      const int64_t hi = b.causal ? std::clamp<int64_t>(last_pos + 1, lo, kv_len) : kv_len;
+      *t = {r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1, 0, 0};
+      const int64_t c = item_cost(*t++);
+      *cost++ = static_cast<uint64_t>(c);
+      st.longest = std::max(st.longest, hi - lo);
+      st.largest_cost = std::max(st.largest_cost, c);
+      st.total_cost += c;
+    }
+  }
+  tiles->resize(t - first);
+  costs->resize(t - first);
+  return st;
+}
+
+// The automatic chunk (see the top of the file): one worker's share of the cost, in KV tokens
+// of a full tile, aligned and >= min_chunk, raised where needed so that the split adds at most
+// `workers` items; 0 when no tile is longer than that. The item count is not monotonic in the
+// chunk (absolute boundaries), so the binary search finds a small valid chunk, not always the
+// smallest; every chunk it returns is valid.
+int64_t auto_chunk(const std::vector<WorkItem>& tiles, const TileStats& st, int64_t workers,
+                   int64_t q_tile, int64_t align, int64_t min_chunk) {
+  const int64_t share = ceil_div(ceil_div(st.total_cost, workers), q_tile);
+  const int64_t chunk = ceil_div(std::max<int64_t>({min_chunk, share, 1}), align) * align;
+  if (st.longest <= chunk) return 0;
+  const int64_t budget = static_cast<int64_t>(tiles.size()) + workers;
+  auto fits = [&](int64_t units) {
+    const int64_t c = units * align;
+    int64_t n = 0;
+    for (const WorkItem& t : tiles) n += num_chunks(t.kv_begin, t.kv_end, c);
+    return n <= budget;
+  };
+  int64_t lo = chunk / align, hi = ceil_div(st.longest, align);  // in units of align
+  if (fits(lo)) return chunk;
+  while (lo + 1 < hi) {  // fits(lo) is false; hi is either untested (>= longest) or fits
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (fits(mid))
+      hi = mid;
+    else
+      lo = mid;
+  }
+  return hi * align >= st.longest ? 0 : hi * align;
+}
+
+// Cuts the tiles into chunks; fills `items` (planning order), the merges and the partial rows.
+void split_tiles(const std::vector<WorkItem>& tiles, const std::vector<uint64_t>& tile_costs,
+                 int64_t chunk, std::vector<WorkItem>* items, std::vector<uint64_t>* costs,
+                 std::vector<MergeItem>* merges, int64_t* partial_rows) {
+  // Count first: the sizes must fit the int32 fields before anything is written.
+  int64_t num_items = 0, num_merges = 0, rows = 0;
+  for (const WorkItem& t : tiles) {
+    const int64_t n = num_chunks(t.kv_begin, t.kv_end, chunk);
+    num_items += n;
+    if (n > 1) {
+      ++num_merges;
+      rows += n * t.q_len;
+    }
+  }
+  FLASHKV_CHECK(num_items <= INT32_MAX && rows <= INT32_MAX, "fixed_split_size: chunks of ", chunk,
+                " tokens make ", num_items, " items and ", rows,
+                " partial rows, past the int32 range of the plan");
+  items->resize(num_items);
+  costs->resize(num_items);
+  merges->resize(num_merges);
+  WorkItem* it = items->data();
+  uint64_t* cost = costs->data();
+  MergeItem* m = merges->data();
+  int32_t base = 0;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const WorkItem& t = tiles[i];
+    const int64_t n = num_chunks(t.kv_begin, t.kv_end, chunk);
+    if (n == 1) {
+      *it++ = t;
+      *cost++ = tile_costs[i];
+      continue;
+    }
+    const int64_t first = t.kv_begin / chunk;
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t lo = std::max<int64_t>(t.kv_begin, (first + c) * chunk);
+      const int64_t hi = std::min<int64_t>(t.kv_end, (first + c + 1) * chunk);
+      *it++ = {t.request,
+               t.q_begin,
+               t.q_len,
+               static_cast<int32_t>(lo),
+               static_cast<int32_t>(hi),
+               static_cast<int32_t>(base + c * t.q_len),
+               static_cast<int32_t>(c),
+               0};
+      *cost++ = static_cast<uint64_t>(t.q_len * (hi - lo + kItemOverhead));
+    }
+    *m++ = {t.q_begin, t.q_len, base, static_cast<int32_t>(n)};
+    base += static_cast<int32_t>(n * t.q_len);
+  }
+  *partial_rows = rows;
+}
+
+// An 8-bit sort key, monotonic in the cost: 4 bits of exponent relative to the largest cost's
+// (`top`) and 4 bits of mantissa. Costs below 2^-15 of the largest share key 0. Every cost is
+// >= kItemOverhead = 16, so there are always 4 mantissa bits below the leading one.
+uint8_t cost_key(uint64_t cost, int top) {
+  const int e = bit_width(cost) - 1;
+  const int relative = e - top + 15;
+  if (relative < 0) return 0;
+  return static_cast<uint8_t>((relative << 4) | ((cost >> (e - 4)) & 15));
+}
+
+// The LPT loop, for the items order[begin, end), over a tournament tree of 2^kDepth leaves (see
+// balance()). The depth is a template argument so that the walk up unrolls into a straight
+// chain of loads and branch-free minimums.
+struct LptState {
+  const uint32_t* order;
+  const uint64_t* cost;
+  int shift;
+  uint64_t* tree;
+  int32_t* owner;
+  int32_t* per_worker;
+};
+constexpr uint64_t kWorkerMask = (uint64_t{1} << kWorkerBits) - 1;
+
+template <int kDepth>
+void lpt_walk(const LptState& st, uint32_t begin, uint32_t end) {
+  constexpr uint32_t kLeaves = 1u << kDepth;
+  const uint32_t* const order = st.order;
+  const uint64_t* const cost = st.cost;
+  const int shift = st.shift;
+  uint64_t* const tree = st.tree;
+  int32_t* const owner = st.owner;
+  int32_t* const per_worker = st.per_worker;
+  uint64_t least = tree[1];
+  for (uint32_t j = begin; j < end; ++j) {
+    const uint32_t i = order[j];
+    const uint32_t w = static_cast<uint32_t>(least & kWorkerMask);
+    owner[i] = static_cast<int32_t>(w);
+    ++per_worker[w];
+    uint64_t entry = least + (std::max<uint64_t>(1, cost[i] >> shift) << kWorkerBits);
+    uint32_t node = kLeaves + w;
+    tree[node] = entry;
+#pragma GCC unroll 32
+    for (int level = 0; level < kDepth; ++level) {
+      entry = std::min(entry, tree[node ^ 1]);
+      node >>= 1;
+      tree[node] = entry;
+    }
+    least = entry;
+  }
+}
+
+template <size_t... kDepths>
+void lpt_walk_dispatch(int depth, const LptState& st, uint32_t begin, uint32_t end,
+                       std::index_sequence<kDepths...>) {
+  using Walk = void (*)(const LptState&, uint32_t, uint32_t);
+  static constexpr Walk kWalks[] = {&lpt_walk<static_cast<int>(kDepths)>...};
+  kWalks[depth](st, begin, end);
+}
+
+void lpt_walk_for_depth(int depth, const LptState& st, uint32_t begin, uint32_t end) {
+  // depth <= kWorkerBits, since workers <= kMaxWorkers.
+  lpt_walk_dispatch(depth, st, begin, end, std::make_index_sequence<kWorkerBits + 1>());
+}
+
+// LPT: items costliest first, each to the least-loaded worker (ties: the lowest id); writes
+// the items grouped by worker (each worker's in planning order) into p->items and
+// p->worker_indptr. Needs more items than workers; `largest` bounds every item's cost.
+void balance(const std::vector<WorkItem>& items, const uint64_t* cost, int32_t num_workers,
+             uint64_t largest, Scratch& s, Plan* p) {
+  const uint32_t n = static_cast<uint32_t>(items.size());
+  const WorkItem* src = items.data();
+  s.key.resize(n);
+  s.order.resize(n);
+  s.owner.resize(n);
+  uint8_t* key = s.key.data();
+  uint32_t* order = s.order.data();
+  int32_t* owner = s.owner.data();
+
+  // 1. Costs, and the items in descending cost order by a counting sort on their keys. Items
+  // alternate between two counter sets, so that runs of equal keys (the tiles of one request)
+  // do not serialize on one counter; within a key, even-numbered items come first, then odd
+  // ones, each in item order.
+  const int top = bit_width(largest) - 1;
+  uint32_t count[256][2] = {};
+  uint64_t total = 0;
+  uint8_t lowest = 255;
+  for (uint32_t i = 0; i < n; ++i) {
+    total += cost[i];
+    key[i] = cost_key(cost[i], top);
+    lowest = std::min(lowest, key[i]);
+    ++count[key[i]][i & 1];
+  }
+  uint32_t next = 0;
+  for (int k = 255; k >= lowest; --k) {
+    const uint32_t even = count[k][0], odd = count[k][1];
+    count[k][0] = next;
+    count[k][1] = next + even;
+    next += even + odd;
+  }
+  for (uint32_t i = 0; i < n; ++i) order[count[key[i]][i & 1]++] = i;
+
+  // 2. LPT. The least-loaded worker comes from a tournament tree over packed (load, worker)
+  // entries: updating a leaf walks up its log2(workers) ancestors, loading only siblings, so
+  // one item's assignment is a short chain of branch-free minimums. Loads are scaled down when
+  // they could overflow the packed entries.
+  const int shift = std::max(0, bit_width(total) - kLoadBits + 1);
+  auto entry_of = [&](uint32_t i, uint64_t load) {
+    return load + (std::max<uint64_t>(1, cost[i] >> shift) << kWorkerBits);
+  };
+  int depth = 0;
+  while ((1 << depth) < num_workers) ++depth;
+  const int32_t leaves = 1 << depth;
+  // tree[leaves + w]: worker w's entry (padding leaves: never the minimum); tree[i] for
+  // 1 <= i < leaves: the minimum of its two children.
+  s.tree.assign(2 * static_cast<size_t>(leaves), UINT64_MAX);
+  uint64_t* tree = s.tree.data();
+  // worker_indptr[w + 1] counts worker w's items first.
+  p->worker_indptr.assign(num_workers + 1, 0);
+  int32_t* per_worker = p->worker_indptr.data() + 1;
+  // The costliest `num_workers` items: one to each worker, as LPT would (all loads are 0).
+  for (int32_t w = 0; w < num_workers; ++w) {
+    owner[order[w]] = w;
+    per_worker[w] = 1;
+    tree[leaves + w] = entry_of(order[w], static_cast<uint64_t>(w));
+  }
+  for (int32_t i = leaves - 1; i >= 1; --i) tree[i] = std::min(tree[2 * i], tree[2 * i + 1]);
+  const LptState state{order, cost, shift, tree, owner, per_worker};
+  lpt_walk_for_depth(depth, state, num_workers, n);
+
+  // 3. Group by worker.
+  int32_t* indptr = p->worker_indptr.data();
+  for (int32_t w = 0; w < num_workers; ++w) indptr[w + 1] += indptr[w];
+  s.cursor.assign(indptr, indptr + num_workers);
+  p->items.resize(n);
+  WorkItem* dst = p->items.data();
+  int32_t* cursor = s.cursor.data();
+  for (uint32_t i = 0; i < n; ++i) dst[cursor[owner[i]]++] = src[i];
+}
+
+// Workspace capacities: this plan's counts, or in graph mode bounds from the options alone.
+void set_capacities(const PlanOptions& o, bool decode, int64_t chunk, int32_t workers, Plan* p) {
+  WorkspaceLayout& l = p->layout;
+  l.max_items = static_cast<int64_t>(p->items.size());
+  l.max_merges = static_cast<int64_t>(p->merges.size());
+  l.max_partial_rows = p->num_partial_rows;
+  if (!o.cuda_graph) return;
+  const int64_t max_tokens = decode ? o.max_batch_size : o.max_num_tokens;
+  const int64_t max_tiles = max_tiles_of(max_tokens, o.max_batch_size, p->q_tile);
+  int64_t items = max_tiles, merges = 0, rows = 0;
+  if (o.enable_split_kv && o.fixed_split_size > 0) {
+    // A tile's KV lies in [0, max_kv_len): it touches at most this many absolute chunks.
+    const int64_t chunks = ceil_div(o.max_kv_len, chunk);
+    items = max_tiles * chunks;
+    if (chunks > 1) {
+      merges = max_tiles;
+      rows = chunks * max_tokens;
+    }
+  } else if (o.enable_split_kv) {
+    // An automatic split adds at most `workers` items, and a tile cut into n >= 2 chunks adds
+    // n - 1 of them: at most `workers` merges, and partial rows sum(n * q_len) <= 2 * workers *
+    // q_tile.
+    items = max_tiles + workers;
+    merges = std::min<int64_t>(max_tiles, workers);
+    rows = 2 * int64_t{workers} * p->q_tile;
+  }
+  FLASHKV_CHECK(l.max_items <= items && l.max_merges <= merges && l.max_partial_rows <= rows,
+                "plan: the batch needs ", l.max_items, " items / ", l.max_merges, " merges / ",
+                l.max_partial_rows, " partial rows, past the graph capacities ", items, " / ",
+                merges, " / ", rows);
+  FLASHKV_CHECK(items <= INT32_MAX && rows <= INT32_MAX,
+                "max_num_tokens/max_kv_len: the graph "
+                "capacities need ",
+                items, " items and ", rows, " partial rows, past the int32 range of the plan");
+  l.max_items = items;
+  l.max_merges = merges;
+  l.max_partial_rows = rows;
+}
+
+void set_layout(const BatchShape& b, Plan* p) {
+  WorkspaceLayout& l = p->layout;
+  l.header = 0;
+  l.items = align_up(sizeof(PlanHeader));
+  l.worker_indptr = l.items + align_up(l.max_items * sizeof(WorkItem));
+  l.merges = l.worker_indptr + align_up((int64_t{p->num_workers} + 1) * sizeof(int32_t));
+  l.plan_bytes = l.merges + align_up(l.max_merges * sizeof(MergeItem));
+  const size_t rows = static_cast<size_t>(l.max_partial_rows) * b.num_qo_heads;
+  l.partial_o = l.plan_bytes;
+  l.partial_lse = l.partial_o + align_up(rows * b.head_dim_v * sizeof(float));
+  l.total_bytes = l.partial_lse + align_up(rows * sizeof(float));
 }
 
 void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& o, bool decode,
                  Plan* out) {
+  Plan& p = *out;
+  p.id = 0;  // unusable until planning completes (a throw leaves it so)
   validate(b, o, dev, decode);
   Scratch& s = scratch();
-  Plan& p = *out;
   p.batch_size = b.batch_size;
-  p.num_qo_tokens = decode ? b.batch_size : (b.batch_size ? b.qo_indptr[b.batch_size] : 0);
+  p.num_qo_tokens = decode ? b.batch_size : b.qo_indptr[b.batch_size];
   p.num_qo_heads = b.num_qo_heads;
   p.num_kv_heads = b.num_kv_heads;
   p.head_dim_qk = b.head_dim_qk;
@@ -160,132 +533,50 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   const int32_t max_workers = max_workers_of(b, dev, o);
 
   // 1. Tiles, with KV trimmed to what their rows can see.
-  s.tiles.clear();
-  for (int32_t r = 0; r < b.batch_size; ++r) {
-    const int32_t q0 = decode ? r : b.qo_indptr[r];
-    const int32_t q_len = decode ? 1 : b.qo_indptr[r + 1] - q0;
-    const int32_t kv_len = b.kv_len[r];
-    for (int32_t t = 0; t < q_len; t += p.q_tile) {
-      const int32_t rows = std::min(p.q_tile, q_len - t);
-      const int64_t first_pos = int64_t{kv_len} - q_len + t;  // position of the tile's first row
-      const int64_t last_pos = first_pos + rows - 1;
-      int64_t lo = 0, hi = kv_len;
-      if (b.causal) hi = std::clamp<int64_t>(last_pos + 1, 0, kv_len);
-      if (b.window_left >= 0) lo = std::clamp<int64_t>(first_pos - b.window_left, 0, kv_len);
-      if (hi < lo) hi = lo;
-      s.tiles.push_back({r, q0 + t, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi)});
-    }
-  }
+  const TileStats stats = build_tiles(b, decode, p.q_tile, &s.tiles, &s.tile_cost);
   p.num_tiles = static_cast<int32_t>(s.tiles.size());
 
-  // 2. The chunk size.
-  int64_t align = o.kv_align > 0 ? o.kv_align : 16;
-  if (b.page_size > 1) align = ceil_div(align, b.page_size) * b.page_size;
+  // 2. The chunk size: chunks never cut a page, and are multiples of the kernel's KV tile.
+  int64_t align = o.kv_align > 0 ? o.kv_align : kDefaultKvAlign;
+  align = ceil_div(align, b.page_size) * b.page_size;
   int64_t chunk = 0;
   if (o.enable_split_kv) {
-    if (o.fixed_split_size > 0) chunk = o.fixed_split_size;
-    else chunk = auto_chunk(s.tiles, max_workers, align, o.min_split_size > 0 ? o.min_split_size : 256);
+    chunk = o.fixed_split_size > 0
+                ? ceil_div(o.fixed_split_size, align) * align
+                : auto_chunk(s.tiles, stats, max_workers, p.q_tile, align,
+                             o.min_split_size > 0 ? o.min_split_size : kDefaultMinSplit);
   }
-  p.kv_chunk = static_cast<int32_t>(chunk);
+  p.kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
 
-  // 3. Items and merges.
-  s.items.clear();
+  // 3. Items (planning order) and merges.
+  const std::vector<WorkItem>* items = &s.tiles;
+  const std::vector<uint64_t>* costs = &s.tile_cost;
   p.merges.clear();
-  s.cost.clear();
-  int64_t partial_rows = 0;
-  for (const Tile& t : s.tiles) {
-    const int64_t n = (chunk == 0 || t.kv_end <= t.kv_begin)
-                          ? 1
-                          : (t.kv_end - 1) / chunk - t.kv_begin / chunk + 1;
-    if (n == 1) {
-      s.items.push_back({t.request, t.q_begin, t.q_len, t.kv_begin, t.kv_end, -1, 0, 0});
-      s.cost.push_back(int64_t{t.q_len} * (t.kv_end - t.kv_begin + 16));
-      continue;
-    }
-    const int32_t base = static_cast<int32_t>(partial_rows);
-    for (int64_t c = 0; c < n; ++c) {
-      const int64_t lo = std::max<int64_t>(t.kv_begin, (t.kv_begin / chunk + c) * chunk);
-      const int64_t hi = std::min<int64_t>(t.kv_end, (t.kv_begin / chunk + c + 1) * chunk);
-      s.items.push_back({t.request, t.q_begin, t.q_len, static_cast<int32_t>(lo),
-                         static_cast<int32_t>(hi), static_cast<int32_t>(base + c * t.q_len),
-                         static_cast<int32_t>(c), 0});
-      s.cost.push_back(int64_t{t.q_len} * (hi - lo + 16));
-    }
-    p.merges.push_back({t.q_begin, t.q_len, base, static_cast<int32_t>(n)});
-    partial_rows += n * t.q_len;
+  p.num_partial_rows = 0;
+  if (chunk > 0) {
+    split_tiles(s.tiles, s.tile_cost, chunk, &s.split, &s.split_cost, &p.merges,
+                &p.num_partial_rows);
+    items = &s.split;
+    costs = &s.split_cost;
   }
-  p.num_partial_rows = partial_rows;
-  const int32_t num_items = static_cast<int32_t>(s.items.size());
+  const int32_t num_items = static_cast<int32_t>(items->size());
 
-  // 4. Workers: longest item first, each to the least-loaded worker.
-  p.num_workers = dev.device.is_cpu() ? max_workers
-                  : o.cuda_graph      ? max_workers
-                                      : std::min(max_workers, std::max(num_items, 1));
+  // 4. Workers: a fixed count on the CPU and in graph mode, else no more than there are items.
+  p.num_workers = (dev.device.is_cpu() || o.cuda_graph)
+                      ? max_workers
+                      : std::min(max_workers, std::max(num_items, 1));
   const int32_t W = p.num_workers;
-  s.owner.assign(num_items, 0);
-  if (num_items <= W) {
-    std::iota(s.owner.begin(), s.owner.end(), 0);
+  if (num_items <= W) {  // one item a worker, in planning order
+    p.worker_indptr.resize(W + 1);
+    for (int32_t w = 0; w <= W; ++w) p.worker_indptr[w] = std::min(w, num_items);
+    p.items.assign(items->begin(), items->end());
   } else {
-    s.order.resize(num_items);
-    std::iota(s.order.begin(), s.order.end(), 0);
-    std::stable_sort(s.order.begin(), s.order.end(),
-                     [&](int32_t a, int32_t c) { return s.cost[a] > s.cost[c]; });
-    using Load = std::pair<int64_t, int32_t>;  // (load, worker): least load, then lowest id
-    std::priority_queue<Load, std::vector<Load>, std::greater<Load>> heap;
-    for (int32_t w = 0; w < W; ++w) heap.push({0, w});
-    for (int32_t i : s.order) {
-      Load l = heap.top();
-      heap.pop();
-      s.owner[i] = l.second;
-      l.first += s.cost[i];
-      heap.push(l);
-    }
+    balance(*items, costs->data(), W, static_cast<uint64_t>(stats.largest_cost), s, &p);
   }
-  // Group by worker (stable: a worker runs its items in planning order).
-  s.count.assign(W + 1, 0);
-  for (int32_t i = 0; i < num_items; ++i) ++s.count[s.owner[i] + 1];
-  p.worker_indptr.resize(W + 1);
-  p.worker_indptr[0] = 0;
-  for (int32_t w = 0; w < W; ++w) p.worker_indptr[w + 1] = p.worker_indptr[w] + s.count[w + 1];
-  p.items.resize(num_items);
-  for (int32_t w = 0; w < W; ++w) s.count[w] = p.worker_indptr[w];
-  for (int32_t i = 0; i < num_items; ++i) p.items[s.count[s.owner[i]]++] = s.items[i];
 
   // 5. Workspace layout (capacities in graph mode).
-  int64_t cap_items = num_items, cap_merges = static_cast<int64_t>(p.merges.size()),
-          cap_rows = partial_rows;
-  if (o.cuda_graph) {
-    const int64_t max_tiles =
-        decode ? o.max_batch_size : ceil_div(o.max_num_tokens, p.q_tile) + o.max_batch_size;
-    if (o.enable_split_kv && o.fixed_split_size > 0) {
-      const int64_t chunks = ceil_div(o.max_kv_len, o.fixed_split_size);
-      cap_items = max_tiles * chunks;
-      cap_merges = max_tiles;
-      cap_rows = cap_items * p.q_tile;
-    } else if (o.enable_split_kv) {
-      cap_items = std::max<int64_t>(max_tiles, W);
-      cap_merges = W / 2;
-      cap_rows = int64_t{W} * p.q_tile;
-    } else {
-      cap_items = max_tiles;
-      cap_merges = 0;
-      cap_rows = 0;
-    }
-    FLASHKV_CHECK(num_items <= cap_items && static_cast<int64_t>(p.merges.size()) <= cap_merges &&
-                      partial_rows <= cap_rows,
-                  "plan: the batch needs ", num_items, " items / ", p.merges.size(), " merges / ",
-                  partial_rows, " partial rows, past the graph capacities ", cap_items, " / ",
-                  cap_merges, " / ", cap_rows);
-  }
-  WorkspaceLayout& l = p.layout;
-  l.items = 0;
-  l.worker_indptr = align_up(cap_items * sizeof(WorkItem));
-  l.merges = l.worker_indptr + align_up((int64_t{W} + 1) * sizeof(int32_t));
-  l.counts = l.merges + align_up(cap_merges * sizeof(MergeItem));
-  l.plan_bytes = l.counts + align_up(4 * sizeof(int32_t));
-  l.partial_o = l.plan_bytes;
-  l.partial_lse = l.partial_o + align_up(cap_rows * b.num_qo_heads * b.head_dim_v * sizeof(float));
-  l.total_bytes = l.partial_lse + align_up(cap_rows * b.num_qo_heads * sizeof(float));
+  set_capacities(o, decode, chunk, W, &p);
+  set_layout(b, &p);
   p.id = g_next_plan_id.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -304,24 +595,38 @@ DecodePlan plan_decode(const BatchShape& batch, const DeviceInfo& device, const 
   plan_decode(batch, device, opt, &p);
   return p;
 }
-PrefillPlan plan_prefill(const BatchShape& batch, const DeviceInfo& device, const PlanOptions& opt) {
+PrefillPlan plan_prefill(const BatchShape& batch, const DeviceInfo& device,
+                         const PlanOptions& opt) {
   PrefillPlan p;
   plan_prefill(batch, device, opt, &p);
   return p;
 }
 
 void serialize_plan(const Plan& plan, void* dst) {
+  const WorkspaceLayout& l = plan.layout;
+  FLASHKV_CHECK(plan.id != 0,
+                "serialize_plan: plan: expected a plan from plan_decode/plan_prefill");
+  FLASHKV_CHECK(dst != nullptr, "serialize_plan: dst: expected ", l.plan_bytes, " bytes, got null");
   auto* base = static_cast<unsigned char*>(dst);
+  const PlanHeader header{kPlanMagic,
+                          kPlanFormatVersion,
+                          static_cast<int32_t>(plan.items.size()),
+                          static_cast<int32_t>(plan.merges.size()),
+                          plan.num_workers,
+                          static_cast<int32_t>(plan.num_partial_rows),
+                          plan.batch_size,
+                          0};
+  std::memcpy(base + l.header, &header, sizeof(header));
   if (!plan.items.empty())
-    std::memcpy(base + plan.layout.items, plan.items.data(), plan.items.size() * sizeof(WorkItem));
-  std::memcpy(base + plan.layout.worker_indptr, plan.worker_indptr.data(),
+    std::memcpy(base + l.items, plan.items.data(), plan.items.size() * sizeof(WorkItem));
+  std::memcpy(base + l.worker_indptr, plan.worker_indptr.data(),
               plan.worker_indptr.size() * sizeof(int32_t));
   if (!plan.merges.empty())
-    std::memcpy(base + plan.layout.merges, plan.merges.data(), plan.merges.size() * sizeof(MergeItem));
-  const int32_t counts[4] = {static_cast<int32_t>(plan.items.size()),
-                             static_cast<int32_t>(plan.merges.size()),
-                             static_cast<int32_t>(plan.num_partial_rows), 0};
-  std::memcpy(base + plan.layout.counts, counts, sizeof(counts));
+    std::memcpy(base + l.merges, plan.merges.data(), plan.merges.size() * sizeof(MergeItem));
+  // Graph mode: a merge launch sized for the capacity finds empty merges past the real ones.
+  const size_t used = plan.merges.size() * sizeof(MergeItem);
+  std::memset(base + l.merges + used, 0,
+              static_cast<size_t>(l.max_merges) * sizeof(MergeItem) - used);
 }
 
 }  // namespace flashkv

@@ -1,13 +1,14 @@
 #include "backend_harness.h"
 
 #include <algorithm>
-#include <cstring>
 
+#include "flashkv/backend/layer_reference.h"
 #include "flashkv/ops/kv_ops.h"
 
 namespace flashkv::test {
 
-Harness::Harness(const ModelShape& shape, BackendOptions extra) : shape_(shape), rng_(test_seed(777)) {
+Harness::Harness(const ModelShape& shape, BackendOptions extra)
+    : shape_(shape), rng_(test_seed(777)) {
   const Device d = shape.device;
   r2t_ = std::make_unique<ReqToTokenPool>(shape.max_reqs, shape.max_context, d);
   KVPoolConfig pc;
@@ -70,7 +71,8 @@ void Harness::fill_random_kv(const std::vector<int32_t>& slots, bool encoder) {
     const LayerSpec spec = layer(l);
     // Encoder tokens live in cross layers; decoder tokens in the others.
     if (shape_.encoder_decoder && spec.is_cross_attention != encoder) continue;
-    Tensor k = random_tensor(rng_, {n, shape_.hkv, shape_.head_dim}, shape_.dtype).to(shape_.device);
+    Tensor k =
+        random_tensor(rng_, {n, shape_.hkv, shape_.head_dim}, shape_.dtype).to(shape_.device);
     Tensor v = random_tensor(rng_, {n, shape_.hkv, dv}, shape_.dtype).to(shape_.device);
     append_kv(k, v, loc, pool_->k(l), pool_->v(l), pool_->k_scale(l), pool_->v_scale(l));
     if (swa_pool_ && spec.sliding_window_size >= 0) {
@@ -164,49 +166,42 @@ ForwardBatch Harness::make_batch(ForwardMode mode, std::vector<Request*> reqs,
 }
 
 reference::Result Harness::reference_for(const ForwardBatch& b, int l, const Tensor& q_host) {
-  const LayerSpec spec = layer(l);
-  const bool window_pool = swa_pool_ && spec.sliding_window_size >= 0;
-  KVPool& pool = window_pool ? *swa_pool_ : *pool_;
-  Tensor k_all = Tensor::empty({pool.num_rows(), shape_.hkv, shape_.head_dim}, shape_.kv_dtype);
-  Tensor v_all = Tensor::empty({pool.num_rows(), shape_.hkv, pool.head_dim_v()}, shape_.kv_dtype);
-  copy_bytes(k_all.data(), Device::cpu(), pool.k(l).data, pool.device(), k_all.view().nbytes());
-  copy_bytes(v_all.data(), Device::cpu(), pool.v(l).data, pool.device(), v_all.view().nbytes());
-  // Gather each request's visible KV into ragged rows.
-  std::vector<int32_t> kv_rows, qo_len, kv_len;
+  // The tree mask of a verify pass is packed request after request, [qo_len, seq_len] each.
+  std::vector<ReferenceRequest> reqs;
+  int64_t mask_offset = 0;
   for (size_t i = 0; i < batch_reqs_.size(); ++i) {
     const Request& r = *batch_reqs_[i];
-    int32_t begin = r.encoder_len, n = r.seq_len;
-    if (spec.is_cross_attention) begin = 0, n = r.encoder_len;
-    for (int32_t j = 0; j < n; ++j) {
-      int32_t slot = r.slots[begin + j];
-      if (window_pool) slot = swa_alloc_->translate_full_to_swa(slot);
-      kv_rows.push_back(slot);
+    ReferenceRequest rr;
+    rr.slots = r.slots.data();
+    rr.encoder_len = r.encoder_len;
+    rr.seq_len = r.seq_len;
+    rr.qo_len = b.extend_len(static_cast<int32_t>(i));
+    if (b.mode == ForwardMode::TARGET_VERIFY) {
+      rr.mask = mask_host_.ptr<uint8_t>() + mask_offset;
+      mask_offset += int64_t{rr.qo_len} * rr.seq_len;
     }
-    qo_len.push_back(b.extend_len(static_cast<int32_t>(i)));
-    kv_len.push_back(n);
+    reqs.push_back(rr);
   }
-  const int64_t total = static_cast<int64_t>(kv_rows.size());
-  Tensor k = Tensor::empty({std::max<int64_t>(total, 1), shape_.hkv, shape_.head_dim}, shape_.kv_dtype);
-  Tensor v = Tensor::empty({std::max<int64_t>(total, 1), shape_.hkv, pool.head_dim_v()}, shape_.kv_dtype);
-  const size_t krow = k_all.view().nbytes() / k_all.size(0), vrow = v_all.view().nbytes() / v_all.size(0);
-  for (int64_t j = 0; j < total; ++j) {
-    std::memcpy(static_cast<char*>(k.data()) + j * krow, static_cast<char*>(k_all.data()) + kv_rows[j] * krow, krow);
-    std::memcpy(static_cast<char*>(v.data()) + j * vrow, static_cast<char*>(v_all.data()) + kv_rows[j] * vrow, vrow);
-  }
-  AttentionOptions opt;
-  opt.causal = !spec.is_cross_attention && spec.attn_type != AttentionType::ENCODER_ONLY;
-  opt.window_left = spec.sliding_window_size;
-  opt.logits_soft_cap = spec.logit_cap;
-  opt.sm_scale = spec.scaling;
-  if (b.mode == ForwardMode::TARGET_VERIFY && !spec.is_cross_attention) opt.custom_mask = mask_host_;
-  Tensor qo_t = Tensor::from_i32(indptr_of(qo_len)), kv_t = Tensor::from_i32(indptr_of(kv_len));
-  if (spec.attn_type == AttentionType::ENCODER_ONLY) kv_t = qo_t;  // bidirectional over new tokens
-  return reference::ragged_attention(q_host, k, v, qo_t, kv_t, opt, pool.k_scale(l), pool.v_scale(l));
+  return layer_reference(layer(l), reqs, q_host, *pool_, swa_pool_.get(),
+                         swa_pool_ ? swa_alloc_ : nullptr);
 }
 
-std::vector<Tensor> Harness::run_and_check(const ForwardBatch& b, bool use_graph_state, uint64_t qkv_seed) {
-  if (use_graph_state) backend_->init_forward_metadata_replay_cuda_graph(b);
-  else backend_->init_forward_metadata(b);
+void Harness::check_layer(const ForwardBatch& b, int l, const Tensor& q_host,
+                          const TensorView& out) {
+  const int dv = shape_.head_dim_v ? shape_.head_dim_v : shape_.head_dim;
+  Tensor host = Tensor::empty({out.shape[0], int64_t{shape_.hq}, dv}, shape_.dtype);
+  copy_bytes(host.data(), Device::cpu(), out.data, out.device, host.view().nbytes());
+  SCOPED_TRACE(::testing::Message() << "layer " << l << " mode " << mode_name(b.mode));
+  expect_close(host, TensorView(), reference_for(b, l, q_host), shape_.dtype,
+               is_fp8(shape_.kv_dtype));
+}
+
+std::vector<Tensor> Harness::run_and_check(const ForwardBatch& b, bool use_graph_state,
+                                           uint64_t qkv_seed) {
+  if (use_graph_state)
+    backend_->init_forward_metadata_replay_cuda_graph(b);
+  else
+    backend_->init_forward_metadata(b);
   const int64_t T = b.num_tokens();
   const int dv = shape_.head_dim_v ? shape_.head_dim_v : shape_.head_dim;
   const uint64_t base_seed = qkv_seed ? qkv_seed : rng_.gen()();
@@ -231,8 +226,9 @@ std::vector<Tensor> Harness::run_and_check(const ForwardBatch& b, bool use_graph
     poison(out);
     Tensor out_d = out.to(shape_.device);
     const bool cross = spec.is_cross_attention;
-    TensorView result = backend_->forward(q.to(shape_.device), cross ? TensorView() : k.to(shape_.device).view(),
-                                          cross ? TensorView() : v.to(shape_.device).view(), spec, b, true, out_d);
+    TensorView result =
+        backend_->forward(q.to(shape_.device), cross ? TensorView() : k.to(shape_.device).view(),
+                          cross ? TensorView() : v.to(shape_.device).view(), spec, b, true, out_d);
     EXPECT_EQ(result.data, out_d.data());
     Tensor host = out_d.to(Device::cpu());
     TensorView h3 = host.view();

@@ -30,7 +30,7 @@ struct ModelShape {
 
 struct Request {
   int32_t row = 0;
-  int32_t seq_len = 0;        // decoder tokens in the cache (after the last pass)
+  int32_t seq_len = 0;  // decoder tokens in the cache (after the last pass)
   int32_t encoder_len = 0;
   std::vector<int32_t> slots;  // full-pool slots of the encoder tokens then the decoder tokens
 };
@@ -50,6 +50,10 @@ class Harness {
   // expectations). Returns the layer outputs (host copies).
   std::vector<Tensor> run_and_check(const ForwardBatch& batch, bool use_graph_state = false,
                                     uint64_t qkv_seed = 0);
+  // Checks one layer's output (`out`: [T, Hq * D_v] on the device, computed from `q_host` after
+  // the batch's K/V are in the pool) against the reference.
+  void check_layer(const ForwardBatch& batch, int layer, const Tensor& q_host,
+                   const TensorView& out);
   // Releases a request's rows and slots.
   void finish(Request& r);
   // Drops the request's tokens past `seq_len` (their slots are freed).

@@ -9,6 +9,8 @@
 namespace flashkv {
 namespace {
 
+using test::error_of;
+
 TEST(DType, Bf16RoundsToNearestEven) {
   EXPECT_EQ(to_bf16(1.0f).bits, 0x3f80);
   // 1 + 2^-8 is halfway between bf16 1.0 and 1.0078125: ties to even (1.0).
@@ -76,17 +78,6 @@ TEST(Tensor, AtChecksBoundsAndRows) {
   EXPECT_EQ(t.view().rows(1, 2).at({0, 0}), 3);
   EXPECT_THROW(t.view().rows(1, 3), Error);
   EXPECT_THROW(t.ptr<float>(), Error);
-}
-
-// The message of the flashkv::Error that fn throws ("" when none).
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(Tensor, ExpectMessagesSayWhatWasExpected) {

@@ -58,8 +58,8 @@ struct Case {
     s += str_cat(" B=", kv_lens.size(), " hq=", hq, " hkv=", hkv, " d=", dqk, "/", dv, " ",
                  dtype_name(dtype), "/", dtype_name(kv_dtype), " page=", page_size,
                  " causal=", causal, " window=", window_left, " cap=", soft_cap,
-                 " scale=", sm_scale, " mask=", custom_mask, " split=", fixed_split, " q_tile=", q_tile, " isa=",
-                 cpu::isa_name(cpu::active_isa()), " kv_lens=");
+                 " scale=", sm_scale, " mask=", custom_mask, " split=", fixed_split,
+                 " q_tile=", q_tile, " isa=", cpu::isa_name(cpu::active_isa()), " kv_lens=");
     for (int32_t l : kv_lens) s += str_cat(l, ",");
     if (op != Op::decode) {
       s += " q_lens=";
@@ -182,12 +182,15 @@ Tensor run_case(const Case& c, Rng& rng) {
     std::vector<char> used(slots, 0);
     int32_t e = 0;
     for (int32_t i = 0; i < batch; ++i) {
-      for (int32_t t = 0; t < c.kv_lens[i]; ++t) used[int64_t{indices[e + t / ps]} * ps + t % ps] = 1;
+      for (int32_t t = 0; t < c.kv_lens[i]; ++t)
+        used[int64_t{indices[e + t / ps]} * ps + t % ps] = 1;
       last[i] = c.kv_lens[i] == 0 ? 0 : (c.kv_lens[i] - 1) % ps + 1;
       e += pages_of[i];
     }
-    Tensor k = test::random_tensor(rng, {slots, c.hkv, c.dqk}, c.kv_dtype, fp8 ? 1.0 / c.k_scale : 1.0);
-    Tensor v = test::random_tensor(rng, {slots, c.hkv, c.dv}, c.kv_dtype, fp8 ? 1.0 / c.v_scale : 1.0);
+    Tensor k =
+        test::random_tensor(rng, {slots, c.hkv, c.dqk}, c.kv_dtype, fp8 ? 1.0 / c.k_scale : 1.0);
+    Tensor v =
+        test::random_tensor(rng, {slots, c.hkv, c.dv}, c.kv_dtype, fp8 ? 1.0 / c.v_scale : 1.0);
     poison_rows(k, used);
     poison_rows(v, used);
     Tensor indptr = Tensor::from_i32(test::indptr_of(pages_of));
@@ -309,7 +312,8 @@ TEST(CpuAttention, PagedDecodeGrid) {
 // Head dims 64/80/96/128/256, D_qk != D_v, on the fast paths and the scalar one.
 TEST(CpuAttention, HeadDims) {
   FLASHKV_SEEDED_RNG(rng, 104);
-  const int dims[][2] = {{64, 64}, {80, 80}, {96, 96}, {128, 128}, {256, 256}, {96, 64}, {64, 128}, {72, 40}};
+  const int dims[][2] = {{64, 64},   {80, 80}, {96, 96},  {128, 128},
+                         {256, 256}, {96, 64}, {64, 128}, {72, 40}};
   for (cpu::Isa isa : isa_levels()) {
     IsaCap cap(isa);
     for (const auto& d : dims) {
@@ -469,11 +473,13 @@ TEST(CpuAttention, MergeStateAndStates) {
       };
       Tensor oa = test::random_tensor(rng, {rows, heads, dim}, dt);
       Tensor ob = test::random_tensor(rng, {rows, heads, dim}, dt);
-      Tensor la = Tensor::empty({rows, heads}, DType::f32), lb = Tensor::empty({rows, heads}, DType::f32);
+      Tensor la = Tensor::empty({rows, heads}, DType::f32),
+             lb = Tensor::empty({rows, heads}, DType::f32);
       random_lse(la);
       random_lse(lb);
       la.ptr<float>()[0] = lb.ptr<float>()[0] = -std::numeric_limits<float>::infinity();
-      Tensor o = Tensor::empty({rows, heads, dim}, dt), l = Tensor::empty({rows, heads}, DType::f32);
+      Tensor o = Tensor::empty({rows, heads, dim}, dt),
+             l = Tensor::empty({rows, heads}, DType::f32);
       test::poison(o);
       test::poison(l);
       merge_state(oa, la, ob, lb, o, l);
@@ -489,7 +495,8 @@ TEST(CpuAttention, MergeStateAndStates) {
       Tensor states = test::random_tensor(rng, {rows, n, heads, dim}, dt);
       Tensor ls = Tensor::empty({rows, n, heads}, DType::f32);
       random_lse(ls);
-      Tensor o2 = Tensor::empty({rows, heads, dim}, dt), l2 = Tensor::empty({rows, heads}, DType::f32);
+      Tensor o2 = Tensor::empty({rows, heads, dim}, dt),
+             l2 = Tensor::empty({rows, heads}, DType::f32);
       test::poison(o2);
       test::poison(l2);
       merge_states(states, ls, o2, l2);

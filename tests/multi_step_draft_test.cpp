@@ -1,10 +1,11 @@
 // MultiStepDraftBackend: every step of every branch against the float64 reference.
+#include "flashkv/backend/multi_step_draft.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
 
 #include "backend_harness.h"
-#include "flashkv/backend/multi_step_draft.h"
 
 namespace flashkv::test {
 namespace {
@@ -39,9 +40,12 @@ void run_steps(Harness& h, MultiStepDraftBackend& ms, std::vector<Request*> reqs
   Tensor loc_host = Tensor::empty({bs, topk, steps}, DType::i32);
   std::memcpy(loc_host.data(), slots->data(), slots->size() * 4);
   Tensor loc = loc_host.to(s.device);
-  if (!graph) ms.init_forward_metadata(batch, loc);
-  else if (capture) ms.init_forward_metadata_capture_cuda_graph(batch, loc);
-  else ms.init_forward_metadata_replay_cuda_graph(batch, loc);
+  if (!graph)
+    ms.init_forward_metadata(batch, loc);
+  else if (capture)
+    ms.init_forward_metadata_capture_cuda_graph(batch, loc);
+  else
+    ms.init_forward_metadata_replay_cuda_graph(batch, loc);
   const int64_t n = int64_t{bs} * topk;
   for (int step = 0; step < steps; ++step) {
     const LayerSpec layer = h.layer(0);
@@ -56,7 +60,8 @@ void run_steps(Harness& h, MultiStepDraftBackend& ms, std::vector<Request*> reqs
     for (int r = 0; r < bs; ++r)
       for (int b = 0; b < topk; ++b) {
         for (int32_t j = 0; j < reqs[r]->seq_len; ++j) kv_slots.push_back(reqs[r]->slots[j]);
-        for (int st = 0; st <= step; ++st) kv_slots.push_back((*slots)[(r * topk + b) * steps + st]);
+        for (int st = 0; st <= step; ++st)
+          kv_slots.push_back((*slots)[(r * topk + b) * steps + st]);
         kv_lens.push_back(reqs[r]->seq_len + step + 1);
       }
     Tensor indptr = Tensor::from_i32(indptr_of(kv_lens)), idx = Tensor::from_i32(kv_slots);
@@ -125,7 +130,8 @@ TEST(MultiStepDraft, BadArguments) {
 }
 
 INSTANTIATE_TEST_SUITE_P(DevicesAndTopk, MultiStepDraftTest,
-                         ::testing::Combine(::testing::ValuesIn(devices()), ::testing::Values(1, 4)),
+                         ::testing::Combine(::testing::ValuesIn(devices()),
+                                            ::testing::Values(1, 4)),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param).is_cpu() ? "cpu" : "cuda") +
                                   "_topk" + std::to_string(std::get<1>(info.param));

@@ -1,9 +1,9 @@
 #include "test_util.h"
 
-#include "flashkv/ops/compare.h"
-
 #include <cstdlib>
 #include <cstring>
+
+#include "flashkv/ops/compare.h"
 
 namespace flashkv::test {
 
@@ -19,12 +19,14 @@ Tensor random_tensor(Rng& rng, std::initializer_list<int64_t> shape, DType dtype
 
 Tensor random_tensor(Rng& rng, const std::vector<int64_t>& shape, DType dtype, double scale) {
   Tensor t = Tensor::empty(shape, dtype);
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_double(t.data(), dtype, i, rng.normal() * scale);
+  for (int64_t i = 0; i < t.numel(); ++i)
+    store_from_double(t.data(), dtype, i, rng.normal() * scale);
   return t;
 }
 
 void poison(const TensorView& t) {
-  FLASHKV_CHECK(t.device.is_cpu() && t.is_contiguous(), "poison: expected a contiguous host tensor");
+  FLASHKV_CHECK(t.device.is_cpu() && t.is_contiguous(),
+                "poison: expected a contiguous host tensor");
   if (is_float(t.dtype)) {
     for (int64_t i = 0; i < t.numel(); ++i)
       store_from_double(t.data, t.dtype, i, std::numeric_limits<double>::quiet_NaN());
@@ -41,8 +43,8 @@ std::vector<int32_t> indptr_of(const std::vector<int32_t>& lengths) {
 
 namespace {
 void check_size(const TensorView& t, const std::vector<double>& ref) {
-  FLASHKV_CHECK(t.device.is_cpu() && t.is_contiguous(), "test metrics: expected a contiguous host tensor, got ",
-                t.str());
+  FLASHKV_CHECK(t.device.is_cpu() && t.is_contiguous(),
+                "test metrics: expected a contiguous host tensor, got ", t.str());
   FLASHKV_CHECK(t.numel() == static_cast<int64_t>(ref.size()), "test metrics: tensor ", t.str(),
                 " vs reference of ", ref.size(), " elements");
 }
@@ -64,7 +66,8 @@ double max_abs_error(const TensorView& out, const std::vector<double>& ref) {
   check_size(out, ref);
   double m = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = std::fabs(load_as_double(out.data, out.dtype, static_cast<int64_t>(i)) - ref[i]);
+    const double d =
+        std::fabs(load_as_double(out.data, out.dtype, static_cast<int64_t>(i)) - ref[i]);
     if (std::isnan(d)) return std::numeric_limits<double>::infinity();
     m = std::max(m, d);
   }

@@ -33,12 +33,13 @@ class Rng {
 
 // Seed for a test: FLASHKV_TEST_SEED if set, else a fixed value derived from `salt`.
 uint64_t test_seed(uint64_t salt);
-#define FLASHKV_SEEDED_RNG(rng, salt)                                  \
-  ::flashkv::test::Rng rng(::flashkv::test::test_seed(salt));          \
+#define FLASHKV_SEEDED_RNG(rng, salt)                         \
+  ::flashkv::test::Rng rng(::flashkv::test::test_seed(salt)); \
   SCOPED_TRACE(::testing::Message() << "seed=" << rng.seed())
 
 // Host tensor of the given shape with unit-normal values (times `scale`), rounded to dtype.
-Tensor random_tensor(Rng& rng, std::initializer_list<int64_t> shape, DType dtype, double scale = 1.0);
+Tensor random_tensor(Rng& rng, std::initializer_list<int64_t> shape, DType dtype,
+                     double scale = 1.0);
 Tensor random_tensor(Rng& rng, const std::vector<int64_t>& shape, DType dtype, double scale = 1.0);
 // Fills every element with NaN (floats) or 0x7f.. patterns (integers): an unwritten output shows.
 void poison(const TensorView& t);
@@ -59,10 +60,21 @@ bool has_nan(const TensorView& t);
 void expect_close(const TensorView& out, const TensorView& lse, const reference::Result& ref,
                   DType dtype, bool fp8_kv = false);
 
+// The message of the flashkv::Error that fn throws ("" when none).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // Skips the current test when no GPU is visible.
-#define FLASHKV_REQUIRE_GPU()                                             \
-  do {                                                                    \
-    if (!::flashkv::cuda_available()) GTEST_SKIP() << "no GPU visible";   \
+#define FLASHKV_REQUIRE_GPU()                                           \
+  do {                                                                  \
+    if (!::flashkv::cuda_available()) GTEST_SKIP() << "no GPU visible"; \
   } while (0)
 
 }  // namespace flashkv::test

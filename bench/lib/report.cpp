@@ -10,6 +10,14 @@
 namespace flashkv::bench {
 namespace {
 
+std::string fixed(double x, int decimals) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, x);
+  return buf;
+}
+
+}  // namespace
+
 std::string json_string(const std::string& s) {
   std::string out = "\"";
   for (const char ch : s) {
@@ -35,14 +43,6 @@ std::string json_number(double x) {
   std::snprintf(buf, sizeof buf, "%.6g", x);
   return buf;
 }
-
-std::string fixed(double x, int decimals) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.*f", decimals, x);
-  return buf;
-}
-
-}  // namespace
 
 void print_machine(std::ostream& os, const Roofline& m) {
   os << "machine: " << m.name << " (" << m.device.str() << ", " << m.cores_or_sms

@@ -26,6 +26,11 @@ void print_table(std::ostream& os, const BenchReport& report);
 std::string to_json(const BenchReport& report);
 std::string to_csv(const BenchReport& report);
 
+// JSON text helpers shared by every JSON writer of the command line: a quoted, escaped string,
+// and a number with six significant digits (null for infinities and NaN, which JSON lacks).
+std::string json_string(const std::string& s);
+std::string json_number(double x);
+
 // Writes `text` to `path`; throws flashkv::Error naming the path when it cannot.
 void write_text_file(const std::string& path, const std::string& text);
 

@@ -104,8 +104,13 @@ __attribute__((target("avx512f"))) uint64_t read_avx512(const char* p, size_t by
     a2 = _mm512_add_epi64(a2, _mm512_load_si512(p + i + 128));
     a3 = _mm512_add_epi64(a3, _mm512_load_si512(p + i + 192));
   }
-  return _mm512_reduce_add_epi64(
-      _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+  // Fold with XOR: the result only has to depend on every byte read, and the header's signed
+  // horizontal add could overflow.
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
+  uint64_t r = 0;
+  for (uint64_t x : lanes) r ^= x;
+  return r;
 }
 
 // Non-temporal stores: the destination is not read first, so the bytes moved are what counts.
@@ -299,7 +304,7 @@ MatmulKernel pick_kernel(const std::string& want) {
   (void)bf16;
   (void)avx2;
   if (want.empty()) return portable;
-  FLASHKV_CHECK(want == "portable", "cpu_matmul: '", want, "' needs an x86-64 CPU");
+  FLASHKV_CHECK(want == "portable", "cpu_matmul: this CPU has no '", want, "' (not x86-64)");
 #endif
   FLASHKV_CHECK(want == "portable", "cpu_matmul: expected '', avx512bf16, avx2 or portable, got '",
                 want, "'");

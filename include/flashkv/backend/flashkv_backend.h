@@ -29,9 +29,9 @@ struct BackendOptions {
   int num_qo_heads = 0, num_kv_heads = 0, head_dim_qk = 0, head_dim_v = 0;  // head_dim_v 0: = qk
 
   // Model structure.
-  int sliding_window_size = -1;  // >= 0: window and full layers mix (two wrappers)
-  bool is_encoder_decoder = false;  // self + cross attention wrappers
-  bool is_multimodal = false;    // extend runs one paged pass over everything
+  int sliding_window_size = -1;          // >= 0: window and full layers mix (two wrappers)
+  bool is_encoder_decoder = false;       // self + cross attention wrappers
+  bool is_multimodal = false;            // extend runs one paged pass over everything
   bool has_encoder_only_layers = false;  // plan the non-causal ragged pass they need
   // Sliding-window layers keep their KV in this pool, addressed through the allocator's
   // full-to-SWA table (both or neither).
@@ -45,6 +45,9 @@ struct BackendOptions {
   bool disable_split_kv = false;
   // Tensor-core decode: -1 auto (GQA group >= 4 or fp8 KV, as the seed decides), 0 off, 1 on.
   int use_tensor_cores = -1;
+  // The CUDA stream every launch and copy of the backend is ordered on (null: the default
+  // stream). A CUDA graph is captured on a stream of its own: pass it here (or set_stream).
+  Stream stream;
 };
 
 class FlashKVBackend : public AttentionBackend {
@@ -58,6 +61,7 @@ class FlashKVBackend : public AttentionBackend {
   void init_forward_metadata_replay_cuda_graph(const ForwardBatch& batch) override;
 
   const BackendOptions& options() const { return options_; }
+  void set_stream(Stream stream) { options_.stream = stream; }
   int num_wrappers() const;
   // Whether decode uses the tensor-core kernel for this KV dtype (the seed's rule).
   bool decode_uses_tensor_cores(DType kv_dtype) const;

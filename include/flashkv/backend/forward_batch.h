@@ -33,12 +33,12 @@ enum class AttentionType { DECODER, ENCODER_ONLY };
 // One attention layer as the model declares it (SGLang's RadixAttention).
 struct LayerSpec {
   int layer_id = 0;
-  int num_qo_heads = 0;   // tp_q_head_num
-  int num_kv_heads = 0;   // tp_k_head_num
+  int num_qo_heads = 0;  // tp_q_head_num
+  int num_kv_heads = 0;  // tp_k_head_num
   int head_dim_qk = 0;
-  int head_dim_v = 0;     // 0: head_dim_qk
-  float scaling = 0;      // sm_scale; 0: 1 / sqrt(head_dim_qk)
-  float logit_cap = 0;    // logits soft cap; 0: off
+  int head_dim_v = 0;   // 0: head_dim_qk
+  float scaling = 0;    // sm_scale; 0: 1 / sqrt(head_dim_qk)
+  float logit_cap = 0;  // logits soft cap; 0: off
   // Sliding window in tokens, exclusive of the current one as SGLang counts it (a query at
   // position p sees keys p - w .. p); -1: full attention.
   int sliding_window_size = -1;

@@ -26,8 +26,10 @@ class MultiStepDraftBackend {
   // token (the steps write their K/V there).
   void init_forward_metadata(const ForwardBatch& batch, const TensorView& draft_loc);
   void init_cuda_graph_state(int max_bs);
-  void init_forward_metadata_capture_cuda_graph(const ForwardBatch& batch, const TensorView& draft_loc);
-  void init_forward_metadata_replay_cuda_graph(const ForwardBatch& batch, const TensorView& draft_loc);
+  void init_forward_metadata_capture_cuda_graph(const ForwardBatch& batch,
+                                                const TensorView& draft_loc);
+  void init_forward_metadata_replay_cuda_graph(const ForwardBatch& batch,
+                                               const TensorView& draft_loc);
 
   // Step i's batch (bs * topk rows; out_cache_loc = the step's draft slots) and its layer call:
   // q [bs * topk, Hq, D]; k/v the step's new tokens; returns [bs * topk, Hq * D_v].

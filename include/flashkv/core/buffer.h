@@ -47,14 +47,16 @@ class Tensor {
   operator const TensorView&() const { return view_; }  // NOLINT: a Tensor is usable as a view
   void* data() const { return view_.data; }
   template <typename T>
-  T* ptr() const { return view_.ptr<T>(); }
+  T* ptr() const {
+    return view_.ptr<T>();
+  }
   DType dtype() const { return view_.dtype; }
   Device device() const { return view_.device; }
   int64_t numel() const { return view_.numel(); }
   int64_t size(int d) const { return view_.size(d); }
   bool defined() const { return view_.defined(); }
 
-  Tensor to(Device device, Stream stream = {}) const;  // a copy (synchronous)
+  Tensor to(Device device, Stream stream = {}) const;         // a copy (synchronous)
   void copy_from(const TensorView& src, Stream stream = {});  // same shape and dtype required
 
  private:

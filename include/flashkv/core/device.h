@@ -37,9 +37,9 @@ bool built_with_cuda();
 struct DeviceInfo {
   Device device;
   std::string name;
-  int num_sms = 0;           // CUDA: multiprocessors; CPU: 0
-  int num_threads = 0;       // CPU: worker threads of the global pool; CUDA: 0
-  size_t memory_bytes = 0;   // CUDA: global memory; CPU: 0
+  int num_sms = 0;             // CUDA: multiprocessors; CPU: 0
+  int num_threads = 0;         // CPU: worker threads of the global pool; CUDA: 0
+  size_t memory_bytes = 0;     // CUDA: global memory; CPU: 0
   int compute_capability = 0;  // CUDA: major*10+minor
 };
 // Throws flashkv::Error for a CUDA device when CUDA is unavailable or the index is out of range.

@@ -17,10 +17,18 @@ inline bool is_float(DType t) { return t <= DType::fp8_e5m2; }
 inline bool is_fp8(DType t) { return t == DType::fp8_e4m3 || t == DType::fp8_e5m2; }
 
 // Storage types: plain bit containers, so they can live in any buffer and cross to CUDA.
-struct bf16_t { uint16_t bits; };
-struct f16_t { uint16_t bits; };
-struct fp8_e4m3_t { uint8_t bits; };
-struct fp8_e5m2_t { uint8_t bits; };
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+struct fp8_e4m3_t {
+  uint8_t bits;
+};
+struct fp8_e5m2_t {
+  uint8_t bits;
+};
 
 // Largest finite value of each fp8 format (what saturation clamps to).
 constexpr float kFp8E4M3Max = 448.0f;
@@ -54,14 +62,38 @@ fp8_e5m2_t to_fp8_e5m2(float f);  // saturates to +-57344; NaN stays NaN
 // Maps a C++ storage type to its DType.
 template <typename T>
 struct dtype_of;
-template <> struct dtype_of<float> { static constexpr DType value = DType::f32; };
-template <> struct dtype_of<f16_t> { static constexpr DType value = DType::f16; };
-template <> struct dtype_of<bf16_t> { static constexpr DType value = DType::bf16; };
-template <> struct dtype_of<fp8_e4m3_t> { static constexpr DType value = DType::fp8_e4m3; };
-template <> struct dtype_of<fp8_e5m2_t> { static constexpr DType value = DType::fp8_e5m2; };
-template <> struct dtype_of<int32_t> { static constexpr DType value = DType::i32; };
-template <> struct dtype_of<int64_t> { static constexpr DType value = DType::i64; };
-template <> struct dtype_of<uint8_t> { static constexpr DType value = DType::u8; };
+template <>
+struct dtype_of<float> {
+  static constexpr DType value = DType::f32;
+};
+template <>
+struct dtype_of<f16_t> {
+  static constexpr DType value = DType::f16;
+};
+template <>
+struct dtype_of<bf16_t> {
+  static constexpr DType value = DType::bf16;
+};
+template <>
+struct dtype_of<fp8_e4m3_t> {
+  static constexpr DType value = DType::fp8_e4m3;
+};
+template <>
+struct dtype_of<fp8_e5m2_t> {
+  static constexpr DType value = DType::fp8_e5m2;
+};
+template <>
+struct dtype_of<int32_t> {
+  static constexpr DType value = DType::i32;
+};
+template <>
+struct dtype_of<int64_t> {
+  static constexpr DType value = DType::i64;
+};
+template <>
+struct dtype_of<uint8_t> {
+  static constexpr DType value = DType::u8;
+};
 
 // Reads element `i` of a buffer of type `t` as a double (floats and integers alike).
 double load_as_double(const void* data, DType t, int64_t i);

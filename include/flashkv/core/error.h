@@ -37,16 +37,16 @@ std::string str_cat(const Args&... args) {
 
 // FLASHKV_CHECK(cond, "arg", ": expected ", x, ", got ", y): throws flashkv::Error with the
 // concatenated message when cond is false.
-#define FLASHKV_CHECK(cond, ...)                                   \
-  do {                                                             \
+#define FLASHKV_CHECK(cond, ...)                                          \
+  do {                                                                    \
     if (!(cond)) ::flashkv::throw_error(::flashkv::str_cat(__VA_ARGS__)); \
   } while (0)
 
 // Checks that `actual == expected` for the argument `name` and says both when not.
-#define FLASHKV_CHECK_EQ(name, actual, expected)                                        \
-  do {                                                                                  \
-    const auto& fkv_a_ = (actual);                                                      \
-    const auto& fkv_e_ = (expected);                                                    \
-    if (!(fkv_a_ == fkv_e_))                                                            \
+#define FLASHKV_CHECK_EQ(name, actual, expected)                                                 \
+  do {                                                                                           \
+    const auto& fkv_a_ = (actual);                                                               \
+    const auto& fkv_e_ = (expected);                                                             \
+    if (!(fkv_a_ == fkv_e_))                                                                     \
       ::flashkv::throw_error(::flashkv::str_cat(name, ": expected ", fkv_e_, ", got ", fkv_a_)); \
   } while (0)

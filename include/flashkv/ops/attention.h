@@ -25,10 +25,10 @@ struct PagedKV {
 };
 
 struct AttentionOptions {
-  bool causal = true;        // ignored when custom_mask is given
-  int window_left = -1;      // < 0: no window; else key j visible iff j >= p(q) - window_left
+  bool causal = true;         // ignored when custom_mask is given
+  int window_left = -1;       // < 0: no window; else key j visible iff j >= p(q) - window_left
   float logits_soft_cap = 0;  // > 0: s = cap * tanh(s / cap)
-  float sm_scale = 0;        // 0: 1 / sqrt(D_qk)
+  float sm_scale = 0;         // 0: 1 / sqrt(D_qk)
   // Speculative-decoding tree mask: u8 (0/1), request i's [qo_len_i, kv_len_i] row-major matrix
   // at element offset mask_indptr[i]. The operators require mask_indptr with a mask; the
   // reference also accepts it absent (matrices packed back to back).
@@ -54,8 +54,23 @@ class Workspace {
   // Id of the plan last uploaded (0: none).
   uint64_t plan_id() const { return plan_id_; }
 
+  // Puts the partial states of split work into caller memory (on this workspace's device, kept
+  // alive by the caller) instead of after the plan, so that the workspace itself needs only
+  // plan.layout.plan_bytes. Several workspaces may share one scratch buffer: partial states live
+  // only within one run, and runs on one stream never overlap (FlashInfer's shared "float
+  // workspace"). The start is aligned up to 256 bytes. Null: the workspace's own memory.
+  void set_external_scratch(void* data, size_t bytes);
+  bool has_external_scratch() const { return scratch_ != nullptr; }
+  size_t external_scratch_bytes() const { return scratch_bytes_; }
+  // Bytes this workspace must hold for `plan` (the plan part only with an external scratch).
+  size_t bytes_needed(const Plan& plan) const;
+  // Where `plan`'s partial O starts (partial LSE follows at the layout's distance).
+  unsigned char* scratch(const Plan& plan) const;
+
  private:
   Buffer buffer_;
+  unsigned char* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
   std::vector<unsigned char> host_staging_;  // source of the async copy; outlives it
   uint64_t plan_id_ = 0;
 };
@@ -64,10 +79,9 @@ class Workspace {
 // request i owns q rows qo_indptr[i].. and k/v rows kv_indptr[i]..; out [Tq, Hq, D_v];
 // lse [Tq, Hq] f32 (optional, base 2).
 void ragged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorView& k,
-                    const TensorView& v, const TensorView& qo_indptr,
-                    const TensorView& kv_indptr, const AttentionOptions& opt,
-                    const TensorView& out, const TensorView& lse, Workspace& ws,
-                    Stream stream = {});
+                    const TensorView& v, const TensorView& qo_indptr, const TensorView& kv_indptr,
+                    const AttentionOptions& opt, const TensorView& out, const TensorView& lse,
+                    Workspace& ws, Stream stream = {});
 
 // Paged prefill: q [Tq, Hq, D_qk] against the paged KV; query rows are the last qo_len
 // positions of each request (causal-with-prefix alignment).

@@ -47,20 +47,23 @@ struct AttentionParams {
   bool causal = true;
   int32_t window_left = -1;
   float logits_soft_cap = 0;
-  float sm_scale = 0;  // already resolved (never 0 here)
+  float sm_scale = 0;                    // already resolved (never 0 here)
   const uint8_t* custom_mask = nullptr;  // [sum qo_len * kv_len] u8; replaces causal
   const int32_t* mask_indptr = nullptr;  // [B + 1], required with custom_mask
 
   // The plan, as uploaded into the workspace (device copy on CUDA), and partial-state buffers.
+  // Under a CUDA graph the counts below are frozen at capture: kernels then read the current
+  // ones from `plan_header` (and a merge pass sized for layout.max_merges finds empty merges).
+  const PlanHeader* plan_header = nullptr;
   const WorkItem* items = nullptr;
   const int32_t* worker_indptr = nullptr;
   const MergeItem* merges = nullptr;
   int32_t num_items = 0, num_merges = 0, num_workers = 0;
-  // CUDA-graph mode: a captured launch replays with other batches, so the kernel must take the
-  // item and merge counts from the device (`counts`: num_items, num_merges) and worker ranges
-  // from worker_indptr, and use a grid of num_workers CTAs (x) that does not depend on the batch.
+  // The plan is a CUDA-graph plan: launches must not depend on the batch (grids from
+  // num_workers only; a merge pass whenever the layout has room for partial states, since a
+  // replayed batch may split where the captured one did not).
   bool cuda_graph = false;
-  const int32_t* counts = nullptr;
+  int32_t max_merges = 0;        // merge capacity of the layout (graph mode: the merge grid's size)
   float* partial_o = nullptr;    // [partial_rows, Hq, D_v]
   float* partial_lse = nullptr;  // [partial_rows, Hq]
 };

@@ -45,18 +45,40 @@ struct MergeItem {
 };
 static_assert(sizeof(MergeItem) == 16, "MergeItem is uploaded as raw bytes");
 
-// Where each piece of a plan lives inside the workspace (byte offsets, 256-byte aligned).
+// The first bytes of an uploaded plan: a format check, and the counts a kernel must read from
+// device memory rather than from its launch parameters (a CUDA graph freezes those at capture,
+// while the plan, and with it these counts, changes before every replay).
+struct PlanHeader {
+  uint32_t magic;    // kPlanMagic
+  uint32_t version;  // kPlanFormatVersion
+  int32_t num_items;
+  int32_t num_merges;  // merges[num_merges .. merge capacity) are zero (q_len 0, no chunks)
+  int32_t num_workers;
+  int32_t num_partial_rows;
+  int32_t batch_size;
+  int32_t reserved;
+};
+static_assert(sizeof(PlanHeader) == 32, "PlanHeader is uploaded as raw bytes");
+constexpr uint32_t kPlanMagic = 0x504b5646;  // "FVKP" in little-endian bytes
+// Bumped whenever PlanHeader, WorkItem, MergeItem or the order of the workspace pieces changes.
+constexpr uint32_t kPlanFormatVersion = 1;
+
+// Where each piece of a plan lives inside the workspace (byte offsets, 256-byte aligned), in
+// this order: header, items, worker_indptr, merges (together the uploaded plan part, plan_bytes
+// long), then partial O and partial LSE. Sized for the capacities below: in graph mode those
+// come from PlanOptions only, so every plan of a captured graph has the same layout.
 struct WorkspaceLayout {
-  size_t items = 0;          // WorkItem[num_items (capacity in graph mode)]
+  size_t header = 0;         // PlanHeader
+  size_t items = 0;          // WorkItem[max_items]
   size_t worker_indptr = 0;  // int32[num_workers + 1]
-  size_t merges = 0;         // MergeItem[num_merges (capacity)]
-  size_t counts = 0;         // int32[4]: num_items, num_merges, num_partial_rows, 0 — what a
-                             // captured CUDA graph must read on the device, since the values
-                             // baked into its launch parameters are the capture batch's
-  size_t partial_o = 0;      // float[partial_rows, Hq, D_v]
-  size_t partial_lse = 0;    // float[partial_rows, Hq]
-  size_t plan_bytes = 0;     // bytes of the plan part (items, worker_indptr, merges, counts)
+  size_t merges = 0;         // MergeItem[max_merges]
+  size_t partial_o = 0;      // float[max_partial_rows, Hq, D_v]
+  size_t partial_lse = 0;    // float[max_partial_rows, Hq]
+  size_t plan_bytes = 0;     // bytes of the plan part (header .. merges), uploaded
   size_t total_bytes = 0;
+  int64_t max_items = 0;         // graph mode: the capacity; otherwise this plan's count
+  int64_t max_merges = 0;        // likewise
+  int64_t max_partial_rows = 0;  // likewise
 };
 
 // The batch as the planner sees it: host arrays only.
@@ -69,8 +91,12 @@ struct BatchShape {
   int32_t head_dim_qk = 0;
   int32_t head_dim_v = 0;
   int32_t page_size = 1;
-  bool causal = false;     // lets the planner trim KV past the last query's position
-  int32_t window_left = -1;  // lets the planner trim KV before the first query's window
+  // The masks the kernel will apply, so that the planner can trim KV no row of a tile can see:
+  // causal past the last row's position, window_left (< 0: none) before the first row's window.
+  // Must not claim more masking than the kernel applies (a custom mask replaces causal: plan
+  // such batches with causal = false).
+  bool causal = false;
+  int32_t window_left = -1;
 };
 
 struct PlanOptions {
@@ -78,19 +104,20 @@ struct PlanOptions {
   int32_t q_tile = 0;
   // Split KV across items when it adds parallelism.
   bool enable_split_kv = true;
-  // > 0: deterministic mode, every request's KV cut at multiples of this many tokens (whether
-  // or not the batch needs the parallelism), so its chunks never depend on the rest of the batch.
+  // > 0: deterministic mode, every request's KV cut at multiples of this many tokens (rounded up
+  // to a multiple of the KV alignment; whether or not the batch needs the parallelism), so its
+  // chunks never depend on the rest of the batch. SGLang uses 2048 for decode, 4096 for prefill.
   int32_t fixed_split_size = 0;
   // Chunk boundaries are multiples of this (the kernel's KV tile); 0 picks the device's default.
   int32_t kv_align = 0;
   // CUDA-graph mode: capacities fixed at capture; every plan then has the same num_workers and
   // the same workspace layout, whatever the batch.
   bool cuda_graph = false;
-  int32_t max_batch_size = 0;   // graph mode capacity
-  int32_t max_num_tokens = 0;   // graph mode capacity (query rows)
-  int32_t max_kv_len = 0;       // graph mode with fixed_split_size: longest request's KV
-  // CUDA: resident CTAs per SM the kernel is sized for (0: 2). The grid's x extent is
-  // num_sms * blocks_per_sm / Hkv workers (grid.y runs the KV heads).
+  int32_t max_batch_size = 0;  // graph mode capacity
+  int32_t max_num_tokens = 0;  // graph mode capacity (query rows)
+  int32_t max_kv_len = 0;      // graph mode with fixed_split_size: longest request's KV
+  // CUDA: resident CTAs per SM the kernel is sized for (0: 2). The grid's x extent is at most
+  // num_sms * blocks_per_sm / Hkv workers (grid.y runs the KV heads), so one wave fills the GPU.
   int32_t blocks_per_sm = 0;
   // Shortest KV chunk an automatic split makes (0: 256 tokens); smaller chunks cost more in
   // merging than they gain in parallelism.
@@ -105,15 +132,19 @@ struct Plan {
   Device device;
   uint64_t id = 0;  // unique per planning call; the workspace remembers which plan it holds
   int32_t q_tile = 1;
-  int32_t kv_chunk = 0;  // 0: no request was split
-  int32_t num_workers = 0;  // CUDA: grid.x (grid.y = Hkv); CPU: threads
-  int32_t num_tiles = 0;    // (request, query tile) pairs before splitting
+  // KV chunk (tokens) that split tiles were cut into, at absolute multiples of it; 0: no split.
+  // In deterministic mode the (aligned) fixed_split_size, even where no tile needed cutting.
+  int32_t kv_chunk = 0;
+  // CUDA: grid.x (grid.y = Hkv). CPU: max(1, threads / Hkv), so that workers x Hkv (item, KV
+  // head) tasks fill the threads as the CUDA grid fills the SMs.
+  int32_t num_workers = 0;
+  int32_t num_tiles = 0;  // (request, query tile) pairs before splitting
   bool cuda_graph = false;
 
   std::vector<WorkItem> items;         // grouped by worker: items of worker w are
   std::vector<int32_t> worker_indptr;  // items[worker_indptr[w] .. worker_indptr[w + 1])
   std::vector<MergeItem> merges;
-  int64_t num_partial_rows = 0;
+  int64_t num_partial_rows = 0;  // rows of the partial O/LSE buffers the split items write
   WorkspaceLayout layout;
 
   int group_size() const { return num_kv_heads ? num_qo_heads / num_kv_heads : 0; }
@@ -122,19 +153,20 @@ struct Plan {
 struct DecodePlan : Plan {};
 struct PrefillPlan : Plan {};
 
-// Pure host functions; throw flashkv::Error on inconsistent input (non-monotonic indptr,
-// negative lengths, zero heads, Hq % Hkv != 0, sizes past graph-mode capacity, ...).
+// Pure host functions; throw flashkv::Error naming the argument on inconsistent input
+// (non-monotonic indptr, negative lengths, zero heads, Hq % Hkv != 0, sizes past graph-mode
+// capacity, ...). The reuse form below leaves `out` with id 0 (unusable) when it throws.
 DecodePlan plan_decode(const BatchShape& batch, const DeviceInfo& device, const PlanOptions& opt);
-PrefillPlan plan_prefill(const BatchShape& batch, const DeviceInfo& device,
-                         const PlanOptions& opt);
+PrefillPlan plan_prefill(const BatchShape& batch, const DeviceInfo& device, const PlanOptions& opt);
 // The same, reusing `out`'s vectors so steady-state planning allocates nothing.
 void plan_decode(const BatchShape& batch, const DeviceInfo& device, const PlanOptions& opt,
                  DecodePlan* out);
 void plan_prefill(const BatchShape& batch, const DeviceInfo& device, const PlanOptions& opt,
                   PrefillPlan* out);
 
-// Serialises the plan part (items, worker_indptr, merges) into `dst` as laid out by
-// plan.layout (dst must hold plan.layout.plan_bytes bytes).
+// Serialises the plan part (header, items, worker_indptr, merges, zero padding of the merges up
+// to layout.max_merges) into `dst` as laid out by plan.layout (dst must hold
+// plan.layout.plan_bytes bytes).
 void serialize_plan(const Plan& plan, void* dst);
 
 }  // namespace flashkv

@@ -1,0 +1,390 @@
+#include "scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "flashkv/core/error.h"
+
+namespace flashkv::app {
+
+double ServeStats::pass_ms_percentile(double p) const {
+  if (pass_ms.empty()) return 0;
+  std::vector<double> s = pass_ms;
+  std::sort(s.begin(), s.end());
+  const size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(s.size())));
+  return s[std::min(s.size() - 1, rank > 0 ? rank - 1 : 0)];
+}
+
+// A request from admission to its end.
+struct Scheduler::Active {
+  const RequestSpec* spec = nullptr;
+  Sequence seq;
+  std::vector<int32_t> chain;  // prefix-cache nodes it references: its leading prompt blocks
+  int32_t generated = 0;       // output tokens so far (the prefill makes the first)
+};
+
+namespace {
+// A one-layer draft model of the target's shape (EAGLE-style).
+ModelConfig draft_config(const ModelConfig& target) {
+  ModelConfig d = target;
+  d.num_layers = 1;
+  d.sliding_window = -1;
+  d.encoder_decoder = false;
+  return d;
+}
+}  // namespace
+
+int64_t Scheduler::slots_needed(const RequestSpec& r, const SpeculativeConfig& spec) {
+  return static_cast<int64_t>(r.prompt.size()) + r.output_len +
+         (spec.enabled ? spec.draft_tokens() : 0);
+}
+
+Scheduler::Scheduler(const Workload& workload, const ModelConfig& model, Device device,
+                     const SchedulerOptions& options)
+    : workload_(workload),
+      options_(options),
+      device_(device),
+      cache_(options.block_size),
+      rng_(options.seed * 0x2545F4914F6CDD1Dull + 17) {
+  FLASHKV_CHECK(options.token_budget >= 1, "token budget: expected >= 1, got ",
+                options.token_budget);
+  FLASHKV_CHECK(options.max_running >= 1, "max running requests: expected >= 1, got ",
+                options.max_running);
+  FLASHKV_CHECK(!workload.requests.empty(), "workload ", workload.name, ": no requests");
+  int64_t max_context = 1;
+  for (size_t i = 0; i < workload.requests.size(); ++i) {
+    const int64_t need = slots_needed(workload.requests[i], workload.spec);
+    FLASHKV_CHECK(need <= options.kv_slots, "workload request ", i, " needs ", need,
+                  " KV slots (prompt + output", workload.spec.enabled ? " + draft tree" : "",
+                  "), more than the pool's ", options.kv_slots, " (--kv-slots)");
+    max_context = std::max(max_context, need);
+  }
+  req_to_token_ = std::make_unique<ReqToTokenPool>(options.max_running, max_context, device);
+  allocator_ = std::make_unique<TokenAllocator>(options.kv_slots);
+  model_ = std::make_unique<Model>(model, device, options.kv_slots, options.seed);
+  if (workload.spec.enabled) {
+    draft_ =
+        std::make_unique<Model>(draft_config(model), device, options.kv_slots, options.seed + 1);
+    draft_->enable_multi_step_draft(workload.spec.topk, workload.spec.num_steps);
+  }
+  stats_.requests = static_cast<int64_t>(workload.requests.size());
+  stats_.kv_slots = options.kv_slots;
+}
+
+Scheduler::~Scheduler() = default;
+
+int64_t Scheduler::reserve_of(const Active& a) const {
+  // Slots the request may still take: one per output token to come, plus a draft tree's worth
+  // during a speculative step.
+  return (a.spec->output_len - a.generated) +
+         (workload_.spec.enabled ? workload_.spec.draft_tokens() : 0);
+}
+
+void Scheduler::note_kv_use() {
+  const int64_t used = allocator_->capacity() - allocator_->num_free();
+  stats_.peak_kv_slots = std::max(stats_.peak_kv_slots, used);
+  // Unreferenced prefix-cache blocks could be evicted at once: not part of the working set.
+  stats_.peak_working_kv_slots =
+      std::max(stats_.peak_working_kv_slots, used - cache_.evictable_slots());
+}
+
+std::vector<int32_t> Scheduler::alloc_slots(int64_t n) {
+  auto slots = allocator_->alloc(n);
+  if (!slots) {
+    const std::vector<int32_t> freed = cache_.evict(n - allocator_->num_free());
+    allocator_->free(freed);
+    slots = allocator_->alloc(n);
+  }
+  // Admission reserved room for every running request, so this cannot fail.
+  FLASHKV_CHECK(slots.has_value(), "scheduler: out of KV slots (", n, " wanted, ",
+                allocator_->num_free(), " free) despite the reservation");
+  note_kv_use();
+  return *slots;
+}
+
+void Scheduler::record(const char* what, const PassResult& r) {
+  stats_.pass_ms.push_back(r.ms);
+  stats_.check_s += r.check_ms / 1000.0;
+  ServeStats::ModeStats& m = stats_.by_mode[what];
+  ++m.passes;
+  m.ms += r.ms;
+  stats_.checked += r.checked;
+  stats_.check_failures += r.failures;
+  stats_.worst_rel_error = std::max(stats_.worst_rel_error, r.worst_rel);
+  if (r.failures > 0 && stats_.first_failure.empty())
+    stats_.first_failure = std::string(what) + ": " + r.failure;
+  if (r.nan) ++stats_.nan_passes;
+}
+
+std::vector<Scheduler::Active*> Scheduler::admit() {
+  std::vector<Active*> admitted;
+  int64_t reserved = 0;
+  for (const Active* a : running_) reserved += reserve_of(*a);
+  int64_t batch_tokens = 0;
+  const int B = cache_.block_size();
+  while (!waiting_.empty() &&
+         static_cast<int>(running_.size() + admitted.size()) < options_.max_running) {
+    const RequestSpec& spec = workload_.requests[waiting_.front()];
+    const int32_t prompt_len = static_cast<int32_t>(spec.prompt.size());
+    std::vector<int32_t> chain = cache_.match(spec.prompt);
+    // At least one prompt token is computed (its output is the first generated token).
+    if (static_cast<int64_t>(chain.size()) * B >= prompt_len) chain.resize((prompt_len - 1) / B);
+    const int32_t matched = static_cast<int32_t>(chain.size()) * B;
+    const int32_t new_tokens = prompt_len - matched;
+    if (!admitted.empty() && batch_tokens + new_tokens > options_.token_budget) break;
+    cache_.acquire(chain);  // before counting: its blocks are no longer evictable
+    const int64_t future =
+        (spec.output_len - 1) + (workload_.spec.enabled ? workload_.spec.draft_tokens() : 0);
+    if (allocator_->num_free() + cache_.evictable_slots() < reserved + new_tokens + future) {
+      cache_.release(chain);
+      ++stats_.admission_waits;
+      break;
+    }
+    auto a = std::make_unique<Active>();
+    a->spec = &spec;
+    auto row = req_to_token_->alloc(1);
+    FLASHKV_CHECK(row.has_value(), "scheduler: no free req_to_token row");
+    a->seq.row = (*row)[0];
+    std::vector<int32_t> prefix;
+    for (int32_t node : chain)
+      prefix.insert(prefix.end(), cache_.slots(node).begin(), cache_.slots(node).end());
+    a->chain = std::move(chain);
+    append_tokens(a->seq, prefix, *req_to_token_);
+    append_tokens(a->seq, alloc_slots(new_tokens), *req_to_token_);
+    stats_.prompt_tokens += prompt_len;
+    stats_.cached_prompt_tokens += matched;
+    reserved += new_tokens + future;
+    batch_tokens += new_tokens;
+    waiting_.pop_front();
+    admitted.push_back(a.get());
+    active_.push_back(std::move(a));
+  }
+  return admitted;
+}
+
+void Scheduler::finish(Active* a) {
+  cache_.release(a->chain);
+  const size_t shared = static_cast<size_t>(a->chain.size()) * cache_.block_size();
+  allocator_->free(std::vector<int32_t>(a->seq.slots.begin() + shared, a->seq.slots.end()));
+  req_to_token_->free({a->seq.row});
+  a->seq.slots.clear();
+  a->chain.clear();
+  running_.erase(std::find(running_.begin(), running_.end(), a));
+  ++stats_.requests_done;
+}
+
+void Scheduler::run_extend(const std::vector<Active*>& admitted) {
+  std::vector<BatchEntry> entries;
+  for (Active* a : admitted) {
+    BatchEntry e;
+    e.seq = &a->seq;
+    e.seq_len = a->seq.seq_len();
+    e.num_new = e.seq_len - static_cast<int32_t>(a->chain.size()) * cache_.block_size();
+    entries.push_back(e);
+  }
+  StepBatch step(ForwardMode::EXTEND, entries, *req_to_token_, device_);
+  record("EXTEND", model_->forward(step, options_.check));
+  if (draft_) record("draft EXTEND", draft_->forward(step, options_.check));
+  for (Active* a : admitted) {
+    // Cache the prompt's whole blocks; blocks another request cached meanwhile are shared.
+    std::vector<int32_t> prompt_slots(a->seq.slots.begin(),
+                                      a->seq.slots.begin() + a->spec->prompt.size());
+    std::vector<int32_t> released;
+    cache_.insert(a->spec->prompt, prompt_slots, a->chain, released);
+    if (!released.empty()) {
+      rewrite_tokens(a->seq, 0, prompt_slots, *req_to_token_);
+      allocator_->free(released);
+    }
+    a->generated = 1;
+    ++stats_.generated_tokens;
+    running_.push_back(a);
+    if (a->generated >= a->spec->output_len) finish(a);
+  }
+}
+
+void Scheduler::run_decode() {
+  const std::vector<int32_t> slots = alloc_slots(static_cast<int64_t>(running_.size()));
+  std::vector<BatchEntry> entries;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Active* a = running_[i];
+    append_tokens(a->seq, {slots[i]}, *req_to_token_);
+    entries.push_back({&a->seq, a->seq.seq_len(), 1, {}});
+  }
+  StepBatch step(ForwardMode::DECODE, entries, *req_to_token_, device_);
+  record("DECODE", model_->forward(step, options_.check));
+  const std::vector<Active*> batch = running_;
+  for (Active* a : batch) {
+    ++a->generated;
+    ++stats_.generated_tokens;
+    if (a->generated >= a->spec->output_len) finish(a);
+  }
+}
+
+void Scheduler::run_speculative() {
+  const SpeculativeConfig& sc = workload_.spec;
+  const int K = sc.topk, S = sc.num_steps, D = sc.draft_tokens();
+  const std::vector<Active*> batch = running_;
+  const size_t R = batch.size();
+  // The tree's D slots per request, in node order: the root (the last generated token, in
+  // neither pool yet), then branch b's draft token i as node 1 + b * S + i.
+  const std::vector<int32_t> slots = alloc_slots(static_cast<int64_t>(R) * D);
+  std::vector<int32_t> base(R), root_seq_lens(R), draft_slots;
+  std::vector<Sequence*> seqs;
+  for (size_t i = 0; i < R; ++i) {
+    base[i] = batch[i]->seq.seq_len();
+    root_seq_lens[i] = base[i] + 1;
+    append_tokens(batch[i]->seq,
+                  std::vector<int32_t>(slots.begin() + i * D, slots.begin() + (i + 1) * D),
+                  *req_to_token_);
+    draft_slots.insert(draft_slots.end(), slots.begin() + i * D + 1, slots.begin() + (i + 1) * D);
+    seqs.push_back(&batch[i]->seq);
+  }
+  // Draft: the draft model takes in the root (a decode pass), then drafts topk branches of
+  // num_steps tokens after it (multi-step draft decode, all steps planned at once).
+  {
+    std::vector<BatchEntry> entries;
+    for (size_t i = 0; i < R; ++i) entries.push_back({seqs[i], root_seq_lens[i], 1, {}});
+    StepBatch root(ForwardMode::DECODE, entries, *req_to_token_, device_);
+    record("draft DECODE", draft_->forward(root, options_.check));
+  }
+  record("draft multi-step", draft_->forward_draft_steps(seqs, root_seq_lens, draft_slots,
+                                                         *req_to_token_, options_.check));
+  // Verify the tree with the target model: each branch is a chain hanging off the root.
+  std::vector<BatchEntry> entries;
+  std::vector<std::vector<int32_t>> parents(R);
+  for (size_t i = 0; i < R; ++i) {
+    parents[i].assign(D, -1);
+    for (int b = 0; b < K; ++b)
+      for (int j = 0; j < S; ++j) parents[i][1 + b * S + j] = j == 0 ? 0 : b * S + j;
+    entries.push_back({seqs[i], base[i] + D, D, parents[i]});
+  }
+  {
+    StepBatch verify(ForwardMode::TARGET_VERIFY, entries, *req_to_token_, device_);
+    record("TARGET_VERIFY", model_->forward(verify, options_.check));
+  }
+  // Accept a root-to-node path: from each node the walk continues to a random child with
+  // probability accept_rate. The accepted tokens move to the positions after the prefix; the
+  // other tree slots are freed.
+  std::bernoulli_distribution go_on(workload_.spec.accept_rate);
+  std::vector<BatchEntry> accepted_entries;
+  std::vector<int32_t> freed;
+  for (size_t i = 0; i < R; ++i) {
+    Active* a = batch[i];
+    std::vector<int32_t> path = {0};
+    for (;;) {
+      std::vector<int32_t> children;
+      for (int j = 1; j < D; ++j)
+        if (parents[i][j] == path.back()) children.push_back(j);
+      if (children.empty() || !go_on(rng_)) break;
+      path.push_back(children[std::uniform_int_distribution<size_t>(0, children.size() - 1)(rng_)]);
+    }
+    const int32_t remaining = a->spec->output_len - a->generated;
+    if (static_cast<int32_t>(path.size()) > remaining) path.resize(remaining);
+    const int32_t first = a->seq.encoder_len + base[i];
+    const std::vector<int32_t> tree(a->seq.slots.begin() + first, a->seq.slots.begin() + first + D);
+    std::vector<int32_t> kept;
+    std::vector<bool> on_path(D, false);
+    for (int32_t node : path) {
+      kept.push_back(tree[node]);
+      on_path[node] = true;
+    }
+    for (int j = 0; j < D; ++j)
+      if (!on_path[j]) freed.push_back(tree[j]);
+    rewrite_tokens(a->seq, base[i], kept, *req_to_token_);
+    a->seq.slots.resize(first + kept.size());
+    accepted_entries.push_back({&a->seq, a->seq.seq_len(), static_cast<int32_t>(kept.size()), {}});
+    stats_.accepted_tokens += static_cast<int64_t>(kept.size());
+  }
+  allocator_->free(freed);
+  {
+    StepBatch extend(ForwardMode::DRAFT_EXTEND, accepted_entries, *req_to_token_, device_);
+    record("DRAFT_EXTEND", draft_->forward(extend, options_.check));
+  }
+  ++stats_.spec_steps;
+  stats_.spec_request_steps += static_cast<int64_t>(R);
+  for (size_t i = 0; i < R; ++i) {
+    Active* a = batch[i];
+    a->generated += accepted_entries[i].num_new;
+    stats_.generated_tokens += accepted_entries[i].num_new;
+    if (a->generated >= a->spec->output_len) finish(a);
+  }
+}
+
+void Scheduler::check_invariants() {
+  auto fail = [&](const std::string& what) { stats_.invariant_failures.push_back(what); };
+  if (stats_.requests_done != stats_.requests)
+    fail(str_cat(stats_.requests_done, " of ", stats_.requests, " requests finished"));
+  if (!running_.empty() || !waiting_.empty())
+    fail(str_cat(running_.size(), " requests still running, ", waiting_.size(), " waiting"));
+  try {
+    cache_.check_invariants();
+  } catch (const Error& e) {
+    fail(e.what());
+  }
+  const std::vector<int32_t> held = cache_.all_slots();
+  int64_t not_live = 0;
+  for (int32_t s : held) not_live += allocator_->is_live(s) ? 0 : 1;
+  if (not_live > 0) fail(str_cat(not_live, " prefix-cache slots are not allocated"));
+  const int64_t in_use = allocator_->capacity() - allocator_->num_free();
+  if (in_use != static_cast<int64_t>(held.size()))
+    fail(str_cat(in_use, " KV slots in use at the end, but the prefix cache holds ", held.size(),
+                 " (the rest leaked)"));
+  if (req_to_token_->num_used() != 0)
+    fail(str_cat(req_to_token_->num_used(), " req_to_token rows still in use"));
+  if (stats_.nan_passes > 0) fail(str_cat(stats_.nan_passes, " passes produced NaN outputs"));
+}
+
+ServeStats Scheduler::run(const std::function<void(const Progress&)>& on_progress) {
+  const auto& reqs = workload_.requests;
+  size_t next = 0;
+  int64_t clock = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  while (stats_.requests_done < stats_.requests) {
+    while (next < reqs.size() && reqs[next].arrival <= clock) waiting_.push_back(next++);
+    if (waiting_.empty() && running_.empty()) {
+      clock = reqs[next].arrival;  // nothing to run until the next arrival
+      continue;
+    }
+    const std::vector<Active*> admitted = admit();
+    if (!admitted.empty()) {
+      run_extend(admitted);
+    } else if (!running_.empty()) {
+      if (draft_)
+        run_speculative();
+      else
+        run_decode();
+    } else {
+      // Cannot happen: with nothing running every cached block is evictable and each request
+      // fits the pool alone (checked at construction).
+      throw Error(str_cat("scheduler: request ", waiting_.front(),
+                          " cannot be admitted into an idle pool"));
+    }
+    ++stats_.steps;
+    ++clock;
+    if (on_progress) {
+      Progress p;
+      p.done = stats_.requests_done;
+      p.total = stats_.requests;
+      p.generated_tokens = stats_.generated_tokens;
+      p.serve_s = elapsed() - stats_.check_s;
+      p.kv_used = allocator_->capacity() - allocator_->num_free();
+      p.kv_slots = allocator_->capacity();
+      p.running = static_cast<int64_t>(running_.size());
+      p.waiting = static_cast<int64_t>(waiting_.size());
+      on_progress(p);
+    }
+  }
+  // Reference checks and NaN scans are verification, not serving: their time is left out.
+  stats_.serve_s = elapsed() - stats_.check_s;
+  stats_.evicted_blocks = cache_.evicted_nodes();
+  stats_.cached_blocks_end = cache_.num_nodes();
+  stats_.cached_slots_end = cache_.cached_slots();
+  check_invariants();
+  return stats_;
+}
+
+}  // namespace flashkv::app

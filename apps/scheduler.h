@@ -1,0 +1,127 @@
+// Scheduler: continuous batching of a workload over a Model (and, for speculative decoding, a
+// one-layer draft Model sharing its req_to_token rows and slot ids).
+//
+// Each scheduler step runs one of:
+//   EXTEND  the waiting requests that fit (in arrival order, under the token budget, the
+//           running-request cap and the KV reservation), each on top of the longest prefix of its
+//           prompt the prefix cache holds; afterwards its prompt blocks are cached;
+//   DECODE  one token for every running request, when nothing could be admitted; or with
+//           speculative decoding, a speculative step instead: draft-model DECODE passes that
+//           draft a chain, a TARGET_VERIFY pass over a random draft tree, an accepted path, and a
+//           DRAFT_EXTEND pass of the draft model over the accepted tokens.
+// A request is admitted only when the free slots plus the prefix cache's unreferenced slots
+// cover what every admitted request may still need (its remaining output, plus a draft tree), so
+// a running request never waits for KV; when allocation finds the pool short it evicts
+// unreferenced prefix-cache blocks, least recently used first. A finished request returns its
+// slots except the prompt blocks the cache holds, which stay until evicted.
+// Steps with nothing to run skip ahead to the next arrival.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flashkv/kvcache/allocator.h"
+#include "flashkv/kvcache/req_to_token_pool.h"
+#include "model.h"
+#include "prefix_cache.h"
+#include "workload.h"
+
+namespace flashkv::app {
+
+struct SchedulerOptions {
+  int64_t kv_slots = 4096;  // usable slots of the KV pool
+  int token_budget = 512;   // new prompt tokens per EXTEND pass (a longer prompt runs alone)
+  int max_running = 16;     // requests in flight
+  int block_size = 16;      // prefix-cache granularity in tokens
+  CheckOptions check;
+  uint64_t seed = 1;
+};
+
+// Figures of a run (what the report and `serve --json` show).
+struct ServeStats {
+  int64_t requests = 0, requests_done = 0;
+  int64_t prompt_tokens = 0;         // all prompt tokens of the admitted requests
+  int64_t cached_prompt_tokens = 0;  // of which served from the prefix cache
+  int64_t generated_tokens = 0;
+  double serve_s = 0;           // wall time of the run, reference checks and NaN scans excluded
+  double check_s = 0;           // time spent in those
+  std::vector<double> pass_ms;  // every forward pass (all layers of its model)
+  struct ModeStats {
+    int64_t passes = 0;
+    double ms = 0;
+  };
+  std::map<std::string, ModeStats> by_mode;  // "EXTEND", "DECODE", "draft DECODE", ...
+  int64_t steps = 0;
+  int64_t kv_slots = 0;
+  int64_t peak_kv_slots = 0;          // allocated slots, prefix-cache holdings included
+  int64_t peak_working_kv_slots = 0;  // ... less the unreferenced (evictable) cache blocks
+  int64_t admission_waits = 0;        // steps where the head of the queue waited for KV space
+  int64_t evicted_blocks = 0, cached_blocks_end = 0, cached_slots_end = 0;
+  int64_t spec_steps = 0, spec_request_steps = 0, accepted_tokens = 0;
+  int64_t checked = 0, check_failures = 0;
+  double worst_rel_error = 0;
+  std::string first_failure;
+  int64_t nan_passes = 0;
+  std::vector<std::string> invariant_failures;  // empty: every end-of-run invariant holds
+
+  double tokens_per_s() const { return serve_s > 0 ? generated_tokens / serve_s : 0; }
+  double prefix_hit_rate() const {
+    return prompt_tokens > 0 ? double(cached_prompt_tokens) / double(prompt_tokens) : 0;
+  }
+  double pass_ms_percentile(double p) const;  // nearest rank; 0 without passes
+};
+
+// What the progress line shows, after every step.
+struct Progress {
+  int64_t done = 0, total = 0;
+  int64_t generated_tokens = 0;
+  double serve_s = 0;
+  int64_t kv_used = 0, kv_slots = 0;
+  int64_t running = 0, waiting = 0;
+};
+
+class Scheduler {
+ public:
+  // Throws flashkv::Error when a request can never fit the pool (it needs more than kv_slots).
+  Scheduler(const Workload& workload, const ModelConfig& model, Device device,
+            const SchedulerOptions& options);
+  ~Scheduler();
+
+  ServeStats run(const std::function<void(const Progress&)>& on_progress = {});
+
+  // Slots one request needs at its end (prompt, output and a draft tree): the pool must hold it.
+  static int64_t slots_needed(const RequestSpec& r, const SpeculativeConfig& spec);
+
+ private:
+  struct Active;
+  std::vector<Active*> admit();
+  void run_extend(const std::vector<Active*>& admitted);
+  void run_decode();
+  void run_speculative();
+  void finish(Active* a);
+  std::vector<int32_t> alloc_slots(int64_t n);  // evicting cached prefixes when short
+  int64_t reserve_of(const Active& a) const;
+  void record(const char* what, const PassResult& r);
+  void note_kv_use();
+  void check_invariants();
+
+  const Workload& workload_;
+  SchedulerOptions options_;
+  Device device_;
+  std::unique_ptr<ReqToTokenPool> req_to_token_;
+  std::unique_ptr<TokenAllocator> allocator_;
+  std::unique_ptr<Model> model_, draft_;
+  PrefixCache cache_;
+  std::vector<std::unique_ptr<Active>> active_;  // every admitted request
+  std::deque<size_t> waiting_;                   // indices into workload_.requests
+  std::vector<Active*> running_;
+  ServeStats stats_;
+  std::mt19937_64 rng_;  // draft trees and accepted paths
+};
+
+}  // namespace flashkv::app

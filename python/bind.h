@@ -1,0 +1,37 @@
+// Shared pieces of the Python binding (module flashkv._flashkv): DLPack arrays to TensorViews,
+// and the registration functions of each part.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "flashkv/core/tensor.h"
+
+namespace flashkv::py {
+
+namespace nb = nanobind;
+using Array = nb::ndarray<>;
+using OptArray = std::optional<nb::ndarray<>>;
+
+// A view of a DLPack array (any framework; CPU, pinned host or CUDA memory). bool arrays become
+// u8. `dtype_override` (a flashkv dtype name, "" for none) reinterprets a u8 array as an fp8 type
+// (fp8 KV caches arrive as uint8 storage), or must equal the array's own dtype.
+TensorView view_of(const Array& a, const char* name, const std::string& dtype_override = "");
+TensorView view_of(const OptArray& a, const char* name, const std::string& dtype_override = "");
+
+// A KV-cache array as the [slots, Hkv, D] view the operators take: 3-D as is, or 4-D NHD
+// [num_pages, page_size, Hkv, D] with its first two dimensions merged (their strides must allow
+// it). page_size > 0 is checked against dimension 1 of a 4-D array.
+TensorView kv_view_of(const Array& a, const char* name, const std::string& dtype_override,
+                      int page_size);
+
+inline Stream stream_of(uintptr_t handle) { return Stream{reinterpret_cast<void*>(handle)}; }
+
+void bind_ops(nb::module_& m);
+void bind_backend(nb::module_& m);
+
+}  // namespace flashkv::py

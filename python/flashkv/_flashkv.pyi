@@ -1,0 +1,454 @@
+"""
+flashkv's compiled operators, planner and backend (use the flashkv package).
+"""
+
+from collections.abc import Sequence
+import enum
+from typing import Any
+
+from numpy.typing import NDArray
+
+
+class Error(ValueError, RuntimeError):
+    """
+    An error raised by flashkv: a bad argument (naming it, with the expected and the actual value) or a failed operation. A ValueError and a RuntimeError.
+    """
+
+def built_with_cuda() -> bool:
+    """Whether this build has the CUDA kernels."""
+
+def cuda_available() -> bool:
+    """Whether this build has CUDA and the process sees a GPU."""
+
+def device_info(device: str) -> dict:
+    """What the planner knows about a device ('cpu', 'cuda:N')."""
+
+class Plan:
+    """
+    A planned batch: the work split, and the workspace its runs read it from.
+    """
+
+    def __init__(self, device: str, float_workspace_buffer: NDArray | None = None) -> None:
+        """
+        Plans for `device` ('cpu', 'cuda:N'); partial states of split work go into `float_workspace_buffer` (uint8 [bytes], shared between plans) when it is large enough, else into memory the plan allocates.
+        """
+
+    def plan(self, decode: bool, kv_len: NDArray, qo_indptr: NDArray | None, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_v: int, page_size: int, causal: bool, window_left: int, enable_split_kv: bool, fixed_split_size: int, cuda_graph: bool, max_batch_size: int, max_num_tokens: int, max_kv_len: int, stream: int) -> None:
+        """
+        Plans a batch from host arrays (kv_len int32 [B]; qo_indptr int32 [B + 1] for prefill, None for decode) and uploads the plan on `stream`.
+        """
+
+    def run_paged(self, q: NDArray, k_cache: NDArray, v_cache: NDArray, paged_kv_indptr: NDArray, paged_kv_indices: NDArray, paged_kv_last_page_len: NDArray | None, qo_indptr: NDArray | None, page_size: int, k_scale: float, v_scale: float, kv_dtype: str, causal: bool, window_left: int, logits_soft_cap: float, sm_scale: float, custom_mask: NDArray | None, mask_indptr: NDArray | None, out: NDArray, lse: NDArray | None, stream: int) -> None:
+        """
+        Paged decode (a decode plan) or paged prefill (a prefill plan) into out [T, Hq, Dv] and lse [T, Hq] (float32, base 2).
+        """
+
+    def run_ragged(self, q: NDArray, k: NDArray, v: NDArray, qo_indptr: NDArray, kv_indptr: NDArray, causal: bool, window_left: int, logits_soft_cap: float, sm_scale: float, custom_mask: NDArray | None, mask_indptr: NDArray | None, out: NDArray, lse: NDArray | None, stream: int) -> None:
+        """
+        Ragged prefill: q [Tq, Hq, D] against k/v [Tk, Hkv, D] into out and lse.
+        """
+
+    @property
+    def planned(self) -> bool: ...
+
+    @property
+    def decode(self) -> bool: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def num_qo_tokens(self) -> int: ...
+
+    @property
+    def num_items(self) -> int: ...
+
+    @property
+    def num_merges(self) -> int: ...
+
+    @property
+    def kv_chunk(self) -> int: ...
+
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def cuda_graph(self) -> bool: ...
+
+    @property
+    def workspace_bytes(self) -> int: ...
+
+    @property
+    def workspace_ptr(self) -> int: ...
+
+    @property
+    def scratch_ptr(self) -> int: ...
+
+    @property
+    def uses_caller_scratch(self) -> bool:
+        """
+        Whether split partial states go to the caller's float workspace buffer.
+        """
+
+def merge_state(v_a: NDArray, s_a: NDArray, v_b: NDArray, s_b: NDArray, v_out: NDArray, s_out: NDArray | None, stream: int) -> None:
+    """
+    Merges two attention states: v [T, H, D], s [T, H] float32 (base-2 LSE).
+    """
+
+def merge_states(v: NDArray, s: NDArray, v_out: NDArray, s_out: NDArray | None, stream: int) -> None:
+    """
+    Folds N states: v [T, N, H, D], s [T, N, H] -> v_out [T, H, D], s_out [T, H].
+    """
+
+def append_kv(k_new: NDArray, v_new: NDArray, cache_loc: NDArray, k_cache: NDArray, v_cache: NDArray, k_scale: float, v_scale: float, kv_dtype: str, stream: int) -> None:
+    """
+    k_cache[cache_loc[t]] = k_new[t] / k_scale (v likewise); caches [slots, Hkv, D] or NHD [pages, page_size, Hkv, D].
+    """
+
+def build_kv_indices(req_to_token: NDArray, req_pool_indices: NDArray, lens: NDArray, kv_start: NDArray | None, kv_indptr: NDArray, kv_indices: NDArray, stream: int) -> None:
+    """
+    kv_indices[kv_indptr[i] + j] = req_to_token[req_pool_indices[i], kv_start[i] + j] for j < lens[i].
+    """
+
+class KVPool:
+    """
+    Per-layer K [num_slots + page_size, Hkv, D_qk] and V [.., D_v] memory; page 0 (slot 0) is reserved for padding.
+    """
+
+    def __init__(self, num_slots: int, page_size: int = 1, num_layers: int = 1, num_kv_heads: int = 1, head_dim_qk: int = 128, head_dim_v: int = 0, dtype: str = 'bf16', device: str = 'cpu') -> None: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim_qk(self) -> int: ...
+
+    @property
+    def head_dim_v(self) -> int: ...
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def bytes(self) -> int: ...
+
+    def k_buffer(self, layer: int) -> Any:
+        """
+        Layer `layer`'s K [num_rows, Hkv, D_qk] as a DLPack array (fp8: uint8).
+        """
+
+    def v_buffer(self, layer: int) -> Any:
+        """Layer `layer`'s V [num_rows, Hkv, D_v] as a DLPack array (fp8: uint8)."""
+
+    def k_scale(self, layer: int) -> float: ...
+
+    def v_scale(self, layer: int) -> float: ...
+
+    def set_scales(self, layer: int, k_scale: float, v_scale: float) -> None: ...
+
+class ReqToTokenPool:
+    """
+    Rows of token slots per request: req_to_token int32 [max_reqs, max_context_len].
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: str = 'cpu') -> None: ...
+
+    @property
+    def max_reqs(self) -> int: ...
+
+    @property
+    def max_context_len(self) -> int: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def req_to_token(self) -> Any:
+        """int32 [max_reqs, max_context_len] as a DLPack array."""
+
+    def alloc(self, n: int) -> list[int] | None:
+        """`n` free rows, or None when fewer are free."""
+
+    def free(self, rows: Sequence[int]) -> None: ...
+
+    def write(self, row: int, start: int, slots: Sequence[int]) -> None: ...
+
+    def read(self, row: int, start: int, n: int) -> list[int]: ...
+
+class KVAllocator:
+    """Slot allocator of a KV pool (host-side free lists)."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    def is_live(self, slot: int) -> bool: ...
+
+    def alloc(self, n: int) -> list[int] | None:
+        """Slots for a new request of `n` tokens, or None when out of memory."""
+
+    def alloc_extend(self, requests: Sequence[tuple[int, int, int]]) -> list[int] | None:
+        """
+        Slots for every request's new tokens, given (prefix_len, last_slot, num_new) per request, all or nothing (None when out of memory).
+        """
+
+    def free(self, slots: Sequence[int]) -> None: ...
+
+    def reset(self) -> None: ...
+
+class PagedAllocator(KVAllocator):
+    """Page-granular slot allocator (pages 1.., page 0 reserved)."""
+
+    def __init__(self, num_slots: int, page_size: int) -> None: ...
+
+class TokenAllocator(PagedAllocator):
+    """Token-granular slot allocator (slots 1..num_slots)."""
+
+    def __init__(self, num_slots: int) -> None: ...
+
+class SWAAllocator(KVAllocator):
+    """Full + sliding-window slots, with the full-to-SWA table."""
+
+    def __init__(self, num_full_slots: int, num_swa_slots: int, page_size: int = 1, device: str = 'cpu') -> None: ...
+
+    def free_swa(self, full_slots: Sequence[int]) -> None: ...
+
+    def translate_full_to_swa(self, full_slots: Sequence[int]) -> list[int]: ...
+
+class ForwardMode(enum.Enum):
+    """What a forward pass runs (SGLang's ForwardMode)."""
+
+    EXTEND = 0
+
+    DECODE = 1
+
+    MIXED = 2
+
+    IDLE = 3
+
+    TARGET_VERIFY = 4
+
+    DRAFT_EXTEND = 5
+
+class AttentionType(enum.Enum):
+    """Decoder (causal) or encoder-only (bidirectional) attention."""
+
+    DECODER = 0
+
+    ENCODER_ONLY = 1
+
+class LayerSpec:
+    """One attention layer as the model declares it."""
+
+    def __init__(self, layer_id: int = 0, num_qo_heads: int = 0, num_kv_heads: int = 0, head_dim_qk: int = 0, head_dim_v: int = 0, scaling: float = 0.0, logit_cap: float = 0.0, sliding_window_size: int = -1, is_cross_attention: bool = False, attn_type: AttentionType = AttentionType.DECODER) -> None: ...
+
+    @property
+    def layer_id(self) -> int: ...
+
+    @layer_id.setter
+    def layer_id(self, arg: int, /) -> None: ...
+
+    @property
+    def num_qo_heads(self) -> int: ...
+
+    @num_qo_heads.setter
+    def num_qo_heads(self, arg: int, /) -> None: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @num_kv_heads.setter
+    def num_kv_heads(self, arg: int, /) -> None: ...
+
+    @property
+    def head_dim_qk(self) -> int: ...
+
+    @head_dim_qk.setter
+    def head_dim_qk(self, arg: int, /) -> None: ...
+
+    @property
+    def head_dim_v(self) -> int: ...
+
+    @head_dim_v.setter
+    def head_dim_v(self, arg: int, /) -> None: ...
+
+    @property
+    def scaling(self) -> float: ...
+
+    @scaling.setter
+    def scaling(self, arg: float, /) -> None: ...
+
+    @property
+    def logit_cap(self) -> float: ...
+
+    @logit_cap.setter
+    def logit_cap(self, arg: float, /) -> None: ...
+
+    @property
+    def sliding_window_size(self) -> int: ...
+
+    @sliding_window_size.setter
+    def sliding_window_size(self, arg: int, /) -> None: ...
+
+    @property
+    def is_cross_attention(self) -> bool: ...
+
+    @is_cross_attention.setter
+    def is_cross_attention(self, arg: bool, /) -> None: ...
+
+    @property
+    def attn_type(self) -> AttentionType: ...
+
+    @attn_type.setter
+    def attn_type(self, arg: AttentionType, /) -> None: ...
+
+class ForwardBatch:
+    """
+    What the backend needs of a forward batch (SGLang's field names); arrays are kept alive by the batch.
+    """
+
+    def __init__(self) -> None: ...
+
+    @property
+    def forward_mode(self) -> ForwardMode: ...
+
+    @forward_mode.setter
+    def forward_mode(self, arg: ForwardMode, /) -> None: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @batch_size.setter
+    def batch_size(self, arg: int, /) -> None: ...
+
+    @property
+    def seq_lens_cpu(self) -> list[int]: ...
+
+    @seq_lens_cpu.setter
+    def seq_lens_cpu(self, arg: Sequence[int], /) -> None: ...
+
+    @property
+    def extend_prefix_lens_cpu(self) -> list[int]: ...
+
+    @extend_prefix_lens_cpu.setter
+    def extend_prefix_lens_cpu(self, arg: Sequence[int], /) -> None: ...
+
+    @property
+    def extend_seq_lens_cpu(self) -> list[int]: ...
+
+    @extend_seq_lens_cpu.setter
+    def extend_seq_lens_cpu(self, arg: Sequence[int], /) -> None: ...
+
+    @property
+    def encoder_lens_cpu(self) -> list[int]: ...
+
+    @encoder_lens_cpu.setter
+    def encoder_lens_cpu(self, arg: Sequence[int], /) -> None: ...
+
+    @property
+    def draft_token_num(self) -> int: ...
+
+    @draft_token_num.setter
+    def draft_token_num(self, arg: int, /) -> None: ...
+
+    @property
+    def accept_length_cpu(self) -> list[int]: ...
+
+    @accept_length_cpu.setter
+    def accept_length_cpu(self, arg: Sequence[int], /) -> None: ...
+
+    @property
+    def req_to_token_pool(self) -> object: ...
+
+    @req_to_token_pool.setter
+    def req_to_token_pool(self, value: object | None) -> None: ...
+
+    @property
+    def token_to_kv_pool(self) -> object: ...
+
+    @token_to_kv_pool.setter
+    def token_to_kv_pool(self, value: object | None) -> None: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def req_pool_indices(self) -> object:
+        """int32 [B] on the batch's device: each request's req_to_token row."""
+
+    @req_pool_indices.setter
+    def req_pool_indices(self, value: object | None) -> None: ...
+
+    @property
+    def out_cache_loc(self) -> object:
+        """int32 [num_tokens] on the device: the KV slot of each new token."""
+
+    @out_cache_loc.setter
+    def out_cache_loc(self, value: object | None) -> None: ...
+
+    @property
+    def encoder_out_cache_loc(self) -> object:
+        """int32 [sum encoder_lens]: KV slots of encoder tokens."""
+
+    @encoder_out_cache_loc.setter
+    def encoder_out_cache_loc(self, value: object | None) -> None: ...
+
+    @property
+    def custom_mask(self) -> object:
+        """
+        TARGET_VERIFY tree mask: uint8/bool, request i's [draft_token_num, seq_lens[i]] matrix after the previous requests'.
+        """
+
+    @custom_mask.setter
+    def custom_mask(self, value: object | None) -> None: ...
+
+class FlashKVBackend:
+    """
+    SGLang's FlashInfer attention backend over flashkv: plan once per forward batch, attend once per layer.
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_v: int = 0, q_dtype: str = 'bf16', device: str = 'cpu', sliding_window_size: int = -1, is_encoder_decoder: bool = False, is_multimodal: bool = False, has_encoder_only_layers: bool = False, swa_kv_pool: KVPool | None = None, swa_allocator: SWAAllocator | None = None, deterministic: bool = False, decode_split_size: int = 2048, prefill_split_size: int = 4096, disable_split_kv: bool = False, use_tensor_cores: int = -1) -> None: ...
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None: ...
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None: ...
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None: ...
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int: ...
+
+    @property
+    def num_wrappers(self) -> int: ...
+
+    @property
+    def uses_ragged(self) -> bool: ...
+
+    @property
+    def extend_without_prefix(self) -> bool: ...
+
+    def decode_uses_tensor_cores(self, kv_dtype: str) -> bool: ...

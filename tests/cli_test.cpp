@@ -1,0 +1,263 @@
+// The flashkv command line, run as a user runs it: exit codes, the JSON output contract of serve
+// and bench, the last line of check, --help and bad input. Small sizes keep it to seconds.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+
+#include "flashkv/core/device.h"
+#include "json.h"
+
+namespace flashkv::app {
+namespace {
+
+struct RunResult {
+  int code = -1;
+  std::string out, err;
+};
+
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "flashkv_cli_" + name;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+// Runs `flashkv <args>` and collects its exit code, stdout and stderr.
+RunResult flashkv(const std::string& args) {
+  const std::string out = temp_path("stdout"), err = temp_path("stderr");
+  const std::string cmd =
+      std::string("'") + FLASHKV_CLI_PATH + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const int status = std::system(cmd.c_str());
+  RunResult r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = read_file(out);
+  r.err = read_file(err);
+  return r;
+}
+
+std::string last_line(const std::string& text) {
+  std::string t = text;
+  while (!t.empty() && t.back() == '\n') t.pop_back();
+  const size_t nl = t.rfind('\n');
+  return nl == std::string::npos ? t : t.substr(nl + 1);
+}
+
+int count_lines(const std::string& text) {
+  int n = 0;
+  for (char c : text) n += c == '\n';
+  return n;
+}
+
+double number(const JsonValue& obj, const char* key) {
+  const JsonValue* v = obj.find(key);
+  EXPECT_TRUE(v && v->is_number()) << "missing number field " << key;
+  return v && v->is_number() ? v->number() : -1;
+}
+
+// The fields of the serve contract, with the values any correct run has.
+void expect_serve_contract(const JsonValue& j, int requests) {
+  ASSERT_TRUE(j.is_object());
+  EXPECT_GT(number(j, "tokens_per_s"), 0);
+  EXPECT_EQ(number(j, "requests"), requests);
+  const double p50 = number(j, "attention_ms_p50"), p99 = number(j, "attention_ms_p99");
+  EXPECT_GT(p50, 0);
+  EXPECT_GE(p99, p50);
+  const double hit = number(j, "prefix_hit_rate");
+  EXPECT_GE(hit, 0);
+  EXPECT_LE(hit, 1);
+  EXPECT_GT(number(j, "peak_kv_slots"), 0);
+  EXPECT_LE(number(j, "peak_kv_slots"), number(j, "kv_slots"));
+  EXPECT_GT(number(j, "checked"), 0);
+  EXPECT_EQ(number(j, "check_failures"), 0);
+  ASSERT_TRUE(j.find("invariants_ok") && j.find("invariants_ok")->is_bool());
+  EXPECT_TRUE(j.find("invariants_ok")->boolean());
+}
+
+TEST(Cli, ServeChatWritesTheJsonContract) {
+  const std::string json = temp_path("serve.json");
+  const RunResult r =
+      flashkv("serve --device cpu --requests 8 --layers 2 --check --quiet --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("tokens/s"), std::string::npos);
+  EXPECT_NE(r.out.find("invariants   ok"), std::string::npos) << r.out;
+  const JsonValue j = parse_json(read_file(json));
+  expect_serve_contract(j, 8);
+  EXPECT_EQ(j.find("workload")->string(), "chat");
+  // Eight chat requests share four system prompts: some prompt tokens come from the cache.
+  EXPECT_GT(number(j, "prefix_hit_rate"), 0);
+}
+
+TEST(Cli, ServeSpeculativeWorkload) {
+  const std::string json = temp_path("spec.json");
+  const RunResult r = flashkv(
+      "serve --device cpu --workload spec --requests 6 --layers 2 --check --quiet --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const JsonValue j = parse_json(read_file(json));
+  expect_serve_contract(j, 6);
+  EXPECT_GE(number(j, "accepted_tokens_per_step"), 1);
+  EXPECT_TRUE(j.find("model")->find("speculative")->boolean());
+}
+
+TEST(Cli, ServeWorkloadFileWithSharedPrefixAndFp8Window) {
+  const std::string file = temp_path("workload.json");
+  write_file(file, R"({
+    "name": "two turns",
+    "prefixes": {"system": 64, "ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]},
+    "requests": [
+      {"arrival": 0, "prefix": "system", "prompt": 20, "output": 5},
+      {"arrival": 40, "prefix": "system", "prompt": [1, 2, 3], "output": 3},
+      {"arrival": 41, "prefix": "ids", "output": 2},
+      {"arrival": 2, "prompt": 33, "output": 1}
+    ]
+  })");
+  const std::string json = temp_path("file.json");
+  const RunResult r =
+      flashkv("serve --device cpu --workload " + file +
+              " --kv-dtype fp8_e4m3 --window 16 --layers 2 --check --quiet --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const JsonValue j = parse_json(read_file(json));
+  expect_serve_contract(j, 4);
+  EXPECT_EQ(j.find("workload")->string(), "two turns");
+  // The second request arrives after the first finished: its 64 system tokens are cached.
+  EXPECT_GE(number(j, "prefix_hit_rate"), 64.0 / (84 + 67 + 16 + 33));
+}
+
+TEST(Cli, BenchQuickWritesJsonCsvAndRoofline) {
+  const std::string json = temp_path("bench.json"), csv = temp_path("bench.csv"),
+                    svg = temp_path("roof.svg");
+  const RunResult r =
+      flashkv("bench --device cpu --grid quick --min-seconds 0 --roofline-mb 8 --json " + json +
+              " --csv " + csv + " --plot " + svg);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const JsonValue j = parse_json(read_file(json));
+  const JsonValue* m = j.find("machine");
+  ASSERT_TRUE(m && m->is_object());
+  EXPECT_EQ(m->find("device")->string(), "cpu");
+  for (const char* k : {"read_gbps", "copy_gbps", "matmul_gflops"})
+    EXPECT_GT(number(*m, k), 0) << k;
+  const JsonValue* cases = j.find("cases");
+  ASSERT_TRUE(cases && cases->is_array());
+  ASSERT_EQ(cases->items().size(), 3u);
+  for (const JsonValue& c : cases->items()) {
+    for (const char* k : {"op", "device", "dtype", "kv_dtype"})
+      EXPECT_TRUE(c.find(k) && c.find(k)->is_string()) << k;
+    for (const char* k : {"batch", "qo_len", "kv_len", "prefix_len", "num_qo_heads", "num_kv_heads",
+                          "head_dim", "page_size", "us", "gbps", "tflops"})
+      EXPECT_GE(number(c, k), 0) << k;
+    EXPECT_GT(number(c, "us"), 0);
+    EXPECT_GT(number(c, "roofline_fraction"), 0);
+    EXPECT_EQ(number(c, "prefix_len"), number(c, "kv_len") - number(c, "qo_len"));
+  }
+  EXPECT_EQ(count_lines(read_file(csv)), 4);  // header + 3 cases
+  const std::string plot = read_file(svg);
+  EXPECT_EQ(plot.rfind("<svg", 0), 0u);
+  EXPECT_NE(plot.find("</svg>"), std::string::npos);
+  size_t points = 0;
+  for (size_t at = plot.find("<title>"); at != std::string::npos; at = plot.find("<title>", at + 1))
+    ++points;
+  EXPECT_EQ(points, 3u);  // one point per case
+  EXPECT_NE(plot.find("read "), std::string::npos);
+  EXPECT_NE(plot.find("matmul "), std::string::npos);
+}
+
+TEST(Cli, CheckQuickEndsWithPassedFailedLine) {
+  const RunResult r = flashkv("check --device cpu --quick");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(std::regex_match(last_line(r.out), std::regex("[1-9][0-9]* passed, 0 failed")))
+      << last_line(r.out);
+  EXPECT_NE(r.out.find("backend verify"), std::string::npos);
+  EXPECT_NE(r.out.find("backend cross"), std::string::npos);
+  EXPECT_NE(r.out.find("backend draft_steps"), std::string::npos);
+}
+
+TEST(Cli, HelpExitsZero) {
+  for (const char* cmd :
+       {"--help", "serve --help", "bench --help", "check --help", "info --help"}) {
+    const RunResult r = flashkv(cmd);
+    EXPECT_EQ(r.code, 0) << cmd;
+    EXPECT_NE(r.out.find("usage: flashkv"), std::string::npos) << cmd;
+  }
+}
+
+TEST(Cli, BadFlagsAreOneLineAndExitTwo) {
+  for (const char* cmd :
+       {"serve --frobnicate", "serve --requests many", "serve --dtype fp4",
+        "serve --heads 6 --kv-heads 4", "serve --head-dim 72", "serve --requests",
+        "bench --grid huge", "bench --op attention", "check --op everything", "info --verbose",
+        "nonsense", "serve --device tpu", "serve --json /nonexistent-dir/x.json"}) {
+    const RunResult r = flashkv(cmd);
+    EXPECT_EQ(r.code, 2) << cmd << ": " << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << cmd << ": " << r.err;
+    EXPECT_EQ(r.err.rfind("flashkv", 0), 0u) << cmd << ": " << r.err;
+  }
+}
+
+TEST(Cli, NoCommandPrintsUsageAndExitsTwo) {
+  const RunResult r = flashkv("");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("usage: flashkv"), std::string::npos);
+}
+
+TEST(Cli, CudaWithoutAGpuIsOneLineAndExitTwo) {
+  if (cuda_available()) GTEST_SKIP() << "a GPU is visible";
+  for (const char* cmd : {"serve --device cuda", "bench --device cuda", "check --device cuda:0"}) {
+    const RunResult r = flashkv(cmd);
+    EXPECT_EQ(r.code, 2) << cmd;
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_TRUE(r.err.find("without CUDA") != std::string::npos ||
+                r.err.find("no GPU") != std::string::npos)
+        << r.err;
+  }
+}
+
+TEST(Cli, BadWorkloadFilesAreOneLineAndExitTwo) {
+  struct Bad {
+    const char* text;
+    const char* says;
+  };
+  const Bad bad[] = {
+      {"{\"requests\": [", "line 1, column 15: unexpected end"},
+      {"{\"requests\": [{\"prompt\": 10, \"output\": 0}]}", "requests[0].output"},
+      {"{\"requests\": [{\"prompt\": 10, \"output\": 4, \"tokens\": 3}]}", "unknown key"},
+      {"{\"requests\": [{\"prefix\": \"nope\", \"output\": 4}]}", "no prefix named"},
+      {"{\"requests\": []}", "non-empty array"},
+      {"{\"requests\": [{\"prompt\": 10, \"output\": 4}], \"requests\": 1}", "duplicate key"},
+      {"{\"speculative\": {\"topk\": 99}, \"requests\": [{\"prompt\": 1, \"output\": 1}]}",
+       "speculative.topk"},
+      {"[1, 2]", "expected an object"},
+  };
+  const std::string file = temp_path("bad.json");
+  for (const Bad& b : bad) {
+    write_file(file, b.text);
+    const RunResult r = flashkv("serve --device cpu --quiet --workload " + file);
+    EXPECT_EQ(r.code, 2) << b.text << ": " << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find(file), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(b.says), std::string::npos) << b.text << ": " << r.err;
+  }
+  const RunResult missing =
+      flashkv("serve --device cpu --workload " + temp_path("no-such-file.json"));
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_NE(missing.err.find("no such file"), std::string::npos) << missing.err;
+  // A request that cannot fit the pool it asked for.
+  write_file(file, "{\"requests\": [{\"prompt\": 500, \"output\": 100}]}");
+  const RunResult too_big = flashkv("serve --device cpu --kv-slots 256 --workload " + file);
+  EXPECT_EQ(too_big.code, 2);
+  EXPECT_NE(too_big.err.find("--kv-slots"), std::string::npos) << too_big.err;
+}
+
+}  // namespace
+}  // namespace flashkv::app

@@ -1,0 +1,427 @@
+// The pieces of `flashkv serve`: the JSON reader, workloads, the prefix cache, step batches and
+// the scheduler's end-of-run invariants; and layer_reference's argument checks.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <random>
+#include <set>
+
+#include "flashkv/backend/layer_reference.h"
+#include "flashkv/kvcache/kv_pool.h"
+#include "flashkv/kvcache/req_to_token_pool.h"
+#include "json.h"
+#include "prefix_cache.h"
+#include "scheduler.h"
+#include "step_batch.h"
+#include "test_util.h"
+#include "workload.h"
+
+namespace flashkv::app {
+namespace {
+
+using test::error_of;
+
+// ---- JSON ----------------------------------------------------------------------------------
+
+TEST(Json, ParsesEveryKindOfValue) {
+  const JsonValue v = parse_json(R"( {"a": [1, -2.5e3, 0, true, false, null],
+    "s": "q\"\\\/\b\f\n\r\t\u00e9\ud83d\ude00", "o": {}, "e": []} )");
+  ASSERT_TRUE(v.is_object());
+  const auto& a = v.find("a")->items();
+  ASSERT_EQ(a.size(), 6u);
+  EXPECT_EQ(a[0].number(), 1);
+  EXPECT_EQ(a[1].number(), -2500);
+  EXPECT_TRUE(a[3].is_bool() && a[3].boolean());
+  EXPECT_TRUE(a[4].is_bool() && !a[4].boolean());
+  EXPECT_TRUE(a[5].is_null());
+  EXPECT_EQ(v.find("s")->string(), "q\"\\/\b\f\n\r\t\xC3\xA9\xF0\x9F\x98\x80");
+  EXPECT_TRUE(v.find("o")->is_object() && v.find("o")->members().empty());
+  EXPECT_TRUE(v.find("e")->is_array() && v.find("e")->items().empty());
+  EXPECT_EQ(v.find("missing"), nullptr);
+  EXPECT_EQ(v.members()[0].first, "a");  // file order
+  EXPECT_EQ(a[1].line(), 1);
+  EXPECT_EQ(a[1].column(), 12);
+}
+
+TEST(Json, RejectsMalformedTextWithItsPosition) {
+  struct Bad {
+    const char* text;
+    const char* says;
+  };
+  const Bad bad[] = {
+      {"", "line 1, column 1: unexpected end"},
+      {"{\"a\": 1,}", "line 1, column 9: expected a member name"},
+      {"{\"a\" 1}", "expected ':'"},
+      {"[1 2]", "expected ',' or ']'"},
+      {"{\n  \"a\": tru}", "line 2, column 8: invalid literal"},
+      {"01", "leading zero"},
+      {"1.", "expected a digit"},
+      {"-", "expected a digit"},
+      {"1e999", "out of range"},
+      {"\"abc", "unterminated string"},
+      {"\"a\tb\"", "control character"},
+      {"\"\\x\"", "invalid escape"},
+      {"\"\\ud800\"", "unpaired UTF-16 surrogate"},
+      {"\"\\u12g4\"", "four hex digits"},
+      {"{\"k\": 1, \"k\": 2}", "line 1, column 10: duplicate key \"k\""},
+      {"[1] [2]", "unexpected text after"},
+      {"'single'", "unexpected character"},
+  };
+  for (const Bad& b : bad) {
+    const std::string e = error_of([&] { parse_json(b.text); });
+    EXPECT_NE(e.find(b.says), std::string::npos) << b.text << " -> " << e;
+  }
+  EXPECT_NE(error_of([] {
+              parse_json(std::string(300, '[') + std::string(300, ']'));
+            }).find("deeper than 200"),
+            std::string::npos);
+  EXPECT_EQ(error_of([] { parse_json(std::string(150, '[') + std::string(150, ']')); }), "");
+}
+
+TEST(Json, ReadFileNamesThePath) {
+  const std::string path = ::testing::TempDir() + "json_test.json";
+  std::ofstream(path) << "{\"a\": [1,\n 2,, 3]}";
+  const std::string e = error_of([&] { read_json_file(path); });
+  EXPECT_EQ(e.rfind(path + ": line 2, column 4:", 0), 0u) << e;
+  EXPECT_NE(error_of([] { read_json_file("/nonexistent/file.json"); }).find("no such file"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { read_json_file("/"); }).find("not a regular file"), std::string::npos);
+}
+
+// ---- workloads -----------------------------------------------------------------------------
+
+TEST(Workload, BuiltinsAreSeededAndShareTheirPrefixes) {
+  for (const char* name : {"chat", "long", "spec"}) {
+    SCOPED_TRACE(name);
+    const Workload a = builtin_workload(name, 0, false, 7), b = builtin_workload(name, 0, false, 7);
+    const Workload c = builtin_workload(name, 0, false, 8);
+    ASSERT_FALSE(a.requests.empty());
+    EXPECT_EQ(a.spec.enabled, std::string(name) == "spec");
+    bool same = true, differs = false;
+    std::set<std::vector<int32_t>> prefixes;
+    for (size_t i = 0; i < a.requests.size(); ++i) {
+      same = same && a.requests[i].prompt == b.requests[i].prompt &&
+             a.requests[i].arrival == b.requests[i].arrival;
+      differs = differs || i >= c.requests.size() || a.requests[i].prompt != c.requests[i].prompt;
+      if (i) EXPECT_GE(a.requests[i].arrival, a.requests[i - 1].arrival);
+      EXPECT_GE(a.requests[i].output_len, 1);
+      const RequestSpec& r = a.requests[i];
+      if (r.prefix_len > 0)
+        prefixes.insert(std::vector<int32_t>(r.prompt.begin(), r.prompt.begin() + r.prefix_len));
+    }
+    EXPECT_TRUE(same);
+    EXPECT_TRUE(differs);
+    EXPECT_GE(prefixes.size(), 1u);
+    EXPECT_LE(static_cast<int>(prefixes.size()), a.num_prefixes);
+    EXPECT_EQ(builtin_workload(name, 5, false, 7).requests.size(), 5u);
+    // Sized up for a GPU.
+    EXPECT_GT(builtin_workload(name, 0, true, 7).prompt_tokens(), a.prompt_tokens());
+  }
+  EXPECT_NE(error_of([] { builtin_workload("chats", 0, false, 1); }).find("chat, long, spec"),
+            std::string::npos);
+}
+
+TEST(Workload, FileFormat) {
+  const std::string path = ::testing::TempDir() + "workload_test.json";
+  std::ofstream(path) << R"({"name": "t", "prefixes": {"p": [9, 8, 7]},
+      "speculative": {"topk": 3, "steps": 1, "accept_rate": 0.5},
+      "requests": [{"arrival": 5, "prefix": "p", "prompt": [1, 2], "output": 2},
+                   {"prompt": 4, "output": 1}, {"arrival": 5, "prefix": "p", "output": 9}]})";
+  const Workload w = load_workload_file(path, 0, 1);
+  EXPECT_EQ(w.name, "t");
+  EXPECT_TRUE(w.spec.enabled);
+  EXPECT_EQ(w.spec.topk, 3);
+  EXPECT_EQ(w.spec.num_steps, 1);
+  EXPECT_EQ(w.spec.draft_tokens(), 4);
+  EXPECT_EQ(w.spec.accept_rate, 0.5);
+  ASSERT_EQ(w.requests.size(), 3u);
+  // Sorted by arrival, stable among equal arrivals.
+  EXPECT_EQ(w.requests[0].arrival, 0);
+  EXPECT_EQ(w.requests[0].prompt.size(), 4u);
+  EXPECT_EQ(w.requests[1].prompt, (std::vector<int32_t>{9, 8, 7, 1, 2}));
+  EXPECT_EQ(w.requests[1].prefix_len, 3);
+  EXPECT_EQ(w.requests[2].prompt, (std::vector<int32_t>{9, 8, 7}));
+  EXPECT_EQ(w.requests[2].output_len, 9);
+  EXPECT_EQ(w.max_sequence_len(), 12);
+  EXPECT_EQ(load_workload_file(path, 2, 1).requests.size(), 2u);
+  std::ofstream(path)
+      << R"({"speculative": {"steps": 0}, "requests": [{"prompt": 1, "output": 1}]})";
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("speculative.steps"),
+            std::string::npos);
+
+  std::ofstream(path) << R"({"requests": [{"prompt": 4, "output": 1}], "speculative": true})";
+  EXPECT_TRUE(load_workload_file(path, 0, 1).spec.enabled);
+  std::ofstream(path) << R"({"requests": [{"prompt": 0, "output": 1}]})";
+  EXPECT_NE(error_of([&] {
+              load_workload_file(path, 0, 1);
+            }).find("requests[0].prompt: expected an integer in 1.."),
+            std::string::npos);
+  std::ofstream(path) << R"({"requests": [{"prompt": [1, -2], "output": 1}]})";
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("requests[0].prompt[1]"),
+            std::string::npos);
+  std::ofstream(path) << R"({"requests": [{"output": 1}]})";
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("requests[0].prompt: missing"),
+            std::string::npos);
+  std::ofstream(path) << R"({"requests": [{"prompt": 1}]})";
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("requests[0].output: missing"),
+            std::string::npos);
+  std::ofstream(path) << R"({"requests": [{"prompt": 1, "output": 1.5}]})";
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("got 1.5"), std::string::npos);
+  std::ofstream(path)
+      << R"({"speculative": {"accept_rate": 2}, "requests": [{"prompt": 1, "output": 1}]})";
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("speculative.accept_rate"),
+            std::string::npos);
+  std::ofstream(path) << R"({"requests": [{"prompt": 1000000, "output": 1000000}]})";
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("more than the"),
+            std::string::npos);
+  std::ofstream(path) << R"({"requests": [{"prompt": 1, "output": 1}], "extra": 1})";
+  EXPECT_NE(error_of([&] { load_workload_file(path, 0, 1); }).find("extra: unknown key"),
+            std::string::npos);
+}
+
+// ---- prefix cache --------------------------------------------------------------------------
+
+std::vector<int32_t> iota_slots(int32_t first, int n) {
+  std::vector<int32_t> s(n);
+  for (int i = 0; i < n; ++i) s[i] = first + i;
+  return s;
+}
+
+TEST(PrefixCache, MatchInsertShareAndRelease) {
+  PrefixCache c(4);
+  const std::vector<int32_t> a = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // 2 whole blocks + 2
+  EXPECT_TRUE(c.match(a).empty());
+  std::vector<int32_t> slots_a = iota_slots(100, 10), chain_a, released;
+  c.insert(a, slots_a, chain_a, released);
+  EXPECT_EQ(chain_a.size(), 2u);
+  EXPECT_TRUE(released.empty());
+  EXPECT_EQ(c.num_nodes(), 2);
+  EXPECT_EQ(c.evictable_slots(), 0);  // the inserting request references both blocks
+  EXPECT_EQ(c.slots(chain_a[1]), (std::vector<int32_t>{104, 105, 106, 107}));
+
+  // A prompt sharing the first block only, then diverging.
+  const std::vector<int32_t> b = {1, 2, 3, 4, 5, 6, 0, 8, 9};
+  std::vector<int32_t> chain_b = c.match(b);
+  ASSERT_EQ(chain_b.size(), 1u);
+  EXPECT_EQ(chain_b[0], chain_a[0]);
+  c.acquire(chain_b);
+  std::vector<int32_t> slots_b = {100, 101, 102, 103, 200, 201, 202, 203, 204};
+  c.insert(b, slots_b, chain_b, released);
+  EXPECT_EQ(chain_b.size(), 2u);
+  EXPECT_EQ(c.num_nodes(), 3);
+
+  // A request that prefilled the same prompt as `a` meanwhile shares a's blocks and hands back
+  // its own slots.
+  std::vector<int32_t> slots_d = iota_slots(300, 10), chain_d;
+  c.insert(a, slots_d, chain_d, released);
+  EXPECT_EQ(chain_d, chain_a);
+  EXPECT_EQ(released, iota_slots(300, 8));
+  EXPECT_EQ(std::vector<int32_t>(slots_d.begin(), slots_d.begin() + 8), iota_slots(100, 8));
+  EXPECT_EQ(slots_d[8], 308);
+  c.check_invariants();
+
+  // Nothing is evictable while referenced.
+  EXPECT_TRUE(c.evict(100).empty());
+  c.release(chain_a);
+  c.release(chain_d);
+  EXPECT_EQ(c.evictable_slots(), 4);  // a's second block; the first is still b's
+  EXPECT_EQ(c.evict(100), iota_slots(104, 4));
+  c.release(chain_b);
+  // Leaves first: b's second block, then the shared root block.
+  const std::vector<int32_t> out = c.evict(100);
+  EXPECT_EQ(out, (std::vector<int32_t>{200, 201, 202, 203, 100, 101, 102, 103}));
+  EXPECT_EQ(c.num_nodes(), 0);
+  EXPECT_EQ(c.evicted_nodes(), 3);
+  c.check_invariants();
+}
+
+TEST(PrefixCache, EvictsLeastRecentlyUsedAndStopsWhenEnough) {
+  PrefixCache c(2);
+  std::vector<std::vector<int32_t>> chains(3);
+  std::vector<int32_t> released;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<int32_t> tokens = {i, i}, slots = {10 * i + 1, 10 * i + 2};
+    c.insert(tokens, slots, chains[i], released);
+  }
+  c.release(chains[1]);
+  c.release(chains[0]);
+  c.release(chains[2]);
+  // Touch block 1 again: 0 is now the least recently used, then 2.
+  c.acquire(chains[1]);
+  c.release(chains[1]);
+  EXPECT_EQ(c.evict(1), (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(c.evict(2), (std::vector<int32_t>{21, 22}));
+  EXPECT_EQ(c.num_nodes(), 1);
+}
+
+TEST(PrefixCache, BadUseThrows) {
+  EXPECT_THROW(PrefixCache(0), Error);
+  PrefixCache c(2);
+  EXPECT_THROW(c.slots(0), Error);
+  EXPECT_THROW(c.acquire({3}), Error);
+  std::vector<int32_t> tokens = {1, 2}, slots = {5, 6}, chain, released;
+  c.insert(tokens, slots, chain, released);
+  c.release(chain);
+  EXPECT_NE(error_of([&] { c.release(chain); }).find("without a reference"), std::string::npos);
+  std::vector<int32_t> few = {5};
+  EXPECT_THROW(c.insert(tokens, few, chain, released), Error);
+}
+
+// A random mix of requests against the cache, checking its bookkeeping every step and that
+// every slot it hands back is one it took and holds no more.
+TEST(PrefixCache, RandomScheduleKeepsInvariants) {
+  FLASHKV_SEEDED_RNG(rng, 91);
+  PrefixCache c(4);
+  std::set<int32_t> held;  // slots the cache owns
+  int32_t next_slot = 1;
+  std::vector<std::vector<int32_t>> live;
+  for (int step = 0; step < 400; ++step) {
+    if (rng.uniform() < 0.6 || live.empty()) {
+      std::vector<int32_t> tokens;
+      const int shared = rng.uniform_int(0, 3), own = rng.uniform_int(0, 9);
+      for (int i = 0; i < shared * 4; ++i) tokens.push_back(i % 7);  // common prefixes
+      for (int i = 0; i < own; ++i) tokens.push_back(rng.uniform_int(0, 3));
+      std::vector<int32_t> chain = c.match(tokens);
+      c.acquire(chain);
+      std::vector<int32_t> slots;
+      for (int32_t n : chain) slots.insert(slots.end(), c.slots(n).begin(), c.slots(n).end());
+      while (slots.size() < tokens.size()) slots.push_back(next_slot++);
+      std::vector<int32_t> released;
+      const size_t before = chain.size();
+      c.insert(tokens, slots, chain, released);
+      for (size_t b = before; b < chain.size(); ++b)
+        for (int32_t s : c.slots(chain[b])) held.insert(s);
+      for (int32_t s : released) EXPECT_EQ(held.count(s), 0u) << "released a cached slot";
+      live.push_back(chain);
+    } else {
+      const size_t i = static_cast<size_t>(rng.uniform_int(0, static_cast<int>(live.size()) - 1));
+      c.release(live[i]);
+      live.erase(live.begin() + i);
+    }
+    if (step % 7 == 0)
+      for (int32_t s : c.evict(rng.uniform_int(1, 12))) {
+        EXPECT_EQ(held.count(s), 1u) << "evicted a slot it did not hold";
+        held.erase(s);
+      }
+    c.check_invariants();
+    EXPECT_EQ(c.cached_slots(), static_cast<int64_t>(held.size()));
+  }
+}
+
+// ---- step batches --------------------------------------------------------------------------
+
+TEST(StepBatch, VerifyTreeMaskAndFields) {
+  ReqToTokenPool pool(4, 64);
+  Sequence s;
+  s.row = (*pool.alloc(1))[0];
+  append_tokens(s, iota_slots(10, 7), pool);  // 4 cached tokens + 3 drafts
+  EXPECT_EQ(pool.read(s.row, 0, 7), iota_slots(10, 7));
+  StepBatch b(ForwardMode::TARGET_VERIFY, {{&s, 7, 3, {-1, 0, 0}}}, pool, Device::cpu());
+  EXPECT_EQ(b.batch().spec.draft_token_num, 3);
+  EXPECT_EQ(b.batch().seq_lens_cpu, (std::vector<int32_t>{7}));
+  EXPECT_EQ(b.num_tokens(), 3);
+  // Node 2's parent is the root: it sees the prefix, the root and itself, not node 1.
+  const uint8_t* m = b.mask(0);
+  const std::vector<uint8_t> row2(m + 14, m + 21);
+  EXPECT_EQ(row2, (std::vector<uint8_t>{1, 1, 1, 1, 1, 0, 1}));
+  EXPECT_EQ(b.batch().out_cache_loc.at({0}), 14);
+  rewrite_tokens(s, 4, {16}, pool);
+  EXPECT_EQ(pool.read(s.row, 4, 1), (std::vector<int32_t>{16}));
+  EXPECT_THROW(rewrite_tokens(s, 6, {1, 2}, pool), Error);
+  EXPECT_THROW(StepBatch(ForwardMode::TARGET_VERIFY, {{&s, 7, 3, {-1, 2, 0}}}, pool, Device::cpu()),
+               Error);
+  EXPECT_THROW(StepBatch(ForwardMode::DECODE, {{&s, 7, 2, {}}}, pool, Device::cpu()), Error);
+  EXPECT_THROW(StepBatch(ForwardMode::EXTEND, {{&s, 8, 2, {}}}, pool, Device::cpu()), Error);
+}
+
+// ---- the scheduler -------------------------------------------------------------------------
+
+// A tight pool forces waiting and eviction; the run still finishes with every invariant held
+// and every sampled output matching the reference.
+TEST(Scheduler, TightPoolEvictsWaitsAndFinishesClean) {
+  for (const char* name : {"chat", "spec"}) {
+    SCOPED_TRACE(name);
+    Workload w = builtin_workload(name, 8, false, 3);
+    ModelConfig m;
+    m.num_layers = 1;
+    SchedulerOptions o;
+    o.kv_slots = 768;
+    o.max_running = 6;
+    o.token_budget = 256;
+    o.check.enabled = true;
+    Scheduler s(w, m, Device::cpu(), o);
+    const ServeStats st = s.run();
+    EXPECT_EQ(st.requests_done, 8);
+    EXPECT_TRUE(st.invariant_failures.empty()) << st.invariant_failures[0];
+    EXPECT_GT(st.checked, 0);
+    EXPECT_EQ(st.check_failures, 0) << st.first_failure;
+    EXPECT_LE(st.peak_kv_slots, 768);
+    EXPECT_GT(st.evicted_blocks + st.admission_waits, 0);
+    int64_t out = 0;
+    for (const RequestSpec& r : w.requests) out += r.output_len;
+    EXPECT_EQ(st.generated_tokens, out);
+    EXPECT_GT(st.cached_prompt_tokens, 0);
+  }
+}
+
+TEST(Scheduler, RejectsARequestLargerThanThePool) {
+  Workload w;
+  w.name = "one";
+  RequestSpec r;
+  r.prompt.assign(100, 5);
+  r.output_len = 30;
+  w.requests.push_back(r);
+  SchedulerOptions o;
+  o.kv_slots = 128;
+  EXPECT_NE(
+      error_of([&] { Scheduler(w, ModelConfig(), Device::cpu(), o); }).find("needs 130 KV slots"),
+      std::string::npos);
+}
+
+// ---- layer_reference -----------------------------------------------------------------------
+
+TEST(LayerReference, BadInput) {
+  KVPoolConfig pc;
+  pc.num_slots = 32;
+  pc.num_kv_heads = 2;
+  pc.head_dim_qk = 64;
+  KVPool pool(pc);
+  LayerSpec l;
+  l.num_qo_heads = 4;
+  l.num_kv_heads = 2;
+  l.head_dim_qk = 64;
+  std::vector<int32_t> slots = {1, 2, 3};
+  Tensor q = Tensor::empty({2, 4, 64}, DType::bf16);
+  ReferenceRequest r{slots.data(), 0, 3, 2, nullptr};
+  EXPECT_EQ(error_of([&] { layer_reference(l, {r}, q, pool); }), "");
+  ReferenceRequest more = r;
+  more.qo_len = 4;
+  EXPECT_NE(error_of([&] { layer_reference(l, {more}, q, pool); }).find("qo_len <= seq_len"),
+            std::string::npos);
+  ReferenceRequest one = r;
+  one.qo_len = 1;
+  EXPECT_NE(error_of([&] { layer_reference(l, {one}, q, pool); }).find("q rows"),
+            std::string::npos);
+  std::vector<int32_t> far = {1, 2, 99};
+  ReferenceRequest out_of_pool{far.data(), 0, 3, 2, nullptr};
+  EXPECT_NE(error_of([&] { layer_reference(l, {out_of_pool}, q, pool); }).find("slot 99 outside"),
+            std::string::npos);
+  LayerSpec enc = l;
+  enc.attn_type = AttentionType::ENCODER_ONLY;
+  EXPECT_NE(error_of([&] { layer_reference(enc, {r}, q, pool); }).find("ENCODER_ONLY"),
+            std::string::npos);
+  Tensor wrong_heads = Tensor::empty({2, 8, 64}, DType::bf16);
+  EXPECT_THROW(layer_reference(l, {r}, wrong_heads, pool), Error);
+  std::vector<uint8_t> mask(6, 1);
+  ReferenceRequest masked = r;
+  masked.mask = mask.data();
+  EXPECT_NE(error_of([&] {
+              layer_reference(l, {masked, r}, q, pool);
+            }).find("tree mask"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace flashkv::app
