@@ -29,8 +29,8 @@ Isa detect_isa() {
   if (!osxsave || !avx || __get_cpuid_max(0, nullptr) < 7) return Isa::scalar;
   unsigned xcr0_lo, xcr0_hi;
   __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-  const bool os_ymm = (xcr0_lo & 0x6) == 0x6;     // SSE + AVX state saved by the OS
-  const bool os_zmm = (xcr0_lo & 0xe6) == 0xe6;   // + opmask and both ZMM halves
+  const bool os_ymm = (xcr0_lo & 0x6) == 0x6;    // SSE + AVX state saved by the OS
+  const bool os_zmm = (xcr0_lo & 0xe6) == 0xe6;  // + opmask and both ZMM halves
   __cpuid_count(7, 0, a, b, c, d);
   const bool avx2 = b & (1u << 5);
   const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));
@@ -49,8 +49,8 @@ Isa isa_from_env() {
   if (!env) return Isa::avx512_bf16;
   for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
     if (std::strcmp(env, isa_name(isa)) == 0) return isa;
-  throw_error(str_cat("FLASHKV_CPU_ISA: expected scalar, avx2, avx512 or avx512_bf16, got '", env,
-                      "'"));
+  throw_error(
+      str_cat("FLASHKV_CPU_ISA: expected scalar, avx2, avx512 or avx512_bf16, got '", env, "'"));
 }
 
 std::atomic<int>& isa_cap() {
@@ -122,10 +122,14 @@ struct FreeDeleter {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::scalar: return "scalar";
-    case Isa::avx2: return "avx2";
-    case Isa::avx512: return "avx512";
-    case Isa::avx512_bf16: return "avx512_bf16";
+    case Isa::scalar:
+      return "scalar";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::avx512:
+      return "avx512";
+    case Isa::avx512_bf16:
+      return "avx512_bf16";
   }
   return "?";
 }
@@ -139,9 +143,7 @@ Isa active_isa() {
   return std::min(detected_isa(), static_cast<Isa>(isa_cap().load(std::memory_order_relaxed)));
 }
 
-Isa set_isa_cap(Isa cap) {
-  return static_cast<Isa>(isa_cap().exchange(static_cast<int>(cap)));
-}
+Isa set_isa_cap(Isa cap) { return static_cast<Isa>(isa_cap().exchange(static_cast<int>(cap))); }
 
 void* thread_scratch(size_t bytes) {
   thread_local std::unique_ptr<void, FreeDeleter> buffer;

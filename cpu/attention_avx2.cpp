@@ -11,12 +11,8 @@
 #endif
 
 #define FLASHKV_CPU_ISA_NS avx2
+#include "attention_isa.h"
 #include "simd_avx2.h"
-#include "attention_kernel.h"
-#include "attention_loads.h"
-#include "attention_few_rows.h"
-#include "attention_item.h"
-#include "merge_kernel.h"
 
 namespace flashkv::cpu::avx2 {
 ItemKernel item_kernel(DType kv_dtype) { return item_kernel_for<Avx2F32>(kv_dtype); }

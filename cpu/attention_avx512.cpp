@@ -5,7 +5,7 @@
 
 #if FLASHKV_CPU_X86
 #if defined(__clang__)
-#pragma clang attribute push(                                                              \
+#pragma clang attribute push(                                                             \
     __attribute__((target("avx2,fma,f16c,bmi,bmi2,avx512f,avx512bw,avx512vl,avx512dq"))), \
     apply_to = function)
 #else
@@ -15,12 +15,8 @@
 
 #define FLASHKV_CPU_ISA_NS avx512
 #define FLASHKV_CPU_HAS_BF16 0
+#include "attention_isa.h"
 #include "simd_avx512.h"
-#include "attention_kernel.h"
-#include "attention_loads.h"
-#include "attention_few_rows.h"
-#include "attention_item.h"
-#include "merge_kernel.h"
 
 namespace flashkv::cpu::avx512 {
 ItemKernel item_kernel(DType kv_dtype) { return item_kernel_for<Avx512F32>(kv_dtype); }

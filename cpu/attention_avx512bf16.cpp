@@ -5,9 +5,9 @@
 
 #if FLASHKV_CPU_X86
 #if defined(__clang__)
-#pragma clang attribute push(                                                                 \
-    __attribute__((target(                                                                   \
-        "avx2,fma,f16c,bmi,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))),            \
+#pragma clang attribute push(                                                             \
+    __attribute__((                                                                       \
+        target("avx2,fma,f16c,bmi,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))), \
     apply_to = function)
 #else
 #pragma GCC push_options
@@ -16,11 +16,8 @@
 
 #define FLASHKV_CPU_ISA_NS avx512bf16
 #define FLASHKV_CPU_HAS_BF16 1
+#include "attention_isa.h"
 #include "simd_avx512.h"
-#include "attention_kernel.h"
-#include "attention_loads.h"
-#include "attention_few_rows.h"
-#include "attention_item.h"
 
 namespace flashkv::cpu::avx512bf16 {
 ItemKernel item_kernel(DType kv_dtype) { return item_kernel_for<Avx512Bf16>(kv_dtype); }

@@ -8,7 +8,8 @@
 // which then go through the same softmax. PV: V rows are loaded (bf16: two rows interleaved
 // into steps) and multiplied into O in registers, without a V tile.
 #ifndef FLASHKV_CPU_ISA_NS
-#error "include cpu/attention_few_rows.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
+#error \
+    "include cpu/attention_few_rows.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
@@ -19,8 +20,8 @@ constexpr int kFewRows = 8;
 // four at a time through a register tile of up to 4 rows x 4 keys, each K vector loaded once
 // for those rows; the per-key vectors are then reduced to lanes (one key per lane).
 template <class T, class Src>
-void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int dim,
-                 float* scores, const Fp8Tables& tables) {
+void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int dim, float* scores,
+                 const Fp8Tables& tables) {
   using F = typename T::F;
   constexpr int W = T::W, P = T::kPack;
   const int vecs = t.q_pitch / W;
@@ -61,7 +62,8 @@ void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int
             typename T::Vec k[4];
             FLASHKV_UNROLL
             for (int i = 0; i < 4; ++i)
-              k[i] = T::load_steps(reinterpret_cast<const Src*>(rows4[i]) + c * W * P, elems, tables);
+              k[i] =
+                  T::load_steps(reinterpret_cast<const Src*>(rows4[i]) + c * W * P, elems, tables);
             FLASHKV_UNROLL
             for (int r = 0; r < 4; ++r) {
               if (r >= rq) break;
@@ -103,7 +105,8 @@ struct FewRowsPv {
       if constexpr (T::kPack == 1) {
         const Src* row = reinterpret_cast<const Src*>(values[s]);
         FLASHKV_UNROLL
-        for (int i = 0; i < NV; ++i) v[i] = T::load_steps(row + d0 + i * W, dim - d0 - i * W, tables);
+        for (int i = 0; i < NV; ++i)
+          v[i] = T::load_steps(row + d0 + i * W, dim - d0 - i * W, tables);
       } else {
         const Src* a = reinterpret_cast<const Src*>(values[2 * s]);
         const Src* b = 2 * s + 1 < n ? reinterpret_cast<const Src*>(values[2 * s + 1]) : nullptr;
@@ -131,8 +134,8 @@ struct FewRowsPv {
 
 // All dims of RB rows: chunks of NV vectors (NV * RB <= 16 accumulators), a smaller last one.
 template <class T, class Src, int RB, int NV>
-void few_rows_pv_tail(const Tile<T>& t, const char* const* values, int n, int dim, int d0,
-                      int vecs, const Fp8Tables& tables) {
+void few_rows_pv_tail(const Tile<T>& t, const char* const* values, int n, int dim, int d0, int vecs,
+                      const Fp8Tables& tables) {
   if constexpr (NV >= 1) {
     if (vecs == NV) return FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, d0, tables);
     few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, d0, vecs, tables);
@@ -144,7 +147,8 @@ void few_rows_pv_rows(const Tile<T>& t, const char* const* values, int n, int di
   constexpr int NV = RB <= 1 ? 16 : RB == 2 ? 8 : RB <= 4 ? 4 : 2;
   const int vecs = t.dv_pad / T::W;
   int v = 0;
-  for (; v + NV <= vecs; v += NV) FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, v * T::W, tables);
+  for (; v + NV <= vecs; v += NV)
+    FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, v * T::W, tables);
   if (v < vecs) few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, v * T::W, vecs - v, tables);
 }
 template <class T, class Src, int RB = kFewRows>

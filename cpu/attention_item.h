@@ -54,224 +54,288 @@ struct HeadState {
   }
 };
 
+// One task: setup (scratch, scales), then per chunk of rows: load the queries, walk the KV
+// blocks (masks, prefetch, each head's block), store the outputs.
 template <class T, class KvType>
-void run_item(const AttentionParams& p, const WorkItem& item, int32_t head0, int32_t heads) {
+class ItemTask {
+ public:
   using Step = typename T::Step;
-  constexpr int W = T::W, P = T::kPack, BK = T::kBlockKeys;
-  constexpr int kPSteps = Tile<T>::kPSteps;
-  const Fp8Tables& tables = fp8_tables();
-  const int group = p.num_qo_heads / p.num_kv_heads;
-  const int dqk = p.head_dim_qk, dv = p.head_dim_v;
-  const int32_t req = item.request;
-  const int64_t q_first = p.qo_indptr ? p.qo_indptr[req] : req;
-  const int64_t q_len = p.qo_indptr ? p.qo_indptr[req + 1] - q_first : 1;
-  const int64_t kv_len = kv_len_of(p, req);
-  const int64_t kv_begin = clamp64(item.kv_begin, 0, kv_len);
-  const int64_t kv_end = clamp64(item.kv_end, kv_begin, kv_len);
-  const int64_t q_esz = static_cast<int64_t>(dtype_size(p.q_dtype));
-  const int64_t kv_esz = static_cast<int64_t>(sizeof(KvType));
-  const int total_rows = item.q_len * group;  // per head
-  if (total_rows <= 0) return;
-  const int chunk = imin(total_rows, kMaxRows);
+  static constexpr int W = T::W, P = T::kPack, BK = T::kBlockKeys;
+  static constexpr int kPSteps = Tile<T>::kPSteps;
+  // The few-rows path reads K rows in place when they are stored as its steps; else it converts
+  // them once per block into `staged_` rows.
+  static constexpr bool kConvertK = !std::is_same_v<KvType, typename T::Native>;
 
-  // Scratch: per head Q, O, m, l, corr; shared P, tiles, masks and row indices.
-  const int steps_qk = (dqk + P - 1) / P;
-  const int q_pitch = round_up(steps_qk, W);
-  const int dv_pad = round_up(dv, W);
-  const size_t hr = static_cast<size_t>(heads) * chunk;  // rows of all heads
-  ScratchLayout layout;
-  const size_t q_at = layout.add<Step>(hr * q_pitch);
-  const size_t o_at = layout.add<float>(hr * dv_pad);
-  const size_t lsum_at = layout.add<float>(hr * W);
-  const size_t m_at = layout.add<float>(hr);
-  const size_t corr_at = layout.add<float>(hr);
-  const size_t p_at = layout.add<Step>(size_t(chunk) * kPSteps);
-  const size_t kt_at = layout.add<Step>(size_t(round_up(steps_qk, W)) * BK);
-  const size_t vp_at = layout.add<Step>(size_t(kPSteps) * dv_pad);
-  const size_t pos_at = layout.add<int>(size_t(chunk) * 3);
-  const size_t allowed_at = layout.add<uint8_t>(p.custom_mask ? size_t(chunk) * BK : 0);
-  const size_t rows_at = layout.add<int64_t>(2 * BK);
-  // The few-rows path: scores, and K rows converted to steps when stored in another type.
-  const bool few = chunk <= kFewRows;
-  constexpr bool kConvertK = !std::is_same_v<KvType, typename T::Native>;
-  const size_t scores_at = layout.add<float>(few ? size_t(chunk) * BK : 0);
-  const size_t staged_at = layout.add<Step>(few && kConvertK ? size_t(BK) * q_pitch : 0);
-  char* scratch = static_cast<char*>(thread_scratch(layout.bytes()));
-  Step* q_buf = reinterpret_cast<Step*>(scratch + q_at);
-  float* o_buf = reinterpret_cast<float*>(scratch + o_at);
-  float* lsum_buf = reinterpret_cast<float*>(scratch + lsum_at);
-  float* m_buf = reinterpret_cast<float*>(scratch + m_at);
-  float* corr_buf = reinterpret_cast<float*>(scratch + corr_at);
-  int* pos = reinterpret_cast<int*>(scratch + pos_at);
-  int* lo = pos + chunk;
-  int* hi = lo + chunk;
-  uint8_t* allowed = p.custom_mask ? reinterpret_cast<uint8_t*>(scratch + allowed_at) : nullptr;
-  int64_t* block_rows[2] = {reinterpret_cast<int64_t*>(scratch + rows_at),
-                            reinterpret_cast<int64_t*>(scratch + rows_at) + BK};
-
-  // Head h's state: rows h * chunk .. of the per-head arrays.
-  HeadState<T> state{q_buf, o_buf, lsum_buf, m_buf, corr_buf, chunk};
-  Tile<T> base;
-  base.q_pitch = q_pitch;
-  base.steps_qk = steps_qk;
-  base.kt = reinterpret_cast<Step*>(scratch + kt_at);
-  base.vp = reinterpret_cast<Step*>(scratch + vp_at);
-  base.dv_pad = dv_pad;
-  base.p = reinterpret_cast<Step*>(scratch + p_at);
-  base.lo = lo;
-  base.hi = hi;
-  base.allowed = allowed;
-  const float dot_scale = p.sm_scale * p.k_scale;  // fp8 K: the scale folds into the logits
-  if (p.logits_soft_cap > 0) {
-    base.qk_scale = dot_scale / p.logits_soft_cap;
-    base.cap_log2e = p.logits_soft_cap * kLog2e;
-  } else {
-    base.qk_scale = dot_scale * kLog2e;
-    base.cap_log2e = 0;
+  ItemTask(const AttentionParams& p, const WorkItem& item, int32_t head0, int32_t heads)
+      : p_(p),
+        item_(item),
+        head0_(head0),
+        heads_(heads),
+        tables_(fp8_tables()),
+        group_(p.num_qo_heads / p.num_kv_heads),
+        kv_rows_(p, item.request) {
+    const int32_t req = item.request;
+    q_first_ = p.qo_indptr ? p.qo_indptr[req] : req;
+    q_len_ = p.qo_indptr ? p.qo_indptr[req + 1] - q_first_ : 1;
+    kv_len_ = kv_len_of(p, req);
+    kv_begin_ = clamp64(item.kv_begin, 0, kv_len_);
+    kv_end_ = clamp64(item.kv_end, kv_begin_, kv_len_);
+    total_rows_ = item.q_len * group_;
+    chunk_ = imin(total_rows_, kMaxRows);
+    few_ = chunk_ <= kFewRows;
+    causal_ = p.causal && !p.custom_mask;
+    mask_base_ = p.custom_mask ? p.custom_mask + p.mask_indptr[req] : nullptr;
+    q_esz_ = static_cast<int64_t>(dtype_size(p.q_dtype));
+    k_head0_ = static_cast<const char*>(p.k) + head0 * p.k_stride_h * kKvEsz;
+    v_head0_ = static_cast<const char*>(p.v) + head0 * p.v_stride_h * kKvEsz;
+    k_span_ = ((heads - 1) * p.k_stride_h + p.head_dim_qk) * kKvEsz;
+    v_span_ = ((heads - 1) * p.v_stride_h + p.head_dim_v) * kKvEsz;
+    if (total_rows_ > 0) allocate();
   }
-  const bool causal = p.causal && !p.custom_mask;
-  const int64_t window = p.window_left;
-  const uint8_t* mask_base = p.custom_mask ? p.custom_mask + p.mask_indptr[req] : nullptr;
-  const KvRows kv_rows(p, req);
-  // Bytes of a K / V row from the task's first head to the end of its last one.
-  const int64_t k_span = ((heads - 1) * p.k_stride_h + dqk) * kv_esz;
-  const int64_t v_span = ((heads - 1) * p.v_stride_h + dv) * kv_esz;
-  const char* k_base = static_cast<const char*>(p.k);
-  const char* v_base = static_cast<const char*>(p.v);
 
-  for (int row0 = 0; row0 < total_rows; row0 += kMaxRows) {
-    const int rows = imin(kMaxRows, total_rows - row0);
-    for (int r = 0; r < rows; ++r) {
-      const int qi = (row0 + r) / group;
-      pos[r] = static_cast<int>(kv_len - q_len + (item.q_begin + qi - q_first));
+  void run() {
+    for (int row0 = 0; row0 < total_rows_; row0 += kMaxRows) {
+      const int rows = imin(kMaxRows, total_rows_ - row0);
+      load_queries(row0, rows);
+      int cur = 0;
+      if (kv_begin_ < kv_end_) kv_rows_.get(kv_begin_, block_keys(kv_begin_), block_rows_[0]);
+      for (int64_t j0 = kv_begin_; j0 < kv_end_; j0 += BK, cur ^= 1) {
+        const int n = block_keys(j0), n_next = block_keys(j0 + BK);
+        if (n_next > 0) kv_rows_.get(j0 + BK, n_next, block_rows_[cur ^ 1]);
+        set_masks(row0, rows, j0, n);
+        if (few_) prefetch_slots(block_rows_[cur ^ 1], n_next);
+        for (int h = 0; h < heads_; ++h)
+          run_head_block(h, rows, n, block_rows_[cur], block_rows_[cur ^ 1], n_next);
+      }
+      store_outputs(row0, rows);
     }
-    for (int h = 0; h < heads; ++h) {
-      const Tile<T> t = state.tile(base, h);
+  }
+
+ private:
+  static constexpr int64_t kKvEsz = sizeof(KvType);
+
+  int block_keys(int64_t j0) const { return static_cast<int>(clamp64(kv_end_ - j0, 0, BK)); }
+
+  // Scratch: per head Q, O, m, l, corr (chunk_ rows each); shared P, tiles, masks, row indices,
+  // few-rows scores and converted K rows.
+  void allocate() {
+    const int dqk = p_.head_dim_qk, dv = p_.head_dim_v;
+    const int steps_qk = (dqk + P - 1) / P;
+    const int q_pitch = round_up(steps_qk, W);
+    const int dv_pad = round_up(dv, W);
+    const size_t hr = static_cast<size_t>(heads_) * chunk_;
+    ScratchLayout layout;
+    const size_t q_at = layout.add<Step>(hr * q_pitch);
+    const size_t o_at = layout.add<float>(hr * dv_pad);
+    const size_t lsum_at = layout.add<float>(hr * W);
+    const size_t m_at = layout.add<float>(hr);
+    const size_t corr_at = layout.add<float>(hr);
+    const size_t p_at = layout.add<Step>(size_t(chunk_) * kPSteps);
+    const size_t kt_at = layout.add<Step>(size_t(q_pitch) * BK);
+    const size_t vp_at = layout.add<Step>(size_t(kPSteps) * dv_pad);
+    const size_t pos_at = layout.add<int>(size_t(chunk_) * 3);
+    const size_t allowed_at = layout.add<uint8_t>(mask_base_ ? size_t(chunk_) * BK : 0);
+    const size_t rows_at = layout.add<int64_t>(2 * BK);
+    const size_t scores_at = layout.add<float>(few_ ? size_t(chunk_) * BK : 0);
+    const size_t staged_at = layout.add<Step>(few_ && kConvertK ? size_t(BK) * q_pitch : 0);
+    char* s = static_cast<char*>(thread_scratch(layout.bytes()));
+    state_ = HeadState<T>{reinterpret_cast<Step*>(s + q_at),     reinterpret_cast<float*>(s + o_at),
+                          reinterpret_cast<float*>(s + lsum_at), reinterpret_cast<float*>(s + m_at),
+                          reinterpret_cast<float*>(s + corr_at), chunk_};
+    pos_ = reinterpret_cast<int*>(s + pos_at);
+    block_rows_[0] = reinterpret_cast<int64_t*>(s + rows_at);
+    block_rows_[1] = block_rows_[0] + BK;
+    scores_ = reinterpret_cast<float*>(s + scores_at);
+    staged_ = reinterpret_cast<Step*>(s + staged_at);
+    Tile<T>& t = base_;
+    t.q_pitch = q_pitch;
+    t.steps_qk = steps_qk;
+    t.kt = reinterpret_cast<Step*>(s + kt_at);
+    t.vp = reinterpret_cast<Step*>(s + vp_at);
+    t.dv_pad = dv_pad;
+    t.p = reinterpret_cast<Step*>(s + p_at);
+    t.lo = pos_ + chunk_;
+    t.hi = pos_ + 2 * chunk_;
+    t.allowed = mask_base_ ? reinterpret_cast<uint8_t*>(s + allowed_at) : nullptr;
+    const float dot_scale = p_.sm_scale * p_.k_scale;  // fp8 K: the scale folds into the logits
+    if (p_.logits_soft_cap > 0) {
+      t.qk_scale = dot_scale / p_.logits_soft_cap;
+      t.cap_log2e = p_.logits_soft_cap * kLog2e;
+    } else {
+      t.qk_scale = dot_scale * kLog2e;
+      t.cap_log2e = 0;
+    }
+  }
+
+  // Q rows of every head into steps; fresh running state; each row's absolute position.
+  void load_queries(int row0, int rows) {
+    for (int r = 0; r < rows; ++r)
+      pos_[r] =
+          static_cast<int>(kv_len_ - q_len_ + (item_.q_begin + (row0 + r) / group_ - q_first_));
+    for (int h = 0; h < heads_; ++h) {
+      const Tile<T> t = state_.tile(base_, h);
       for (int r = 0; r < rows; ++r) {
-        const int qi = (row0 + r) / group, g = (row0 + r) % group;
-        const char* src = static_cast<const char*>(p.q) +
-                          ((item.q_begin + qi) * p.q_stride_n +
-                           ((head0 + h) * group + g) * p.q_stride_h) * q_esz;
-        load_q_row<T>(p.q_dtype, src, dqk, q_pitch, const_cast<Step*>(t.q) + r * q_pitch,
-                      tables);
+        const int qi = (row0 + r) / group_, g = (row0 + r) % group_;
+        const char* src =
+            static_cast<const char*>(p_.q) +
+            ((item_.q_begin + qi) * p_.q_stride_n + ((head0_ + h) * group_ + g) * p_.q_stride_h) *
+                q_esz_;
+        load_q_row<T>(p_.q_dtype, src, p_.head_dim_qk, t.q_pitch,
+                      const_cast<Step*>(t.q) + r * t.q_pitch, tables_);
         t.m[r] = kNegInf;
       }
-      std::memset(t.o, 0, sizeof(float) * rows * dv_pad);
+      std::memset(t.o, 0, sizeof(float) * rows * t.dv_pad);
       std::memset(t.lsum, 0, sizeof(float) * rows * W);
     }
-    const int pos_first = pos[0], pos_last = pos[rows - 1];
+  }
 
-    int cur = 0;
-    if (kv_begin < kv_end)
-      kv_rows.get(kv_begin, static_cast<int>(clamp64(kv_end - kv_begin, 0, BK)), block_rows[0]);
-    for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK, cur ^= 1) {
-      const int n = static_cast<int>(clamp64(kv_end - j0, 0, BK));
-      const int n_next = static_cast<int>(clamp64(kv_end - j0 - BK, 0, BK));
-      if (n_next > 0) kv_rows.get(j0 + BK, n_next, block_rows[cur ^ 1]);
-
-      // Masks: none when every key of the block is visible to every row.
-      const int64_t j_last = j0 + n - 1;
-      base.j0 = static_cast<int>(j0);
-      base.masked = mask_base || n < BK || (causal && j_last > pos_first) ||
-                    (window >= 0 && j0 < pos_last - window);
-      base.steps_pv = (n + P - 1) / P;
-      if (base.masked) {
-        for (int r = 0; r < rows; ++r) {
-          hi[r] = static_cast<int>(causal && pos[r] < j_last ? pos[r] : j_last);
-          lo[r] = static_cast<int>(window >= 0 ? clamp64(pos[r] - window, j0, j_last + 1) : j0);
-        }
-        if (mask_base) {
-          for (int r = 0; r < rows; ++r) {
-            const int64_t local_q = item.q_begin + (row0 + r) / group - q_first;
-            std::memcpy(allowed + r * BK, mask_base + local_q * kv_len + j0, n);
-            std::memset(allowed + r * BK + n, 0, BK - n);
-          }
-        }
-      }
-      if (few && n_next > 0) {  // the next block's rows, all heads of the task, into L2
-        const char* k_next = k_base + head0 * p.k_stride_h * kv_esz;
-        const char* v_next = v_base + head0 * p.v_stride_h * kv_esz;
-        for (int i = 0; i < n_next; ++i) {
-          prefetch_l2(k_next + block_rows[cur ^ 1][i] * p.k_stride_n * kv_esz, k_span);
-          prefetch_l2(v_next + block_rows[cur ^ 1][i] * p.v_stride_n * kv_esz, v_span);
-        }
-      }
-      for (int h = 0; h < heads; ++h) {
-        const int64_t kv_head = head0 + h;
-        const HeadRows k{k_base + kv_head * p.k_stride_h * kv_esz, p.k_stride_n * kv_esz,
-                         static_cast<int>(dqk * kv_esz), block_rows[cur], block_rows[cur ^ 1],
-                         n_next};
-        const HeadRows v{v_base + kv_head * p.v_stride_h * kv_esz, p.v_stride_n * kv_esz,
-                         static_cast<int>(dv * kv_esz), block_rows[cur], block_rows[cur ^ 1],
-                         n_next};
-        const Tile<T> t = state.tile(base, h);
-        if (few) {
-          const char* key_rows[BK];
-          const char* value_rows[BK];
-          for (int i = 0; i < n; ++i) {
-            key_rows[i] = k.row(i);
-            value_rows[i] = v.row(i);
-          }
-          float* scores = reinterpret_cast<float*>(scratch + scores_at);
-          if constexpr (kConvertK) {
-            Step* staged = reinterpret_cast<Step*>(scratch + staged_at);
-            for (int i = 0; i < n; ++i) {
-              load_row_steps<T, KvType>(key_rows[i], dqk, q_pitch, staged + i * q_pitch, tables);
-              key_rows[i] = reinterpret_cast<const char*>(staged + i * q_pitch);
-            }
-            few_rows_qk<T, typename T::Native>(t, rows, key_rows, n, dqk, scores, tables);
-          } else {
-            few_rows_qk<T, KvType>(t, rows, key_rows, n, dqk, scores, tables);
-          }
-          few_rows_softmax(t, rows, scores);
-          few_rows_pv<T, KvType>(t, rows, value_rows, n, dv, tables);
-        } else {
-          pack_k<T, KvType>(k, n, dqk, steps_qk, const_cast<Step*>(base.kt), tables);
-          pack_v<T, KvType>(v, n, dv, dv_pad, const_cast<Step*>(base.vp), tables);
-          qk_rows(t, rows);
-          pv_rows(t, rows);
-        }
-      }
+  // The block's masks, shared by the heads: none when every key is visible to every row.
+  void set_masks(int row0, int rows, int64_t j0, int n) {
+    Tile<T>& t = base_;
+    const int64_t j_last = j0 + n - 1, window = p_.window_left;
+    t.j0 = static_cast<int>(j0);
+    t.steps_pv = (n + P - 1) / P;
+    t.masked = mask_base_ || n < BK || (causal_ && j_last > pos_[0]) ||
+               (window >= 0 && j0 < pos_[rows - 1] - window);
+    if (!t.masked) return;
+    int* lo = const_cast<int*>(t.lo);
+    int* hi = const_cast<int*>(t.hi);
+    for (int r = 0; r < rows; ++r) {
+      hi[r] = static_cast<int>(causal_ && pos_[r] < j_last ? pos_[r] : j_last);
+      lo[r] = static_cast<int>(window >= 0 ? clamp64(pos_[r] - window, j0, j_last + 1) : j0);
     }
+    if (!mask_base_) return;
+    uint8_t* allowed = const_cast<uint8_t*>(t.allowed);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t local_q = item_.q_begin + (row0 + r) / group_ - q_first_;
+      std::memcpy(allowed + r * BK, mask_base_ + local_q * kv_len_ + j0, n);
+      std::memset(allowed + r * BK + n, 0, BK - n);
+    }
+  }
 
-    // O / l (times the V scale) and LSE = m + log2(l); empty rows: O = 0, LSE = -inf.
-    for (int h = 0; h < heads; ++h) {
-      const Tile<T> t = state.tile(base, h);
+  // The next block's rows, all heads of the task, into L2: whole contiguous runs of each slot.
+  void prefetch_slots(const int64_t* rows, int n) const {
+    for (int i = 0; i < n; ++i) {
+      prefetch_l2(k_head0_ + rows[i] * p_.k_stride_n * kKvEsz, k_span_);
+      prefetch_l2(v_head0_ + rows[i] * p_.v_stride_n * kKvEsz, v_span_);
+    }
+  }
+
+  // Head h's share of the block: few rows -> K/V rows read in place; else the K/V tiles.
+  void run_head_block(int h, int rows, int n, const int64_t* cur, const int64_t* next, int n_next) {
+    const int dqk = p_.head_dim_qk, dv = p_.head_dim_v;
+    const HeadRows k{k_head0_ + h * p_.k_stride_h * kKvEsz,
+                     p_.k_stride_n * kKvEsz,
+                     static_cast<int>(dqk * kKvEsz),
+                     cur,
+                     next,
+                     n_next};
+    const HeadRows v{v_head0_ + h * p_.v_stride_h * kKvEsz,
+                     p_.v_stride_n * kKvEsz,
+                     static_cast<int>(dv * kKvEsz),
+                     cur,
+                     next,
+                     n_next};
+    const Tile<T> t = state_.tile(base_, h);
+    if (!few_) {
+      pack_k<T, KvType>(k, n, dqk, t.steps_qk, const_cast<Step*>(t.kt), tables_);
+      pack_v<T, KvType>(v, n, dv, t.dv_pad, const_cast<Step*>(t.vp), tables_);
+      qk_rows(t, rows);
+      pv_rows(t, rows);
+      return;
+    }
+    const char* key_rows[BK];
+    const char* value_rows[BK];
+    for (int i = 0; i < n; ++i) {
+      key_rows[i] = k.row(i);
+      value_rows[i] = v.row(i);
+    }
+    if constexpr (kConvertK) {
+      for (int i = 0; i < n; ++i) {
+        Step* dst = staged_ + i * t.q_pitch;
+        load_row_steps<T, KvType>(key_rows[i], dqk, t.q_pitch, dst, tables_);
+        key_rows[i] = reinterpret_cast<const char*>(dst);
+      }
+      few_rows_qk<T, typename T::Native>(t, rows, key_rows, n, dqk, scores_, tables_);
+    } else {
+      few_rows_qk<T, KvType>(t, rows, key_rows, n, dqk, scores_, tables_);
+    }
+    few_rows_softmax(t, rows, scores_);
+    few_rows_pv<T, KvType>(t, rows, value_rows, n, dv, tables_);
+  }
+
+  // O / l (times the V scale) and LSE = m + log2(l); empty rows: O = 0, LSE = -inf. Split
+  // items write partial states instead.
+  void store_outputs(int row0, int rows) const {
+    const int dv = p_.head_dim_v;
+    for (int h = 0; h < heads_; ++h) {
+      const Tile<T> t = state_.tile(base_, h);
       for (int r = 0; r < rows; ++r) {
-        const int qi = (row0 + r) / group, qo_head = (head0 + h) * group + (row0 + r) % group;
+        const int qi = (row0 + r) / group_;
+        const int qo_head = (head0_ + h) * group_ + (row0 + r) % group_;
         const float l = T::reduce_add(T::load(t.lsum + r * W));
-        const float scale = l > 0 ? p.v_scale / l : 0.0f;
+        const float scale = l > 0 ? p_.v_scale / l : 0.0f;
         const float lse = l > 0 ? t.m[r] + std::log2(l) : kNegInf;
-        const float* o = t.o + r * dv_pad;
-        if (item.partial < 0) {
-          const int64_t row = item.q_begin + qi;
-          store_row<T>(p.q_dtype, o, scale, dv,
-                       static_cast<char*>(p.o) + (row * p.o_stride_n + qo_head * p.o_stride_h) * q_esz);
-          if (p.lse) p.lse[row * p.num_qo_heads + qo_head] = lse;
+        const float* o = t.o + r * t.dv_pad;
+        if (item_.partial < 0) {
+          const int64_t row = item_.q_begin + qi;
+          store_row<T>(
+              p_.q_dtype, o, scale, dv,
+              static_cast<char*>(p_.o) + (row * p_.o_stride_n + qo_head * p_.o_stride_h) * q_esz_);
+          if (p_.lse) p_.lse[row * p_.num_qo_heads + qo_head] = lse;
         } else {
-          const int64_t row = int64_t{item.partial} + qi;
-          store_row<T>(o, scale, dv, p.partial_o + (row * p.num_qo_heads + qo_head) * dv);
-          p.partial_lse[row * p.num_qo_heads + qo_head] = lse;
+          const int64_t row = int64_t{item_.partial} + qi;
+          store_row<T>(o, scale, dv, p_.partial_o + (row * p_.num_qo_heads + qo_head) * dv);
+          p_.partial_lse[row * p_.num_qo_heads + qo_head] = lse;
         }
       }
     }
   }
+
+  const AttentionParams& p_;
+  const WorkItem& item_;
+  const int32_t head0_, heads_;
+  const Fp8Tables& tables_;
+  const int group_;
+  const KvRows kv_rows_;
+  int64_t q_first_, q_len_, kv_len_, kv_begin_, kv_end_, q_esz_;
+  int total_rows_, chunk_;
+  bool few_, causal_;
+  const uint8_t* mask_base_;
+  const char* k_head0_;
+  const char* v_head0_;
+  int64_t k_span_, v_span_;  // bytes of a K / V row from the first head to the end of the last
+  HeadState<T> state_{};
+  Tile<T> base_{};
+  int* pos_ = nullptr;                           // [chunk_] absolute position of each row's token
+  int64_t* block_rows_[2] = {nullptr, nullptr};  // rows of the current / next block
+  float* scores_ = nullptr;
+  Step* staged_ = nullptr;
+};
+
+template <class T, class KvType>
+void run_item(const AttentionParams& p, const WorkItem& item, int32_t head0, int32_t heads) {
+  ItemTask<T, KvType>(p, item, head0, heads).run();
 }
 
 // The item kernel of T for a KV dtype (null when T does not take it).
 template <class T>
 ItemKernel item_kernel_for(DType kv_dtype) {
   switch (kv_dtype) {
-    case DType::bf16: return &run_item<T, bf16_t>;
-    case DType::fp8_e4m3: return &run_item<T, fp8_e4m3_t>;
-    case DType::fp8_e5m2: return &run_item<T, fp8_e5m2_t>;
+    case DType::bf16:
+      return &run_item<T, bf16_t>;
+    case DType::fp8_e4m3:
+      return &run_item<T, fp8_e4m3_t>;
+    case DType::fp8_e5m2:
+      return &run_item<T, fp8_e5m2_t>;
     case DType::f32:
       if constexpr (T::kPack == 1) return &run_item<T, float>;
       return nullptr;
     case DType::f16:
       if constexpr (T::kPack == 1) return &run_item<T, f16_t>;
       return nullptr;
-    default: return nullptr;
+    default:
+      return nullptr;
   }
 }
 

@@ -40,9 +40,9 @@ inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 template <class T>
 struct Tile {
   using Step = typename T::Step;
-  static constexpr int kKeyVecs = T::kBlockKeys / T::W;    // vectors of keys in a score row
+  static constexpr int kKeyVecs = T::kBlockKeys / T::W;     // vectors of keys in a score row
   static constexpr int kPSteps = T::kBlockKeys / T::kPack;  // steps of a probability row
-  const Step* q;  // [rows, q_pitch]
+  const Step* q;                                            // [rows, q_pitch]
   int q_pitch, steps_qk;
   const Step* kt;  // [steps_qk, kBlockKeys]
   const Step* vp;  // [kPSteps, dv_pad]

@@ -87,8 +87,8 @@ void pack_k(const HeadRows& k, int n, int dim, int steps, typename T::Step* kt,
       const int elems = imin(W * P, dim - s0 * P);
       FLASHKV_UNROLL
       for (int i = 0; i < W; ++i)
-        v[i] = i < keys ? T::load_steps(reinterpret_cast<const Src*>(k.row(k0 + i)) + s0 * P,
-                                        elems, tables)
+        v[i] = i < keys ? T::load_steps(reinterpret_cast<const Src*>(k.row(k0 + i)) + s0 * P, elems,
+                                        tables)
                         : T::vzero();
       T::transpose_store(v, kt + s0 * T::kBlockKeys + k0, T::kBlockKeys, imin(W, steps - s0));
     }
@@ -132,17 +132,20 @@ void load_row_steps(const void* src, int dim, int pitch, typename T::Step* dst,
                     const Fp8Tables& tables) {
   constexpr int W = T::W, P = T::kPack;
   for (int s = 0; s < pitch; s += W)
-    T::vstore(dst + s, s * P < dim ? T::load_steps(static_cast<const Src*>(src) + s * P,
-                                                   dim - s * P, tables)
-                                   : T::vzero());
+    T::vstore(dst + s,
+              s * P < dim ? T::load_steps(static_cast<const Src*>(src) + s * P, dim - s * P, tables)
+                          : T::vzero());
 }
 template <class T>
 void load_q_row(DType dtype, const void* src, int dim, int pitch, typename T::Step* dst,
                 const Fp8Tables& tables) {
   switch (dtype) {
-    case DType::f32: return load_row_steps<T, float>(src, dim, pitch, dst, tables);
-    case DType::f16: return load_row_steps<T, f16_t>(src, dim, pitch, dst, tables);
-    default: return load_row_steps<T, bf16_t>(src, dim, pitch, dst, tables);
+    case DType::f32:
+      return load_row_steps<T, float>(src, dim, pitch, dst, tables);
+    case DType::f16:
+      return load_row_steps<T, f16_t>(src, dim, pitch, dst, tables);
+    default:
+      return load_row_steps<T, bf16_t>(src, dim, pitch, dst, tables);
   }
 }
 
@@ -150,15 +153,17 @@ void load_q_row(DType dtype, const void* src, int dim, int pitch, typename T::St
 template <class T, class Dst>
 void store_row(const float* src, float scale, int dim, Dst* dst) {
   const typename T::F s = T::set1(scale);
-  for (int d = 0; d < dim; d += T::W)
-    T::store_float(dst + d, T::mul(T::load(src + d), s), dim - d);
+  for (int d = 0; d < dim; d += T::W) T::store_float(dst + d, T::mul(T::load(src + d), s), dim - d);
 }
 template <class T>
 void store_row(DType dtype, const float* src, float scale, int dim, void* dst) {
   switch (dtype) {
-    case DType::f32: return store_row<T>(src, scale, dim, static_cast<float*>(dst));
-    case DType::f16: return store_row<T>(src, scale, dim, static_cast<f16_t*>(dst));
-    default: return store_row<T>(src, scale, dim, static_cast<bf16_t*>(dst));
+    case DType::f32:
+      return store_row<T>(src, scale, dim, static_cast<float*>(dst));
+    case DType::f16:
+      return store_row<T>(src, scale, dim, static_cast<f16_t*>(dst));
+    default:
+      return store_row<T>(src, scale, dim, static_cast<bf16_t*>(dst));
   }
 }
 

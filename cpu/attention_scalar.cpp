@@ -2,12 +2,8 @@
 #include "kernel_common.h"
 
 #define FLASHKV_CPU_ISA_NS scalar
+#include "attention_isa.h"
 #include "simd_scalar.h"
-#include "attention_kernel.h"
-#include "attention_loads.h"
-#include "attention_few_rows.h"
-#include "attention_item.h"
-#include "merge_kernel.h"
 
 namespace flashkv::cpu::scalar {
 ItemKernel item_kernel(DType kv_dtype) { return item_kernel_for<ScalarF32>(kv_dtype); }

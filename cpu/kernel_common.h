@@ -57,11 +57,11 @@ using MergeRowKernel = void (*)(const MergeParams& p, int64_t row);
 // What each ISA translation unit provides. item_kernel returns null for a KV dtype that the
 // unit's math does not take (the bf16 dot-product unit takes bf16 and fp8 KV only); merges run
 // in fp32 and come from the fp32 units.
-#define FLASHKV_DECLARE_CPU_ISA(ns)                                                \
-  namespace ns {                                                                   \
-  ItemKernel item_kernel(DType kv_dtype);                                          \
-  void merge_partials(const AttentionParams& p, const MergeItem& m, int32_t row);  \
-  void merge_row(const MergeParams& p, int64_t row);                               \
+#define FLASHKV_DECLARE_CPU_ISA(ns)                                               \
+  namespace ns {                                                                  \
+  ItemKernel item_kernel(DType kv_dtype);                                         \
+  void merge_partials(const AttentionParams& p, const MergeItem& m, int32_t row); \
+  void merge_row(const MergeParams& p, int64_t row);                              \
   }
 FLASHKV_DECLARE_CPU_ISA(scalar)
 #if FLASHKV_CPU_X86

@@ -23,7 +23,8 @@ void merge_one(const States& states, int n, int dim, DType out_dtype, void* out,
       for (int s = 0; s < n; ++s) {
         const float w = std::exp2(states.lse(s) - mx);
         if (w == 0) continue;
-        acc = T::fmadd(T::set1(w), T::load_float(static_cast<const Src*>(states.o(s)) + d, dim - d), acc);
+        acc = T::fmadd(T::set1(w), T::load_float(static_cast<const Src*>(states.o(s)) + d, dim - d),
+                       acc);
       }
     T::store(buf, acc);
     store_row<T>(out_dtype, buf, inv, imin(T::W, dim - d),
@@ -51,7 +52,8 @@ void merge_partials_impl(const AttentionParams& p, const MergeItem& m, int32_t i
     PartialStates states{p.partial_o + first * dv, p.partial_lse + first, m.q_len * heads * dv,
                          m.q_len * heads};
     merge_one<T, float>(states, m.num_chunks, static_cast<int>(dv), p.q_dtype,
-                        static_cast<char*>(p.o) + (out_row * p.o_stride_n + h * p.o_stride_h) * static_cast<int64_t>(esz),
+                        static_cast<char*>(p.o) +
+                            (out_row * p.o_stride_n + h * p.o_stride_h) * static_cast<int64_t>(esz),
                         p.lse ? p.lse + out_row * heads + h : nullptr);
   }
 }
@@ -80,18 +82,22 @@ void merge_row_typed(const MergeParams& p, int64_t row) {
     states.lse1 = p.stacked ? nullptr : p.lse_in[1] + lse_off;
     states.o_stride_s = p.in_stride_s * esz;
     states.lse_stride_s = p.lse_stride_s;
-    merge_one<T, Src>(states, p.num_states, p.head_dim, p.dtype,
-                      static_cast<char*>(p.o_out) + (row * p.out_stride_n + h * p.out_stride_h) * esz,
-                      p.lse_out ? p.lse_out + row * p.heads + h : nullptr);
+    merge_one<T, Src>(
+        states, p.num_states, p.head_dim, p.dtype,
+        static_cast<char*>(p.o_out) + (row * p.out_stride_n + h * p.out_stride_h) * esz,
+        p.lse_out ? p.lse_out + row * p.heads + h : nullptr);
   }
 }
 
 template <class T>
 void merge_row_impl(const MergeParams& p, int64_t row) {
   switch (p.dtype) {
-    case DType::f32: return merge_row_typed<T, float>(p, row);
-    case DType::f16: return merge_row_typed<T, f16_t>(p, row);
-    default: return merge_row_typed<T, bf16_t>(p, row);
+    case DType::f32:
+      return merge_row_typed<T, float>(p, row);
+    case DType::f16:
+      return merge_row_typed<T, f16_t>(p, row);
+    default:
+      return merge_row_typed<T, bf16_t>(p, row);
   }
 }
 

@@ -9,8 +9,8 @@ struct Avx2F32 {
   static constexpr int W = 8;
   static constexpr int kPack = 1;
   static constexpr int kBlockKeys = 32;  // keys per KV block
-  static constexpr int kQkRows = 2;  // 2 rows x 4 key vectors = 8 accumulators
-  static constexpr int kPvRows = 4;  // 4 rows x 2 vectors of 8 dims = 8 accumulators
+  static constexpr int kQkRows = 2;      // 2 rows x 4 key vectors = 8 accumulators
+  static constexpr int kPvRows = 4;      // 4 rows x 2 vectors of 8 dims = 8 accumulators
   static constexpr int kPvVecs = 2;
   using F = __m256;
   using Step = float;
@@ -52,8 +52,8 @@ struct Avx2F32 {
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
   }
   // tanh: odd Taylor series below |x| = 1/4, 1 - 2 / (e^2|x| + 1) above (error < 1e-6).
@@ -69,20 +69,22 @@ struct Avx2F32 {
     const F small = _mm256_fmadd_ps(_mm256_mul_ps(s, z), x, x);
     const F e = exp2(_mm256_min_ps(_mm256_mul_ps(a, _mm256_set1_ps(2.0f * 1.4426950408889634f)),
                                    _mm256_set1_ps(64.0f)));
-    const F big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
-                                _mm256_div_ps(_mm256_set1_ps(2.0f),
-                                              _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    const F big =
+        _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                      _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
     const F use_small = _mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_LT_OQ);
     return _mm256_blendv_ps(_mm256_or_ps(big, sign), small, use_small);
   }
   static F keep_range(F s, int j0, int lo, int hi) {
-    const __m256i j = _mm256_add_epi32(_mm256_set1_epi32(j0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i j =
+        _mm256_add_epi32(_mm256_set1_epi32(j0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256i out = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(lo), j),
                                         _mm256_cmpgt_epi32(j, _mm256_set1_epi32(hi)));
     return _mm256_blendv_ps(s, _mm256_set1_ps(-__builtin_inff()), _mm256_castsi256_ps(out));
   }
   static F keep_bytes(F s, const uint8_t* allowed) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(allowed)));
+    const __m256i b =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(allowed)));
     const __m256i off = _mm256_cmpeq_epi32(b, _mm256_setzero_si256());
     return _mm256_blendv_ps(s, _mm256_set1_ps(-__builtin_inff()), _mm256_castsi256_ps(off));
   }
@@ -125,7 +127,8 @@ struct Avx2F32 {
         u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
                             _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
     const __m256i h = _mm256_srli_epi32(r, 16);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    const __m128i packed =
+        _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
     bf16_t b[8];
     _mm_storeu_si128(reinterpret_cast<__m128i*>(n >= 8 ? p : b), packed);
     if (n < 8) store_tail(p, b, n);
@@ -140,7 +143,9 @@ struct Avx2F32 {
   static Vec vzero() { return _mm256_setzero_ps(); }
   static Vec vload(const Step* p) { return _mm256_loadu_ps(p); }
   static void vstore(Step* p, Vec v) { _mm256_storeu_ps(p, v); }
-  static F madd(F acc, const Step* a, Vec b) { return _mm256_fmadd_ps(_mm256_broadcast_ss(a), b, acc); }
+  static F madd(F acc, const Step* a, Vec b) {
+    return _mm256_fmadd_ps(_mm256_broadcast_ss(a), b, acc);
+  }
   static F dot(F acc, Vec a, Vec b) { return _mm256_fmadd_ps(a, b, acc); }
   // Sums of the lanes of 4 vectors, half done: 128-bit half h of the result holds, for
   // i = 0..3, the sum of lanes 4h .. 4h + 3 of a[i].
@@ -168,8 +173,12 @@ struct Avx2F32 {
     const __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bits));
     return _mm256_i32gather_ps(t.f32[kFormat], idx, 4);
   }
-  static Vec load_steps(const fp8_e4m3_t* p, int n, const Fp8Tables& t) { return load_fp8<0>(p, n, t); }
-  static Vec load_steps(const fp8_e5m2_t* p, int n, const Fp8Tables& t) { return load_fp8<1>(p, n, t); }
+  static Vec load_steps(const fp8_e4m3_t* p, int n, const Fp8Tables& t) {
+    return load_fp8<0>(p, n, t);
+  }
+  static Vec load_steps(const fp8_e5m2_t* p, int n, const Fp8Tables& t) {
+    return load_fp8<1>(p, n, t);
+  }
 
   static void transpose_store(Vec (&r)[W], Step* dst, int stride, int nout) {
     const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);

@@ -68,18 +68,18 @@ struct Avx512Common {
     const F small = _mm512_fmadd_ps(_mm512_mul_ps(s, z), x, x);
     const F e = exp2(_mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(2.0f * 1.4426950408889634f)),
                                    _mm512_set1_ps(64.0f)));
-    const F big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                                _mm512_div_ps(_mm512_set1_ps(2.0f),
-                                              _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    const F big =
+        _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                      _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
     const F signed_big = _mm512_castsi512_ps(
         _mm512_or_si512(_mm512_castps_si512(big), _mm512_and_si512(sign_bit, xi)));
     const __mmask16 use_small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_LT_OQ);
     return _mm512_mask_mov_ps(signed_big, use_small, small);
   }
   static F keep_range(F s, int j0, int lo, int hi) {
-    const __m512i j = _mm512_add_epi32(
-        _mm512_set1_epi32(j0),
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i j =
+        _mm512_add_epi32(_mm512_set1_epi32(j0),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const __mmask16 ok = _mm512_cmpge_epi32_mask(j, _mm512_set1_epi32(lo)) &
                          _mm512_cmple_epi32_mask(j, _mm512_set1_epi32(hi));
     return _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), ok, s);
@@ -126,7 +126,8 @@ struct Avx512Common {
                                 _mm512_shuffle_f32x4(t[0], t[1], 0xEE));
     const F u23 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x44),
                                 _mm512_shuffle_f32x4(t[2], t[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88),
+                         _mm512_shuffle_f32x4(u01, u23, 0xDD));
   }
 
   // 32 fp8 bytes (zero-extended to 16-bit lanes) -> 32 bf16 through the 128-entry magnitude
@@ -190,13 +191,18 @@ struct Avx512F32 : Avx512Common {
   }
   template <int kFormat, class Fp8>
   static Vec load_fp8(const Fp8* p, int n, const Fp8Tables& t) {
-    const __m512i w = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(lanes16(n), p)));
+    const __m512i w =
+        _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(lanes16(n), p)));
     const __m512i h = fp8_to_bf16(w, t.bf16[kFormat]);
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
   }
-  static Vec load_steps(const fp8_e4m3_t* p, int n, const Fp8Tables& t) { return load_fp8<0>(p, n, t); }
-  static Vec load_steps(const fp8_e5m2_t* p, int n, const Fp8Tables& t) { return load_fp8<1>(p, n, t); }
+  static Vec load_steps(const fp8_e4m3_t* p, int n, const Fp8Tables& t) {
+    return load_fp8<0>(p, n, t);
+  }
+  static Vec load_steps(const fp8_e5m2_t* p, int n, const Fp8Tables& t) {
+    return load_fp8<1>(p, n, t);
+  }
   static void transpose_store(Vec (&rows)[W], Step* dst, int stride, int nout) {
     __m512i r[16];
     for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(rows[i]);
@@ -269,8 +275,7 @@ struct Avx512Bf16 : Avx512Common {
   static void store_probs(Step* dst, const F (&p)[NC]) {
     static_assert(NC % 2 == 0, "probabilities are stored as bf16 pairs of 32 keys");
     for (int c = 0; c < NC; c += 2)
-      _mm512_storeu_si512(dst + c * W / 2,
-                          (__m512i)(_mm512_cvtne2ps_pbh(p[c + 1], p[c])));
+      _mm512_storeu_si512(dst + c * W / 2, (__m512i)(_mm512_cvtne2ps_pbh(p[c + 1], p[c])));
   }
 };
 #endif
