@@ -221,21 +221,22 @@ class ItemTask {
     }
   }
 
+  // Head h's K or V rows (strides in elements) of the current block, and of the next one.
+  static HeadRows head_rows(const char* first_head, int64_t stride_h, int64_t stride_n, int dim,
+                            int h, const int64_t* cur, const int64_t* next, int n_next) {
+    return {first_head + h * stride_h * kKvEsz,
+            stride_n * kKvEsz,
+            static_cast<int>(dim * kKvEsz),
+            cur,
+            next,
+            n_next};
+  }
+
   // Head h's share of the block: few rows -> K/V rows read in place; else the K/V tiles.
   void run_head_block(int h, int rows, int n, const int64_t* cur, const int64_t* next, int n_next) {
     const int dqk = p_.head_dim_qk, dv = p_.head_dim_v;
-    const HeadRows k{k_head0_ + h * p_.k_stride_h * kKvEsz,
-                     p_.k_stride_n * kKvEsz,
-                     static_cast<int>(dqk * kKvEsz),
-                     cur,
-                     next,
-                     n_next};
-    const HeadRows v{v_head0_ + h * p_.v_stride_h * kKvEsz,
-                     p_.v_stride_n * kKvEsz,
-                     static_cast<int>(dv * kKvEsz),
-                     cur,
-                     next,
-                     n_next};
+    const HeadRows k = head_rows(k_head0_, p_.k_stride_h, p_.k_stride_n, dqk, h, cur, next, n_next);
+    const HeadRows v = head_rows(v_head0_, p_.v_stride_h, p_.v_stride_n, dv, h, cur, next, n_next);
     const Tile<T> t = state_.tile(base_, h);
     if (!few_) {
       pack_k<T, KvType>(k, n, dqk, t.steps_qk, const_cast<Step*>(t.kt), tables_);
