@@ -214,7 +214,7 @@ class ItemTask {
   }
 
   // The next block's rows, all heads of the task, into L2: whole contiguous runs of each slot.
-  void prefetch_slots(const int64_t* rows, int n) const {
+  FLASHKV_ALWAYS_INLINE void prefetch_slots(const int64_t* rows, int n) const {
     for (int i = 0; i < n; ++i) {
       prefetch_l2(k_head0_ + rows[i] * p_.k_stride_n * kKvEsz, k_span_);
       prefetch_l2(v_head0_ + rows[i] * p_.v_stride_n * kKvEsz, v_span_);

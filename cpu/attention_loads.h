@@ -50,7 +50,11 @@ struct KvRows {
   }
 };
 
-inline void prefetch_l2(const char* p, int64_t bytes) {
+// Prefetches are always inlined: GCC models __builtin_prefetch as touching no memory, so a
+// function that only prefetches is "const" to it, and a call to it is deleted as dead code.
+#define FLASHKV_ALWAYS_INLINE inline __attribute__((always_inline))
+
+FLASHKV_ALWAYS_INLINE void prefetch_l2(const char* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
@@ -67,7 +71,7 @@ struct HeadRows {
   int n_next;
 
   const char* row(int i) const { return base + rows[i] * row_bytes; }
-  void prefetch_next(int i) const {
+  FLASHKV_ALWAYS_INLINE void prefetch_next(int i) const {
     if (i >= n_next) return;
     prefetch_l2(base + next[i] * row_bytes, line_bytes);
   }
