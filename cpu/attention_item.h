@@ -314,8 +314,19 @@ class ItemTask {
   Step* staged_ = nullptr;
 };
 
+// T with the KV block of few-row tasks: smaller blocks suit them (measured on Zen 4: the
+// memory-bound decode runs ~5-10% faster with 32 keys than with 64, prefill the other way).
+template <class T>
+struct FewRowsBlocks : T {
+  static constexpr int kBlockKeys = T::kFewRowsBlockKeys;
+};
+
 template <class T, class KvType>
 void run_item(const AttentionParams& p, const WorkItem& item, int32_t head0, int32_t heads) {
+  if constexpr (T::kFewRowsBlockKeys != T::kBlockKeys) {
+    if (item.q_len * (p.num_qo_heads / p.num_kv_heads) <= kFewRows)
+      return ItemTask<FewRowsBlocks<T>, KvType>(p, item, head0, heads).run();
+  }
   ItemTask<T, KvType>(p, item, head0, heads).run();
 }
 

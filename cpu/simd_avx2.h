@@ -9,8 +9,9 @@ struct Avx2F32 {
   static constexpr int W = 8;
   static constexpr int kPack = 1;
   static constexpr int kBlockKeys = 32;  // keys per KV block
-  static constexpr int kQkRows = 2;      // 2 rows x 4 key vectors = 8 accumulators
-  static constexpr int kPvRows = 4;      // 4 rows x 2 vectors of 8 dims = 8 accumulators
+  static constexpr int kFewRowsBlockKeys = 32;
+  static constexpr int kQkRows = 2;  // 2 rows x 4 key vectors = 8 accumulators
+  static constexpr int kPvRows = 4;  // 4 rows x 2 vectors of 8 dims = 8 accumulators
   static constexpr int kPvVecs = 2;
   using F = __m256;
   using Step = float;

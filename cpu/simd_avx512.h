@@ -9,7 +9,8 @@ namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 
 struct Avx512Common {
   static constexpr int W = 16;
-  static constexpr int kBlockKeys = 64;  // keys per KV block
+  static constexpr int kBlockKeys = 64;         // keys per KV block
+  static constexpr int kFewRowsBlockKeys = 32;  // ... in tasks of few rows (decode)
   using F = __m512;
 
   // Masks of the first n lanes (n may be <= 0 or past the width).

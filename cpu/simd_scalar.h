@@ -13,6 +13,7 @@ struct ScalarF32 {
   static constexpr int W = 1;
   static constexpr int kPack = 1;
   static constexpr int kBlockKeys = 32;  // keys per KV block
+  static constexpr int kFewRowsBlockKeys = 32;
   // Register tiles of the micro-kernels (rows x key vectors, rows x output vectors).
   static constexpr int kQkRows = 1;
   static constexpr int kPvRows = 2;
