@@ -53,8 +53,9 @@ Isa isa_from_env() {
       str_cat("FLASHKV_CPU_ISA: expected scalar, avx2, avx512 or avx512_bf16, got '", env, "'"));
 }
 
+// The cap set_isa_cap() sets (the environment variable is read on every call, so it can change).
 std::atomic<int>& isa_cap() {
-  static std::atomic<int> cap{static_cast<int>(isa_from_env())};
+  static std::atomic<int> cap{static_cast<int>(Isa::avx512_bf16)};
   return cap;
 }
 
@@ -140,10 +141,16 @@ Isa detected_isa() {
 }
 
 Isa active_isa() {
-  return std::min(detected_isa(), static_cast<Isa>(isa_cap().load(std::memory_order_relaxed)));
+  const Isa cap = static_cast<Isa>(isa_cap().load(std::memory_order_relaxed));
+  return std::min({detected_isa(), cap, isa_from_env()});
 }
 
-Isa set_isa_cap(Isa cap) { return static_cast<Isa>(isa_cap().exchange(static_cast<int>(cap))); }
+Isa set_isa_cap(Isa cap) {
+  FLASHKV_CHECK(cap >= Isa::scalar && cap <= Isa::avx512_bf16,
+                "set_isa_cap: cap: expected scalar, avx2, avx512 or avx512_bf16, got ",
+                static_cast<int>(cap));
+  return static_cast<Isa>(isa_cap().exchange(static_cast<int>(cap)));
+}
 
 void* thread_scratch(size_t bytes) {
   thread_local std::unique_ptr<void, FreeDeleter> buffer;

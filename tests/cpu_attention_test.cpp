@@ -4,6 +4,7 @@
 // dtypes (fp8 KV with scales), causal / window / soft cap / sm_scale / custom mask, LSE, forced
 // splits and the merges. Unused KV slots hold NaN, outputs are poisoned first.
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <numeric>
@@ -226,6 +227,23 @@ TEST(CpuAttention, DetectsAnIsa) {
   IsaCap cap(cpu::Isa::scalar);
   EXPECT_EQ(cpu::active_isa(), cpu::Isa::scalar);
   EXPECT_STREQ(cpu::isa_name(cpu::Isa::avx512_bf16), "avx512_bf16");
+}
+
+TEST(CpuAttention, IsaCapArgumentsAreChecked) {
+  EXPECT_THROW(cpu::set_isa_cap(static_cast<cpu::Isa>(7)), Error);
+  EXPECT_THROW(cpu::set_isa_cap(static_cast<cpu::Isa>(-1)), Error);
+  const char* outer = std::getenv("FLASHKV_CPU_ISA");  // a CI run may pin the level
+  const std::string saved = outer ? outer : "";
+  ASSERT_EQ(setenv("FLASHKV_CPU_ISA", "avx9000", 1), 0);
+  EXPECT_THROW(cpu::active_isa(), Error);
+  ASSERT_EQ(setenv("FLASHKV_CPU_ISA", "scalar", 1), 0);
+  EXPECT_EQ(cpu::active_isa(), cpu::Isa::scalar);
+  if (outer) {
+    ASSERT_EQ(setenv("FLASHKV_CPU_ISA", saved.c_str(), 1), 0);
+  } else {
+    ASSERT_EQ(unsetenv("FLASHKV_CPU_ISA"), 0);
+    EXPECT_EQ(cpu::active_isa(), cpu::detected_isa());
+  }
 }
 
 TEST(CpuAttention, RaggedPrefillGrid) {

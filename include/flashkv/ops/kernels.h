@@ -26,6 +26,8 @@ Isa detected_isa();
 // variable FLASHKV_CPU_ISA (scalar / avx2 / avx512 / avx512_bf16).
 Isa active_isa();
 // Caps the level (tests and benchmarks run every path this way); returns the previous cap.
+// Throws flashkv::Error for a value outside the enum (and active_isa() for a bad
+// FLASHKV_CPU_ISA).
 Isa set_isa_cap(Isa cap);
 }  // namespace cpu
 
