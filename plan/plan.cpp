@@ -24,6 +24,7 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "flashkv/core/error.h"
@@ -63,7 +64,7 @@ struct Scratch {
   std::vector<WorkItem> tiles;  // one item per (request, query tile), in request order
   std::vector<WorkItem> split;  // the tiles cut into KV chunks (used when a chunk is set)
   std::vector<uint64_t> tile_cost, split_cost;  // item_cost of each
-  std::vector<uint8_t> key;
+  std::vector<uint8_t> tile_key, split_key;      // cost_key of each
   std::vector<uint32_t> order;
   std::vector<uint64_t> tree;  // see balance()
   std::vector<int32_t> owner, cursor;
@@ -77,9 +78,9 @@ Scratch& scratch() {
 // input (the case to be fast) the loop vectorizes; a second pass finds the culprit.
 template <typename Ok>
 int32_t first_failing(int32_t n, Ok ok) {
-  bool all = true;
-  for (int32_t i = 0; i < n; ++i) all &= ok(i);
-  if (all) return -1;
+  int32_t failed = 0;  // an int, not a bool, so that the loop vectorizes
+  for (int32_t i = 0; i < n; ++i) failed |= !ok(i);
+  if (!failed) return -1;
   for (int32_t i = 0; i < n; ++i)
     if (!ok(i)) return i;
   return -1;
@@ -176,66 +177,89 @@ int64_t max_tiles_of(int64_t tokens, int64_t requests, int64_t q_tile) {
   return std::min(tokens, (tokens + nonempty * (q_tile - 1)) / q_tile);
 }
 
+// An 8-bit sort key, monotonic in the cost: its exponent (costs are >= kItemOverhead = 16, so
+// it starts at 4; costs of 2^36 and more share the top key) and 3 mantissa bits. Costs within
+// 12.5% may swap places in the LPT order, which costs next to nothing in balance (the cost
+// model is no finer) and lets one counting-sort pass order the items.
+uint8_t cost_key(uint64_t cost) {
+  // A float's bits above the top 3 mantissa bits are 8 * exponent + those 3 bits, biased by
+  // 8 * (127 + 4) for the smallest cost; the conversion rounds, which keeps the order.
+  const float f = static_cast<float>(static_cast<int64_t>(cost));
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return static_cast<uint8_t>(std::min<uint32_t>((bits >> 20) - 8 * (127 + 4), 255));
+}
+
 // What the automatic split needs to know about the tiles.
 struct TileStats {
-  int64_t total_cost = 0;    // sum of item_cost over the tiles
-  int64_t largest_cost = 0;  // max item_cost over the tiles (>= that of any chunk of them)
-  int64_t longest = 0;       // longest KV range
+  int64_t total_cost = 0;  // sum of item_cost over the tiles
+  int64_t longest = 0;     // longest KV range
 };
 
-// One item per (request, q_tile rows), KV trimmed to what the tile's rows can see.
+// Calls fn(std::bool_constant<flag>) so that a hot loop can be specialised on a runtime flag.
+template <typename Fn>
+decltype(auto) with_flag(bool flag, Fn&& fn) {
+  return flag ? fn(std::true_type()) : fn(std::false_type());
+}
+
+// One item per (request, q_tile rows), KV trimmed to what the tile's rows can see, with its
+// cost and sort key. The loops are specialised on the masks, which are fixed per batch.
 TileStats build_tiles(const BatchShape& b, bool decode, int32_t q_tile,
-                      std::vector<WorkItem>* tiles, std::vector<uint64_t>* costs) {
+                      std::vector<WorkItem>* tiles, std::vector<uint64_t>* costs,
+                      std::vector<uint8_t>* keys) {
   TileStats st;
-  if (decode) {
-    tiles->resize(b.batch_size);
-    costs->resize(b.batch_size);
-    WorkItem* t = tiles->data();
-    uint64_t* cost = costs->data();
-    for (int32_t r = 0; r < b.batch_size; ++r) {
-      const int32_t kv_len = b.kv_len[r];
-      // The row sits at position kv_len - 1: causal trims nothing.
-      const int32_t lo =
-          b.window_left >= 0 ? std::clamp(kv_len - 1 - b.window_left, 0, kv_len) : 0;
-      t[r] = {r, r, 1, lo, kv_len, -1, 0, 0};
-      cost[r] = static_cast<uint64_t>(kv_len - lo + kItemOverhead);
-      st.longest = std::max<int64_t>(st.longest, kv_len - lo);
-      st.total_cost += static_cast<int64_t>(cost[r]);
-    }
-    st.largest_cost = st.longest + kItemOverhead;
-    return st;
-  }
   // Room for the most tiles the rows can make (no division per request), trimmed below.
   const int64_t room =
-      max_tiles_of(b.qo_indptr[b.batch_size] - b.qo_indptr[0], b.batch_size, q_tile);
+      decode ? b.batch_size
+             : max_tiles_of(b.qo_indptr[b.batch_size] - b.qo_indptr[0], b.batch_size, q_tile);
   tiles->resize(room);
   costs->resize(room);
-  WorkItem* const first = tiles->data();
-  WorkItem* t = first;
+  keys->resize(room);
+  WorkItem* t = tiles->data();
   uint64_t* cost = costs->data();
-  for (int32_t r = 0; r < b.batch_size; ++r) {
-    const int32_t q0 = b.qo_indptr[r];
-    const int32_t q_len = b.qo_indptr[r + 1] - q0;
-    const int64_t kv_len = b.kv_len[r];
-    for (int32_t row = 0; row < q_len; row += q_tile) {
-      const int32_t rows = std::min(q_tile, q_len - row);
-      // Query row q of a request sits at position kv_len - q_len + q (negative: sees nothing
-      // under causal masking).
-      const int64_t first_pos = kv_len - q_len + row;
-      const int64_t last_pos = first_pos + rows - 1;
-      const int64_t lo =
-          b.window_left >= 0 ? std::clamp<int64_t>(first_pos - b.window_left, 0, kv_len) : 0;
-      const int64_t hi = b.causal ? std::clamp<int64_t>(last_pos + 1, lo, kv_len) : kv_len;
-      *t = {r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1, 0, 0};
-      const int64_t c = item_cost(*t++);
-      *cost++ = static_cast<uint64_t>(c);
-      st.longest = std::max(st.longest, hi - lo);
-      st.largest_cost = std::max(st.largest_cost, c);
-      st.total_cost += c;
+  uint8_t* key = keys->data();
+  auto emit = [&](const WorkItem& item) {
+    *t++ = item;
+    const int64_t c = item_cost(item);
+    *cost++ = static_cast<uint64_t>(c);
+    *key++ = cost_key(static_cast<uint64_t>(c));
+    st.longest = std::max<int64_t>(st.longest, item.kv_end - item.kv_begin);
+    st.total_cost += c;
+  };
+  const int32_t window = b.window_left;
+  with_flag(window >= 0, [&](auto windowed) {
+    if (decode) {
+      for (int32_t r = 0; r < b.batch_size; ++r) {
+        const int32_t kv_len = b.kv_len[r];
+        // The row sits at position kv_len - 1: causal trims nothing.
+        int32_t lo = 0;
+        if constexpr (windowed) lo = std::clamp(kv_len - 1 - window, 0, kv_len);
+        emit({r, r, 1, lo, kv_len, -1, 0, 0});
+      }
+      return;
     }
-  }
-  tiles->resize(t - first);
-  costs->resize(t - first);
+    with_flag(b.causal, [&](auto causal) {
+      for (int32_t r = 0; r < b.batch_size; ++r) {
+        const int32_t q0 = b.qo_indptr[r];
+        const int32_t q_len = b.qo_indptr[r + 1] - q0;
+        const int64_t kv_len = b.kv_len[r];
+        for (int32_t row = 0; row < q_len; row += q_tile) {
+          const int32_t rows = std::min(q_tile, q_len - row);
+          // Query row q of a request sits at position kv_len - q_len + q (negative: sees
+          // nothing under causal masking).
+          const int64_t first_pos = kv_len - q_len + row;
+          int64_t lo = 0, hi = kv_len;
+          if constexpr (windowed) lo = std::clamp<int64_t>(first_pos - window, 0, kv_len);
+          if constexpr (causal) hi = std::clamp<int64_t>(first_pos + rows, lo, kv_len);
+          emit({r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1, 0, 0});
+        }
+      }
+    });
+  });
+  const int64_t num_tiles = t - tiles->data();
+  tiles->resize(num_tiles);
+  costs->resize(num_tiles);
+  keys->resize(num_tiles);
   return st;
 }
 
@@ -267,9 +291,11 @@ int64_t auto_chunk(const std::vector<WorkItem>& tiles, const TileStats& st, int6
 }
 
 // Cuts the tiles into chunks; fills `items` (planning order), the merges and the partial rows.
-void split_tiles(const std::vector<WorkItem>& tiles, const std::vector<uint64_t>& tile_costs,
-                 int64_t chunk, std::vector<WorkItem>* items, std::vector<uint64_t>* costs,
-                 std::vector<MergeItem>* merges, int64_t* partial_rows) {
+// Returns the items' total cost.
+int64_t split_tiles(const std::vector<WorkItem>& tiles, const Scratch& s, int64_t chunk,
+                    std::vector<WorkItem>* items, std::vector<uint64_t>* costs,
+                    std::vector<uint8_t>* keys, std::vector<MergeItem>* merges,
+                    int64_t* partial_rows) {
   // Count first: the sizes must fit the int32 fields before anything is written.
   int64_t num_items = 0, num_merges = 0, rows = 0;
   for (const WorkItem& t : tiles) {
@@ -285,17 +311,22 @@ void split_tiles(const std::vector<WorkItem>& tiles, const std::vector<uint64_t>
                 " partial rows, past the int32 range of the plan");
   items->resize(num_items);
   costs->resize(num_items);
+  keys->resize(num_items);
   merges->resize(num_merges);
   WorkItem* it = items->data();
   uint64_t* cost = costs->data();
+  uint8_t* key = keys->data();
   MergeItem* m = merges->data();
   int32_t base = 0;
+  int64_t total = 0;
   for (size_t i = 0; i < tiles.size(); ++i) {
     const WorkItem& t = tiles[i];
     const int64_t n = num_chunks(t.kv_begin, t.kv_end, chunk);
     if (n == 1) {
       *it++ = t;
-      *cost++ = tile_costs[i];
+      *cost++ = s.tile_cost[i];
+      *key++ = s.tile_key[i];
+      total += static_cast<int64_t>(s.tile_cost[i]);
       continue;
     }
     const int64_t first = t.kv_begin / chunk;
@@ -310,22 +341,16 @@ void split_tiles(const std::vector<WorkItem>& tiles, const std::vector<uint64_t>
                static_cast<int32_t>(base + c * t.q_len),
                static_cast<int32_t>(c),
                0};
-      *cost++ = static_cast<uint64_t>(t.q_len * (hi - lo + kItemOverhead));
+      const int64_t chunk_cost = t.q_len * (hi - lo + kItemOverhead);
+      *cost++ = static_cast<uint64_t>(chunk_cost);
+      *key++ = cost_key(static_cast<uint64_t>(chunk_cost));
+      total += chunk_cost;
     }
     *m++ = {t.q_begin, t.q_len, base, static_cast<int32_t>(n)};
     base += static_cast<int32_t>(n * t.q_len);
   }
   *partial_rows = rows;
-}
-
-// An 8-bit sort key, monotonic in the cost: 4 bits of exponent relative to the largest cost's
-// (`top`) and 4 bits of mantissa. Costs below 2^-15 of the largest share key 0. Every cost is
-// >= kItemOverhead = 16, so there are always 4 mantissa bits below the leading one.
-uint8_t cost_key(uint64_t cost, int top) {
-  const int e = bit_width(cost) - 1;
-  const int relative = e - top + 15;
-  if (relative < 0) return 0;
-  return static_cast<uint8_t>((relative << 4) | ((cost >> (e - 4)) & 15));
+  return total;
 }
 
 // The LPT loop, for the items order[begin, end), over a tournament tree of 2^kDepth leaves (see
@@ -384,34 +409,29 @@ void lpt_walk_for_depth(int depth, const LptState& st, uint32_t begin, uint32_t 
 
 // LPT: items costliest first, each to the least-loaded worker (ties: the lowest id); writes
 // the items grouped by worker (each worker's in planning order) into p->items and
-// p->worker_indptr. Needs more items than workers; `largest` bounds every item's cost.
-void balance(const std::vector<WorkItem>& items, const uint64_t* cost, int32_t num_workers,
-             uint64_t largest, Scratch& s, Plan* p) {
+// p->worker_indptr. Needs more items than workers; `total` is the sum of their costs.
+void balance(const std::vector<WorkItem>& items, const uint64_t* cost, const uint8_t* key,
+             uint64_t total, int32_t num_workers, Scratch& s, Plan* p) {
   const uint32_t n = static_cast<uint32_t>(items.size());
   const WorkItem* src = items.data();
-  s.key.resize(n);
   s.order.resize(n);
   s.owner.resize(n);
-  uint8_t* key = s.key.data();
   uint32_t* order = s.order.data();
   int32_t* owner = s.owner.data();
 
-  // 1. Costs, and the items in descending cost order by a counting sort on their keys. Items
-  // alternate between two counter sets, so that runs of equal keys (the tiles of one request)
-  // do not serialize on one counter; within a key, even-numbered items come first, then odd
-  // ones, each in item order.
-  const int top = bit_width(largest) - 1;
+  // 1. The items in descending cost order, by a counting sort on their keys. Items alternate
+  // between two counter sets, so that runs of equal keys (the tiles of one request) do not
+  // serialize on one counter; within a key, even-numbered items come first, then odd ones, each
+  // in item order.
   uint32_t count[256][2] = {};
-  uint64_t total = 0;
-  uint8_t lowest = 255;
+  uint8_t lowest = 255, highest = 0;
   for (uint32_t i = 0; i < n; ++i) {
-    total += cost[i];
-    key[i] = cost_key(cost[i], top);
-    lowest = std::min(lowest, key[i]);
     ++count[key[i]][i & 1];
+    lowest = std::min(lowest, key[i]);
+    highest = std::max(highest, key[i]);
   }
   uint32_t next = 0;
-  for (int k = 255; k >= lowest; --k) {
+  for (int k = highest; k >= lowest; --k) {
     const uint32_t even = count[k][0], odd = count[k][1];
     count[k][0] = next;
     count[k][1] = next + even;
@@ -528,7 +548,7 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   const int32_t max_workers = max_workers_of(b, dev, o);
 
   // 1. Tiles, with KV trimmed to what their rows can see.
-  const TileStats stats = build_tiles(b, decode, p.q_tile, &s.tiles, &s.tile_cost);
+  const TileStats stats = build_tiles(b, decode, p.q_tile, &s.tiles, &s.tile_cost, &s.tile_key);
   p.num_tiles = static_cast<int32_t>(s.tiles.size());
 
   // 2. The chunk size: chunks never cut a page, and are multiples of the kernel's KV tile.
@@ -545,14 +565,17 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
 
   // 3. Items (planning order) and merges.
   const std::vector<WorkItem>* items = &s.tiles;
-  const std::vector<uint64_t>* costs = &s.tile_cost;
+  const uint64_t* costs = s.tile_cost.data();
+  const uint8_t* keys = s.tile_key.data();
+  int64_t total_cost = stats.total_cost;
   p.merges.clear();
   p.num_partial_rows = 0;
   if (chunk > 0) {
-    split_tiles(s.tiles, s.tile_cost, chunk, &s.split, &s.split_cost, &p.merges,
-                &p.num_partial_rows);
+    total_cost = split_tiles(s.tiles, s, chunk, &s.split, &s.split_cost, &s.split_key, &p.merges,
+                             &p.num_partial_rows);
     items = &s.split;
-    costs = &s.split_cost;
+    costs = s.split_cost.data();
+    keys = s.split_key.data();
   }
   const int32_t num_items = static_cast<int32_t>(items->size());
 
@@ -566,7 +589,7 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
     for (int32_t w = 0; w <= W; ++w) p.worker_indptr[w] = std::min(w, num_items);
     p.items.assign(items->begin(), items->end());
   } else {
-    balance(*items, costs->data(), W, static_cast<uint64_t>(stats.largest_cost), s, &p);
+    balance(*items, costs, keys, static_cast<uint64_t>(total_cost), W, s, &p);
   }
 
   // 5. Workspace layout (capacities in graph mode).
