@@ -110,8 +110,10 @@ struct Runner {
   }
   void step() {
     const BatchShape& s = batches_[next_ ^= 1].shape;
-    if (c_.decode) plan_decode(s, c_.device, c_.options, &decode_);
-    else plan_prefill(s, c_.device, c_.options, &prefill_);
+    if (c_.decode)
+      plan_decode(s, c_.device, c_.options, &decode_);
+    else
+      plan_prefill(s, c_.device, c_.options, &prefill_);
   }
   const Plan& last() const { return c_.decode ? static_cast<const Plan&>(decode_) : prefill_; }
 

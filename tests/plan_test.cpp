@@ -2,6 +2,8 @@
 // in exactly one item, every row in one tile), merge lists, partial rows, worker grouping,
 // workspace layout and serialization; deterministic mode across thousands of batches; graph
 // mode's fixed layout; when split-KV happens; mask trimming; bad input.
+#include "flashkv/plan/plan.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,7 +14,6 @@
 #include <vector>
 
 #include "flashkv/core/error.h"
-#include "flashkv/plan/plan.h"
 #include "test_util.h"
 
 namespace flashkv {
@@ -42,8 +43,8 @@ struct Batch {
   int32_t first_row(int32_t r) const { return decode ? r : qo_indptr[r]; }
 };
 
-Batch make_batch(bool decode, std::vector<int32_t> q_len, std::vector<int32_t> kv_len,
-                 int hq = 32, int hkv = 8, int head_dim = 128) {
+Batch make_batch(bool decode, std::vector<int32_t> q_len, std::vector<int32_t> kv_len, int hq = 32,
+                 int hkv = 8, int head_dim = 128) {
   Batch b;
   b.decode = decode;
   b.kv_len = std::move(kv_len);
@@ -75,10 +76,14 @@ DeviceInfo cpu_like(int num_threads) {
 int32_t awkward_len(Rng& rng, int32_t max) {
   static const int32_t kEdges[] = {2, 15, 16, 17, 31, 33, 63, 64, 65, 127, 129, 255, 256, 257};
   switch (rng.uniform_int(0, 5)) {
-    case 0: return 0;
-    case 1: return std::min(1, max);
-    case 2: return std::min(kEdges[rng.uniform_int(0, 13)], max);
-    default: return rng.uniform_int(0, max);
+    case 0:
+      return 0;
+    case 1:
+      return std::min(1, max);
+    case 2:
+      return std::min(kEdges[rng.uniform_int(0, 13)], max);
+    default:
+      return rng.uniform_int(0, max);
   }
 }
 
@@ -105,8 +110,7 @@ int32_t workers_per_kv_head(const DeviceInfo& dev, const PlanOptions& o, int hkv
 int64_t cost_of(const WorkItem& it) { return int64_t{it.q_len} * (it.kv_end - it.kv_begin + 16); }
 
 // KV positions [lo, hi) that query row `q` (0-based within its request) may see.
-std::pair<int64_t, int64_t> visible(const BatchShape& s, int64_t q_len, int64_t kv_len,
-                                    int64_t q) {
+std::pair<int64_t, int64_t> visible(const BatchShape& s, int64_t q_len, int64_t kv_len, int64_t q) {
   const int64_t pos = kv_len - q_len + q;
   const int64_t lo = s.window_left >= 0 ? std::max<int64_t>(0, pos - s.window_left) : 0;
   const int64_t hi = s.causal ? std::min<int64_t>(kv_len, pos + 1) : kv_len;
@@ -116,8 +120,8 @@ std::pair<int64_t, int64_t> visible(const BatchShape& s, int64_t q_len, int64_t 
 // ---------------------------------------------------------------------------------------------
 // The invariants every plan must satisfy.
 
-#define PLAN_CHECK(cond, ...)                                                    \
-  do {                                                                           \
+#define PLAN_CHECK(cond, ...)                                                        \
+  do {                                                                               \
     if (!(cond)) return AssertionFailure() << #cond << ": " << str_cat(__VA_ARGS__); \
   } while (0)
 
@@ -145,11 +149,10 @@ AssertionResult check_layout(const Plan& p) {
     PLAN_CHECK(r.offset >= end, r.name, " at ", r.offset, " overlaps the previous piece (ends at ",
                end, ")");
     end = r.offset + r.bytes;
-    PLAN_CHECK(end <= l.total_bytes, r.name, " ends at ", end, " past total_bytes ",
-               l.total_bytes);
+    PLAN_CHECK(end <= l.total_bytes, r.name, " ends at ", end, " past total_bytes ", l.total_bytes);
     if (std::string(r.name) == "merges")
-      PLAN_CHECK(end <= l.plan_bytes && l.plan_bytes <= l.partial_o, "plan_bytes ",
-                 l.plan_bytes, " does not end the plan part (merges end at ", end, ")");
+      PLAN_CHECK(end <= l.plan_bytes && l.plan_bytes <= l.partial_o, "plan_bytes ", l.plan_bytes,
+                 " does not end the plan part (merges end at ", end, ")");
   }
   return AssertionSuccess();
 }
@@ -176,8 +179,10 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
   const int32_t W = p.num_workers;
   const int32_t n = static_cast<int32_t>(p.items.size());
   PLAN_CHECK(W >= 1 && W <= max_workers, "num_workers ", W, " (max ", max_workers, ")");
-  if (dev.device.is_cpu() || o.cuda_graph) PLAN_CHECK(W == max_workers, "num_workers ", W);
-  else PLAN_CHECK(W == std::min(max_workers, std::max(n, 1)), "num_workers ", W);
+  if (dev.device.is_cpu() || o.cuda_graph)
+    PLAN_CHECK(W == max_workers, "num_workers ", W);
+  else
+    PLAN_CHECK(W == std::min(max_workers, std::max(n, 1)), "num_workers ", W);
   PLAN_CHECK(static_cast<int32_t>(p.worker_indptr.size()) == W + 1, "worker_indptr size");
   PLAN_CHECK(p.worker_indptr[0] == 0 && p.worker_indptr[W] == n, "worker_indptr ends");
   for (int32_t w = 0; w < W; ++w) {
@@ -201,8 +206,8 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
       total += load;
       makespan = std::max(makespan, load);
     }
-    PLAN_CHECK(makespan <= total / W + largest + 1, "makespan ", makespan, " > total/W ",
-               total / W, " + largest ", largest);
+    PLAN_CHECK(makespan <= total / W + largest + 1, "makespan ", makespan, " > total/W ", total / W,
+               " + largest ", largest);
   }
 
   // Items one by one.
@@ -211,11 +216,11 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
     PLAN_CHECK(it.request >= 0 && it.request < B, "item ", i, ": request ", it.request);
     const int32_t r = it.request;
     PLAN_CHECK(it.q_len >= 1 && it.q_len <= p.q_tile, "item ", i, ": q_len ", it.q_len);
-    PLAN_CHECK(it.q_begin >= b.first_row(r) &&
-                   it.q_begin + it.q_len <= b.first_row(r) + b.rows_of(r),
-               "item ", i, ": rows [", it.q_begin, ", +", it.q_len, ") outside request ", r);
-    PLAN_CHECK(0 <= it.kv_begin && it.kv_begin <= it.kv_end && it.kv_end <= b.kv_len[r], "item ",
-               i, ": KV [", it.kv_begin, ", ", it.kv_end, ") outside [0, ", b.kv_len[r], ")");
+    PLAN_CHECK(
+        it.q_begin >= b.first_row(r) && it.q_begin + it.q_len <= b.first_row(r) + b.rows_of(r),
+        "item ", i, ": rows [", it.q_begin, ", +", it.q_len, ") outside request ", r);
+    PLAN_CHECK(0 <= it.kv_begin && it.kv_begin <= it.kv_end && it.kv_end <= b.kv_len[r], "item ", i,
+               ": KV [", it.kv_begin, ", ", it.kv_end, ") outside [0, ", b.kv_len[r], ")");
     if (p.kv_chunk > 0 && it.kv_end > it.kv_begin)
       PLAN_CHECK(it.kv_begin / p.kv_chunk == (it.kv_end - 1) / p.kv_chunk, "item ", i, ": KV [",
                  it.kv_begin, ", ", it.kv_end, ") crosses a multiple of kv_chunk ", p.kv_chunk);
@@ -247,7 +252,8 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
       PLAN_CHECK(it.chunk == c, "tile at row ", q_begin, ": chunk ", it.chunk, ", expected ", c);
       if (c > 0)
         PLAN_CHECK(it.kv_begin == chunks[c - 1]->kv_end, "tile at row ", q_begin, ": chunk ", c,
-                   " starts at ", it.kv_begin, ", the previous one ends at ", chunks[c - 1]->kv_end);
+                   " starts at ", it.kv_begin, ", the previous one ends at ",
+                   chunks[c - 1]->kv_end);
       if (num > 1) PLAN_CHECK(it.kv_end > it.kv_begin, "empty chunk ", c, " of a split tile");
     }
     auto mi = merges.find(q_begin);
@@ -386,8 +392,8 @@ TEST(Plan, RandomBatchesCoverEveryVisiblePositionOnce) {
   for (int iter = 0; iter < 600; ++iter) {
     const bool decode = iter % 2 == 0;
     const bool small = iter % 3 == 0;  // small enough to count every (row, KV position)
-    RandomSetup r = small ? random_setup(rng, decode, 6, 40, 300)
-                          : random_setup(rng, decode, 80, 600, 9000);
+    RandomSetup r =
+        small ? random_setup(rng, decode, 6, 40, 300) : random_setup(rng, decode, 80, 600, 9000);
     SCOPED_TRACE(::testing::Message() << "iter " << iter << (decode ? " decode" : " prefill"));
     const Plan p = plan_of(r);
     ASSERT_TRUE(check_plan(p, r.batch, r.device, r.options, small));
@@ -420,7 +426,8 @@ TEST(Plan, BalanceIsCloseToIdealOnServingLikeBatches) {
     int64_t total = 0, makespan = 0;
     for (int32_t w = 0; w < p.num_workers; ++w) {
       int64_t load = 0;
-      for (int32_t i = p.worker_indptr[w]; i < p.worker_indptr[w + 1]; ++i) load += cost_of(p.items[i]);
+      for (int32_t i = p.worker_indptr[w]; i < p.worker_indptr[w + 1]; ++i)
+        load += cost_of(p.items[i]);
       total += load;
       makespan = std::max(makespan, load);
     }
@@ -440,11 +447,11 @@ TEST(Plan, RowsThatSeeNothingStillGetAnItem) {
   ASSERT_TRUE(check_plan(p, b, dev, o, /*brute_force=*/true));
   std::map<int32_t, std::pair<int32_t, int32_t>> kv_of_tile;
   for (const WorkItem& it : p.items) kv_of_tile[it.q_begin] = {it.kv_begin, it.kv_end};
-  ASSERT_EQ(kv_of_tile.size(), 4u);  // rows 0-3, 4-7 | 8-10 | 11-14
+  ASSERT_EQ(kv_of_tile.size(), 4u);                      // rows 0-3, 4-7 | 8-10 | 11-14
   EXPECT_EQ(kv_of_tile[0].first, kv_of_tile[0].second);  // positions -5..-2: nothing visible
-  EXPECT_EQ(kv_of_tile[4], std::make_pair(0, 3));       // positions -1..2
-  EXPECT_EQ(kv_of_tile[8], std::make_pair(0, 0));       // request without KV
-  EXPECT_EQ(kv_of_tile[11], std::make_pair(0, 9));      // positions 5..8 of 9
+  EXPECT_EQ(kv_of_tile[4], std::make_pair(0, 3));        // positions -1..2
+  EXPECT_EQ(kv_of_tile[8], std::make_pair(0, 0));        // request without KV
+  EXPECT_EQ(kv_of_tile[11], std::make_pair(0, 9));       // positions 5..8 of 9
 
   Batch d = make_batch(/*decode=*/true, {}, {0, 5, 0});
   DecodePlan dp = plan_decode(d.shape, dev, PlanOptions{});
@@ -537,7 +544,8 @@ TEST(Plan, SplitKvForSmallBatchesWithLongKvOnly) {
   PrefillPlan pp = plan_prefill(small_prefill.shape, gpu, PlanOptions{});
   ASSERT_TRUE(check_plan(pp, small_prefill, gpu, PlanOptions{}));
   EXPECT_FALSE(pp.merges.empty());
-  Batch big_prefill = make_batch(false, std::vector<int32_t>(64, 512), std::vector<int32_t>(64, 4096));
+  Batch big_prefill =
+      make_batch(false, std::vector<int32_t>(64, 512), std::vector<int32_t>(64, 4096));
   big_prefill.shape.causal = true;
   pp = plan_prefill(big_prefill.shape, gpu, PlanOptions{});
   ASSERT_TRUE(check_plan(pp, big_prefill, gpu, PlanOptions{}));
@@ -559,7 +567,7 @@ TEST(Plan, ChunksAreAlignedToPagesAndKvTile) {
       ASSERT_GT(p.kv_chunk, 0);
       EXPECT_EQ(p.kv_chunk % align, 0) << "page " << page << " kv_align " << kv_align;
       EXPECT_GE(p.kv_chunk, 256);  // the default min_split_size
-      o.fixed_split_size = 1000;  // rounded up to the alignment too
+      o.fixed_split_size = 1000;   // rounded up to the alignment too
       p = plan_decode(b.shape, gpu, o);
       ASSERT_TRUE(check_plan(p, b, gpu, o));
       EXPECT_EQ(p.kv_chunk, (1000 + align - 1) / align * align);
@@ -598,10 +606,10 @@ TEST(Plan, DeterministicChunksDoNotDependOnTheBatch) {
   struct Probe {
     int32_t q, kv;
   };
-  const std::vector<Probe> decode_probes = {{1, 0}, {1, 1}, {1, 2047}, {1, 2048}, {1, 2049},
-                                            {1, 30001}};
-  const std::vector<Probe> prefill_probes = {{1, 5000}, {200, 4096}, {333, 9000}, {64, 64},
-                                             {0, 100}};
+  const std::vector<Probe> decode_probes = {{1, 0},    {1, 1},    {1, 2047},
+                                            {1, 2048}, {1, 2049}, {1, 30001}};
+  const std::vector<Probe> prefill_probes = {
+      {1, 5000}, {200, 4096}, {333, 9000}, {64, 64}, {0, 100}};
   int batches = 0;
   for (const bool decode : {true, false}) {
     for (const DeviceInfo& dev : {cuda_like(132), cuda_like(7), cpu_like(64)}) {
@@ -620,8 +628,8 @@ TEST(Plan, DeterministicChunksDoNotDependOnTheBatch) {
           b.q_len.insert(b.q_len.begin() + at, decode ? 1 : probe.q);
           b.shape.causal = !decode;
           b.bind();
-          const Plan p = decode ? Plan(plan_decode(b.shape, dev, o))
-                                : Plan(plan_prefill(b.shape, dev, o));
+          const Plan p =
+              decode ? Plan(plan_decode(b.shape, dev, o)) : Plan(plan_prefill(b.shape, dev, o));
           ASSERT_EQ(p.kv_chunk, ref.kv_chunk);
           ASSERT_TRUE(same_items(items_of(p, at, b.first_row(at)), expected))
               << "probe q " << probe.q << " kv " << probe.kv << " at " << at << " of "
@@ -678,8 +686,8 @@ TEST(Plan, GraphModeGivesOneLayoutForEveryBatchThatFits) {
       o.fixed_split_size = mode == 1 ? 2048 : 0;
       SCOPED_TRACE(::testing::Message() << (decode ? "decode" : "prefill") << " mode " << mode);
       Batch empty = make_batch(decode, {}, {});
-      const Plan ref = decode ? Plan(plan_decode(empty.shape, gpu, o))
-                              : Plan(plan_prefill(empty.shape, gpu, o));
+      const Plan ref =
+          decode ? Plan(plan_decode(empty.shape, gpu, o)) : Plan(plan_prefill(empty.shape, gpu, o));
       EXPECT_EQ(ref.num_workers, 132 * 2 / 8);
       for (int trial = 0; trial < 300; ++trial) {
         // Up to the capacities, with full batches now and then.
@@ -700,8 +708,8 @@ TEST(Plan, GraphModeGivesOneLayoutForEveryBatchThatFits) {
         }
         b.shape.causal = !decode && rng.uniform_int(0, 1);
         b.bind();
-        const Plan p = decode ? Plan(plan_decode(b.shape, gpu, o))
-                              : Plan(plan_prefill(b.shape, gpu, o));
+        const Plan p =
+            decode ? Plan(plan_decode(b.shape, gpu, o)) : Plan(plan_prefill(b.shape, gpu, o));
         ASSERT_TRUE(check_plan(p, b, gpu, o));
         expect_same_layout(p, ref);
         if (::testing::Test::HasFailure()) return;
@@ -864,16 +872,58 @@ TEST(Plan, BadInputNamesTheArgument) {
     o.max_batch_size = 2;
     o.max_num_tokens = 8;
   };
-  prefill([&](B, O o, D) { graph(o); o.max_batch_size = 0; }, "max_batch_size");
-  prefill([&](B, O o, D) { graph(o); o.max_batch_size = 1; }, "max_batch_size");
-  prefill([&](B, O o, D) { graph(o); o.max_num_tokens = 0; }, "max_num_tokens");
-  prefill([&](B, O o, D) { graph(o); o.max_num_tokens = 7; }, "max_num_tokens");
-  prefill([&](B, O o, D) { graph(o); o.fixed_split_size = 64; }, "max_kv_len");
-  prefill([&](B, O o, D) { graph(o); o.fixed_split_size = 64; o.max_kv_len = 19; }, "max_kv_len");
+  prefill(
+      [&](B, O o, D) {
+        graph(o);
+        o.max_batch_size = 0;
+      },
+      "max_batch_size");
+  prefill(
+      [&](B, O o, D) {
+        graph(o);
+        o.max_batch_size = 1;
+      },
+      "max_batch_size");
+  prefill(
+      [&](B, O o, D) {
+        graph(o);
+        o.max_num_tokens = 0;
+      },
+      "max_num_tokens");
+  prefill(
+      [&](B, O o, D) {
+        graph(o);
+        o.max_num_tokens = 7;
+      },
+      "max_num_tokens");
+  prefill(
+      [&](B, O o, D) {
+        graph(o);
+        o.fixed_split_size = 64;
+      },
+      "max_kv_len");
+  prefill(
+      [&](B, O o, D) {
+        graph(o);
+        o.fixed_split_size = 64;
+        o.max_kv_len = 19;
+      },
+      "max_kv_len");
   decode([](B b, O, D) { b.shape.kv_len = nullptr; }, "kv_len");
   decode([](B b, O, D) { b.kv_len[0] = -5; }, "kv_len");
-  decode([&](B, O o, D) { graph(o); o.max_batch_size = 1; }, "max_batch_size");
-  decode([&](B, O o, D) { graph(o); o.fixed_split_size = 16; o.max_kv_len = 10; }, "max_kv_len");
+  decode(
+      [&](B, O o, D) {
+        graph(o);
+        o.max_batch_size = 1;
+      },
+      "max_batch_size");
+  decode(
+      [&](B, O o, D) {
+        graph(o);
+        o.fixed_split_size = 16;
+        o.max_kv_len = 10;
+      },
+      "max_kv_len");
   // Chunks so small that the partial rows leave the int32 range of the plan (checked before
   // anything is allocated).
   Batch huge = make_batch(false, {64, 64}, {INT32_MAX, INT32_MAX});

@@ -113,9 +113,9 @@ struct PlanOptions {
   // CUDA-graph mode: capacities fixed at capture; every plan then has the same num_workers and
   // the same workspace layout, whatever the batch.
   bool cuda_graph = false;
-  int32_t max_batch_size = 0;   // graph mode capacity
-  int32_t max_num_tokens = 0;   // graph mode capacity (query rows)
-  int32_t max_kv_len = 0;       // graph mode with fixed_split_size: longest request's KV
+  int32_t max_batch_size = 0;  // graph mode capacity
+  int32_t max_num_tokens = 0;  // graph mode capacity (query rows)
+  int32_t max_kv_len = 0;      // graph mode with fixed_split_size: longest request's KV
   // CUDA: resident CTAs per SM the kernel is sized for (0: 2). The grid's x extent is at most
   // num_sms * blocks_per_sm / Hkv workers (grid.y runs the KV heads), so one wave fills the GPU.
   int32_t blocks_per_sm = 0;
@@ -138,7 +138,7 @@ struct Plan {
   // CUDA: grid.x (grid.y = Hkv). CPU: max(1, threads / Hkv), so that workers x Hkv (item, KV
   // head) tasks fill the threads as the CUDA grid fills the SMs.
   int32_t num_workers = 0;
-  int32_t num_tiles = 0;    // (request, query tile) pairs before splitting
+  int32_t num_tiles = 0;  // (request, query tile) pairs before splitting
   bool cuda_graph = false;
 
   std::vector<WorkItem> items;         // grouped by worker: items of worker w are
@@ -157,8 +157,7 @@ struct PrefillPlan : Plan {};
 // (non-monotonic indptr, negative lengths, zero heads, Hq % Hkv != 0, sizes past graph-mode
 // capacity, ...). The reuse form below leaves `out` with id 0 (unusable) when it throws.
 DecodePlan plan_decode(const BatchShape& batch, const DeviceInfo& device, const PlanOptions& opt);
-PrefillPlan plan_prefill(const BatchShape& batch, const DeviceInfo& device,
-                         const PlanOptions& opt);
+PrefillPlan plan_prefill(const BatchShape& batch, const DeviceInfo& device, const PlanOptions& opt);
 // The same, reusing `out`'s vectors so steady-state planning allocates nothing.
 void plan_decode(const BatchShape& batch, const DeviceInfo& device, const PlanOptions& opt,
                  DecodePlan* out);
