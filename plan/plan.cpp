@@ -60,12 +60,25 @@ int64_t item_cost(const WorkItem& it) {
   return int64_t{it.q_len} * (int64_t{it.kv_end} - it.kv_begin + kItemOverhead);
 }
 
+// Items in planning order, with each one's cost (item_cost) and sort key (cost_key).
+struct ItemList {
+  std::vector<WorkItem> items;
+  std::vector<uint64_t> cost;
+  std::vector<uint8_t> key;
+  int64_t total_cost = 0;
+
+  void resize(size_t n) {
+    items.resize(n);
+    cost.resize(n);
+    key.resize(n);
+  }
+  size_t size() const { return items.size(); }
+};
+
 // Per-thread scratch, so steady-state planning allocates nothing.
 struct Scratch {
-  std::vector<WorkItem> tiles;  // one item per (request, query tile), in request order
-  std::vector<WorkItem> split;  // the tiles cut into KV chunks (used when a chunk is set)
-  std::vector<uint64_t> tile_cost, split_cost;  // item_cost of each
-  std::vector<uint8_t> tile_key, split_key;     // cost_key of each
+  ItemList tiles;  // one item per (request, query tile), in request order
+  ItemList split;  // the tiles cut into KV chunks (used when a chunk is set)
   std::vector<uint32_t> order;
   std::vector<uint64_t> tree;  // see balance()
   std::vector<int32_t> owner, cursor;
@@ -192,12 +205,6 @@ uint8_t cost_key(uint64_t cost) {
   return static_cast<uint8_t>(std::min<uint32_t>((bits >> 20) - 8 * (127 + 4), 255));
 }
 
-// What the automatic split needs to know about the tiles.
-struct TileStats {
-  int64_t total_cost = 0;  // sum of item_cost over the tiles
-  int64_t longest = 0;     // longest KV range
-};
-
 // Calls fn(std::bool_constant<flag>) so that a hot loop can be specialised on a runtime flag.
 template <typename Fn>
 decltype(auto) with_flag(bool flag, Fn&& fn) {
@@ -205,28 +212,26 @@ decltype(auto) with_flag(bool flag, Fn&& fn) {
 }
 
 // One item per (request, q_tile rows), KV trimmed to what the tile's rows can see, with its
-// cost and sort key. The loops are specialised on the masks, which are fixed per batch.
-TileStats build_tiles(const BatchShape& b, bool decode, int32_t q_tile,
-                      std::vector<WorkItem>* tiles, std::vector<uint64_t>* costs,
-                      std::vector<uint8_t>* keys) {
-  TileStats st;
+// cost and sort key; returns the longest KV range. The loops are specialised on the masks,
+// which are fixed per batch.
+int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* tiles) {
   // Room for the most tiles the rows can make (no division per request), trimmed below.
   const int64_t room =
       decode ? b.batch_size
              : max_tiles_of(b.qo_indptr[b.batch_size] - b.qo_indptr[0], b.batch_size, q_tile);
   tiles->resize(room);
-  costs->resize(room);
-  keys->resize(room);
-  WorkItem* t = tiles->data();
-  uint64_t* cost = costs->data();
-  uint8_t* key = keys->data();
+  WorkItem* const first = tiles->items.data();
+  WorkItem* t = first;
+  uint64_t* cost = tiles->cost.data();
+  uint8_t* key = tiles->key.data();
+  int64_t longest = 0, total = 0;
   auto emit = [&](const WorkItem& item) {
     *t++ = item;
     const int64_t c = item_cost(item);
     *cost++ = static_cast<uint64_t>(c);
     *key++ = cost_key(static_cast<uint64_t>(c));
-    st.longest = std::max<int64_t>(st.longest, item.kv_end - item.kv_begin);
-    st.total_cost += c;
+    longest = std::max<int64_t>(longest, item.kv_end - item.kv_begin);
+    total += c;
   };
   const int32_t window = b.window_left;
   with_flag(window >= 0, [&](auto windowed) {
@@ -258,11 +263,9 @@ TileStats build_tiles(const BatchShape& b, bool decode, int32_t q_tile,
       }
     });
   });
-  const int64_t num_tiles = t - tiles->data();
-  tiles->resize(num_tiles);
-  costs->resize(num_tiles);
-  keys->resize(num_tiles);
-  return st;
+  tiles->resize(t - first);
+  tiles->total_cost = total;
+  return longest;
 }
 
 // The automatic chunk (see the top of the file): one worker's share of the cost, in KV tokens
@@ -270,19 +273,19 @@ TileStats build_tiles(const BatchShape& b, bool decode, int32_t q_tile,
 // `workers` items; 0 when no tile is longer than that. The item count is not monotonic in the
 // chunk (absolute boundaries), so the binary search finds a small valid chunk, not always the
 // smallest; every chunk it returns is valid.
-int64_t auto_chunk(const std::vector<WorkItem>& tiles, const TileStats& st, int64_t workers,
-                   int64_t q_tile, int64_t align, int64_t min_chunk) {
-  const int64_t share = ceil_div(ceil_div(st.total_cost, workers), q_tile);
+int64_t auto_chunk(const ItemList& tiles, int64_t longest, int64_t workers, int64_t q_tile,
+                   int64_t align, int64_t min_chunk) {
+  const int64_t share = ceil_div(ceil_div(tiles.total_cost, workers), q_tile);
   const int64_t chunk = ceil_div(std::max<int64_t>({min_chunk, share, 1}), align) * align;
-  if (st.longest <= chunk) return 0;
+  if (longest <= chunk) return 0;
   const int64_t budget = static_cast<int64_t>(tiles.size()) + workers;
   auto fits = [&](int64_t units) {
     const int64_t c = units * align;
     int64_t n = 0;
-    for (const WorkItem& t : tiles) n += num_chunks(t.kv_begin, t.kv_end, c);
+    for (const WorkItem& t : tiles.items) n += num_chunks(t.kv_begin, t.kv_end, c);
     return n <= budget;
   };
-  int64_t lo = chunk / align, hi = ceil_div(st.longest, align);  // in units of align
+  int64_t lo = chunk / align, hi = ceil_div(longest, align);  // in units of align
   if (fits(lo)) return chunk;
   while (lo + 1 < hi) {  // fits(lo) is false; hi is either untested (>= longest) or fits
     const int64_t mid = lo + (hi - lo) / 2;
@@ -291,18 +294,15 @@ int64_t auto_chunk(const std::vector<WorkItem>& tiles, const TileStats& st, int6
     else
       lo = mid;
   }
-  return hi * align >= st.longest ? 0 : hi * align;
+  return hi * align >= longest ? 0 : hi * align;
 }
 
-// Cuts the tiles into chunks; fills `items` (planning order), the merges and the partial rows.
-// Returns the items' total cost.
-int64_t split_tiles(const std::vector<WorkItem>& tiles, const Scratch& s, int64_t chunk,
-                    std::vector<WorkItem>* items, std::vector<uint64_t>* costs,
-                    std::vector<uint8_t>* keys, std::vector<MergeItem>* merges,
-                    int64_t* partial_rows) {
+// Cuts the tiles into chunks; fills `out` (planning order), the merges and the partial rows.
+void split_tiles(const ItemList& tiles, int64_t chunk, ItemList* out,
+                 std::vector<MergeItem>* merges, int64_t* partial_rows) {
   // Count first: the sizes must fit the int32 fields before anything is written.
   int64_t num_items = 0, num_merges = 0, rows = 0;
-  for (const WorkItem& t : tiles) {
+  for (const WorkItem& t : tiles.items) {
     const int64_t n = num_chunks(t.kv_begin, t.kv_end, chunk);
     num_items += n;
     if (n > 1) {
@@ -313,24 +313,22 @@ int64_t split_tiles(const std::vector<WorkItem>& tiles, const Scratch& s, int64_
   FLASHKV_CHECK(num_items <= INT32_MAX && rows <= INT32_MAX, "fixed_split_size: chunks of ", chunk,
                 " tokens make ", num_items, " items and ", rows,
                 " partial rows, past the int32 range of the plan");
-  items->resize(num_items);
-  costs->resize(num_items);
-  keys->resize(num_items);
+  out->resize(num_items);
   merges->resize(num_merges);
-  WorkItem* it = items->data();
-  uint64_t* cost = costs->data();
-  uint8_t* key = keys->data();
+  WorkItem* it = out->items.data();
+  uint64_t* cost = out->cost.data();
+  uint8_t* key = out->key.data();
   MergeItem* m = merges->data();
   int32_t base = 0;
   int64_t total = 0;
   for (size_t i = 0; i < tiles.size(); ++i) {
-    const WorkItem& t = tiles[i];
+    const WorkItem& t = tiles.items[i];
     const int64_t n = num_chunks(t.kv_begin, t.kv_end, chunk);
     if (n == 1) {
       *it++ = t;
-      *cost++ = s.tile_cost[i];
-      *key++ = s.tile_key[i];
-      total += static_cast<int64_t>(s.tile_cost[i]);
+      *cost++ = tiles.cost[i];
+      *key++ = tiles.key[i];
+      total += static_cast<int64_t>(tiles.cost[i]);
       continue;
     }
     const int64_t first = t.kv_begin / chunk;
@@ -354,7 +352,7 @@ int64_t split_tiles(const std::vector<WorkItem>& tiles, const Scratch& s, int64_
     base += static_cast<int32_t>(n * t.q_len);
   }
   *partial_rows = rows;
-  return total;
+  out->total_cost = total;
 }
 
 // The LPT loop, for the items order[begin, end), over a tournament tree of 2^kDepth leaves (see
@@ -413,11 +411,13 @@ void lpt_walk_for_depth(int depth, const LptState& st, uint32_t begin, uint32_t 
 
 // LPT: items costliest first, each to the least-loaded worker (ties: the lowest id); writes
 // the items grouped by worker (each worker's in planning order) into p->items and
-// p->worker_indptr. Needs more items than workers; `total` is the sum of their costs.
-void balance(const std::vector<WorkItem>& items, const uint64_t* cost, const uint8_t* key,
-             uint64_t total, int32_t num_workers, Scratch& s, Plan* p) {
+// p->worker_indptr. Needs more items than workers.
+void balance(const ItemList& items, int32_t num_workers, Scratch& s, Plan* p) {
   const uint32_t n = static_cast<uint32_t>(items.size());
-  const WorkItem* src = items.data();
+  const WorkItem* src = items.items.data();
+  const uint64_t* cost = items.cost.data();
+  const uint8_t* key = items.key.data();
+  const uint64_t total = static_cast<uint64_t>(items.total_cost);
   s.order.resize(n);
   s.owner.resize(n);
   uint32_t* order = s.order.data();
@@ -552,7 +552,7 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   const int32_t max_workers = max_workers_of(b, dev, o);
 
   // 1. Tiles, with KV trimmed to what their rows can see.
-  const TileStats stats = build_tiles(b, decode, p.q_tile, &s.tiles, &s.tile_cost, &s.tile_key);
+  const int64_t longest = build_tiles(b, decode, p.q_tile, &s.tiles);
   p.num_tiles = static_cast<int32_t>(s.tiles.size());
 
   // 2. The chunk size: chunks never cut a page, and are multiples of the kernel's KV tile.
@@ -562,24 +562,18 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   if (o.enable_split_kv) {
     chunk = o.fixed_split_size > 0
                 ? ceil_div(o.fixed_split_size, align) * align
-                : auto_chunk(s.tiles, stats, max_workers, p.q_tile, align,
+                : auto_chunk(s.tiles, longest, max_workers, p.q_tile, align,
                              o.min_split_size > 0 ? o.min_split_size : kDefaultMinSplit);
   }
   p.kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
 
   // 3. Items (planning order) and merges.
-  const std::vector<WorkItem>* items = &s.tiles;
-  const uint64_t* costs = s.tile_cost.data();
-  const uint8_t* keys = s.tile_key.data();
-  int64_t total_cost = stats.total_cost;
+  const ItemList* items = &s.tiles;
   p.merges.clear();
   p.num_partial_rows = 0;
   if (chunk > 0) {
-    total_cost = split_tiles(s.tiles, s, chunk, &s.split, &s.split_cost, &s.split_key, &p.merges,
-                             &p.num_partial_rows);
+    split_tiles(s.tiles, chunk, &s.split, &p.merges, &p.num_partial_rows);
     items = &s.split;
-    costs = s.split_cost.data();
-    keys = s.split_key.data();
   }
   const int32_t num_items = static_cast<int32_t>(items->size());
 
@@ -591,9 +585,9 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   if (num_items <= W) {  // one item a worker, in planning order
     p.worker_indptr.resize(W + 1);
     for (int32_t w = 0; w <= W; ++w) p.worker_indptr[w] = std::min(w, num_items);
-    p.items.assign(items->begin(), items->end());
+    p.items.assign(items->items.begin(), items->items.end());
   } else {
-    balance(*items, costs, keys, static_cast<uint64_t>(total_cost), W, s, &p);
+    balance(*items, W, s, &p);
   }
 
   // 5. Workspace layout (capacities in graph mode).
