@@ -83,6 +83,8 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   p.num_items = static_cast<int32_t>(plan.items.size());
   p.num_merges = static_cast<int32_t>(plan.merges.size());
   p.num_workers = plan.num_workers;
+  p.cuda_graph = plan.cuda_graph;
+  p.max_merges = static_cast<int32_t>(l.max_merges);
   p.partial_o = reinterpret_cast<float*>(const_cast<unsigned char*>(base) + l.partial_o);
   p.partial_lse = reinterpret_cast<float*>(const_cast<unsigned char*>(base) + l.partial_lse);
   (void)op;

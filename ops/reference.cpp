@@ -25,8 +25,9 @@ Shapes check_qkv(const TensorView& q, const TensorView& k, const TensorView& v) 
   Expect(v, "v").ndim(3).on_host().dim(1, k.shape[1], "num_kv_heads").dim(0, k.shape[0], "slots");
   Expect(k, "k").dtype_in({DType::f32, DType::f16, DType::bf16, DType::fp8_e4m3, DType::fp8_e5m2});
   Expect(v, "v").dtype(k.dtype);
-  FLASHKV_CHECK(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0, "num_qo_heads: expected a multiple of num_kv_heads ",
-                k.shape[1], ", got ", q.shape[1]);
+  FLASHKV_CHECK(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0,
+                "num_qo_heads: expected a multiple of num_kv_heads ", k.shape[1], ", got ",
+                q.shape[1]);
   return {q.shape[1], k.shape[1], q.shape[2], v.shape[2]};
 }
 
@@ -101,16 +102,27 @@ Result make_result(int64_t rows, const Shapes& s) {
   return r;
 }
 
-// The mask of request i, or null; checks it lies inside the mask tensor.
-const uint8_t* request_mask(const AttentionOptions& opt, int64_t i, int64_t* running,
-                            int64_t q_len, int64_t kv_len) {
-  if (!opt.custom_mask.defined()) return nullptr;
+// Checks the custom mask arguments of a batch of `batch` requests (when a mask is given).
+void check_mask(const AttentionOptions& opt, int64_t batch) {
+  if (!opt.custom_mask.defined()) return;
   Expect(opt.custom_mask, "custom_mask").ndim(1).on_host().dtype(DType::u8);
+  if (opt.mask_indptr.defined())
+    Expect(opt.mask_indptr, "mask_indptr")
+        .ndim(1)
+        .on_host()
+        .index_dtype()
+        .dim_at_least(0, batch + 1, "batch + 1");
+}
+
+// The mask of request i, or null; checks it lies inside the mask tensor.
+const uint8_t* request_mask(const AttentionOptions& opt, int64_t i, int64_t* running, int64_t q_len,
+                            int64_t kv_len) {
+  if (!opt.custom_mask.defined()) return nullptr;
   const int64_t off = opt.mask_indptr.defined() ? index_at(opt.mask_indptr, i) : *running;
   *running = off + q_len * kv_len;
-  FLASHKV_CHECK(off >= 0 && off + q_len * kv_len <= opt.custom_mask.numel(), "custom_mask: request ",
-                i, " needs elements [", off, ", ", off + q_len * kv_len, "), tensor has ",
-                opt.custom_mask.numel());
+  FLASHKV_CHECK(off >= 0 && off + q_len * kv_len <= opt.custom_mask.numel(),
+                "custom_mask: request ", i, " needs elements [", off, ", ", off + q_len * kv_len,
+                "), tensor has ", opt.custom_mask.numel());
   return static_cast<const uint8_t*>(opt.custom_mask.data) + off;
 }
 
@@ -120,10 +132,15 @@ Result ragged_attention(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& qo_indptr, const TensorView& kv_indptr,
                         const AttentionOptions& opt, float k_scale, float v_scale) {
   const Shapes s = check_qkv(q, k, v);
-  Expect(qo_indptr, "qo_indptr").ndim(1).on_host().index_dtype();
-  Expect(kv_indptr, "kv_indptr").ndim(1).on_host().index_dtype().dim(0, qo_indptr.numel(), "batch + 1");
+  Expect(qo_indptr, "qo_indptr").ndim(1).on_host().index_dtype().dim_at_least(0, 1, "batch + 1");
+  Expect(kv_indptr, "kv_indptr")
+      .ndim(1)
+      .on_host()
+      .index_dtype()
+      .dim(0, qo_indptr.numel(), "batch + 1");
   Result out = make_result(q.shape[0], s);
   const int64_t batch = qo_indptr.numel() - 1;
+  check_mask(opt, batch);
   int64_t mask_running = 0;
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t qb = index_at(qo_indptr, i), qe = index_at(qo_indptr, i + 1);
@@ -143,10 +160,17 @@ Result ragged_attention(const TensorView& q, const TensorView& k, const TensorVi
 Result paged_attention(const TensorView& q, const TensorView& qo_indptr, const PagedKV& kv,
                        const AttentionOptions& opt) {
   const Shapes s = check_qkv(q, kv.k, kv.v);
-  Expect(kv.indptr, "kv.indptr").ndim(1).on_host().index_dtype();
+  Expect(kv.indptr, "kv.indptr").ndim(1).on_host().index_dtype().dim_at_least(0, 1, "batch + 1");
   Expect(kv.indices, "kv.indices").ndim(1).on_host().index_dtype();
-  FLASHKV_CHECK(kv.page_size >= 1, "page_size: expected >= 1, got ", kv.page_size);
+  FLASHKV_CHECK(kv.page_size >= 1, "kv.page_size: expected >= 1, got ", kv.page_size);
   const int64_t batch = kv.indptr.numel() - 1;
+  if (kv.page_size > 1)
+    Expect(kv.last_page_len, "kv.last_page_len")
+        .ndim(1)
+        .on_host()
+        .index_dtype()
+        .dim(0, batch, "batch");
+  check_mask(opt, batch);
   if (qo_indptr.defined()) {
     Expect(qo_indptr, "qo_indptr").ndim(1).on_host().index_dtype().dim(0, batch + 1, "batch + 1");
   } else {
@@ -160,7 +184,9 @@ Result paged_attention(const TensorView& q, const TensorView& qo_indptr, const P
     FLASHKV_CHECK(qb >= 0 && qb <= qe && qe <= q.shape[0], "qo_indptr: request ", i, " rows [", qb,
                   ", ", qe, ") outside q's ", q.shape[0], " rows");
     const int64_t kv_len = paged_kv_len(kv, i);
-    const int64_t e0 = index_at(kv.indptr, i);
+    const int64_t e0 = index_at(kv.indptr, i), e1 = index_at(kv.indptr, i + 1);
+    FLASHKV_CHECK(e0 >= 0 && e1 <= kv.indices.numel(), "kv.indptr: request ", i, " entries [", e0,
+                  ", ", e1, ") outside kv.indices' ", kv.indices.numel(), " entries");
     std::vector<int64_t> rows(kv_len);
     for (int64_t j = 0; j < kv_len; ++j) {
       const int64_t entry = index_at(kv.indices, e0 + j / kv.page_size);

@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include "flashkv/ops/compare.h"
+
 #include <cstdlib>
 #include <cstring>
 
@@ -92,12 +94,10 @@ bool has_nan(const TensorView& t) {
 
 void expect_close(const TensorView& out, const TensorView& lse, const reference::Result& ref,
                   DType dtype, bool fp8_kv) {
-  const bool f32 = dtype == DType::f32 && !fp8_kv;
-  const double rel_tol = fp8_kv ? 5e-2 : (f32 ? 1e-5 : 1e-2);
-  EXPECT_FALSE(has_nan(out)) << "output has NaN (unwritten or bad arithmetic)";
-  EXPECT_LE(rel_error(out, ref.o), rel_tol);
-  if (!fp8_kv) EXPECT_LE(max_abs_error(out, ref.o), f32 ? 1e-4 : 2e-2);
-  if (lse.defined()) EXPECT_LE(lse_max_error(lse, ref.lse), f32 ? 1e-3 : 2e-2);
+  const Errors e = compare(out, lse, ref);
+  const Tolerance tol = tolerance_for(dtype, fp8_kv);
+  EXPECT_TRUE(e.within(tol)) << "errors " << e.str() << " past tolerance rel " << tol.rel
+                             << ", max_abs " << tol.max_abs << ", lse " << tol.lse;
 }
 
 }  // namespace flashkv::test

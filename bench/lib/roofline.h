@@ -2,6 +2,7 @@
 // the matrix rate (CPU: threaded loops; CUDA: a device copy and a cuBLAS bf16 GEMM).
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "flashkv/core/device.h"
@@ -11,13 +12,31 @@ namespace flashkv::bench {
 struct Roofline {
   Device device;
   std::string name;
-  int cores_or_sms = 0;
+  int cores_or_sms = 0;      // CPU: threads of the global pool; CUDA: multiprocessors
   double read_gbps = 0;      // streaming read
   double copy_gbps = 0;      // bytes read + written
   double matmul_gflops = 0;  // bf16 dot products (CPU) / cuBLAS bf16 GEMM (CUDA)
-  std::string matmul_kind;
+  std::string matmul_kind;   // which loop or library call produced matmul_gflops
+  size_t buffer_bytes = 0;   // size of the buffer the bandwidths streamed over
+};
+
+// Sizes and durations of the measurement; the defaults are what `flashkv bench` uses.
+struct RooflineOptions {
+  // Bytes streamed by the bandwidth loops. 0: CPU 8x the last-level cache, clamped to
+  // [256 MiB, 1 GiB]; CUDA 2 GiB (copied from one 2 GiB buffer into another).
+  size_t buffer_bytes = 0;
+  // Timed passes of each bandwidth measurement (the fastest counts).
+  int repeats = 8;
+  // CPU: seconds each of the 3 timed rounds of the dot-product loop runs.
+  double matmul_seconds = 0.1;
+  // CPU: which dot-product loop to run: "" (the best this CPU has), "avx512bf16", "avx2",
+  // "portable". Asking for one the CPU lacks throws flashkv::Error.
+  std::string cpu_matmul;
+  // CUDA: n of the n x n x n bf16 GEMM.
+  int gemm_n = 8192;
 };
 
 Roofline measure_roofline(Device device);
+Roofline measure_roofline(Device device, const RooflineOptions& options);
 
 }  // namespace flashkv::bench

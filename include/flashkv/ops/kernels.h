@@ -16,5 +16,8 @@ namespace cuda {
 void paged_decode(const AttentionParams& p, Stream stream);
 void prefill(const AttentionParams& p, Stream stream);  // ragged or paged by p.paged
 void merge(const MergeParams& p, Stream stream);
+// Packed query rows (tokens x G query heads) of the prefill kernel's CTA tile for these head
+// dims: plan prefill with PlanOptions.q_tile = prefill_cta_rows(D_qk, D_v) / G for full tiles.
+int prefill_cta_rows(int head_dim_qk, int head_dim_v);
 }  // namespace cuda
 }  // namespace flashkv

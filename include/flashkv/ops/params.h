@@ -59,6 +59,11 @@ struct AttentionParams {
   const int32_t* worker_indptr = nullptr;
   const MergeItem* merges = nullptr;
   int32_t num_items = 0, num_merges = 0, num_workers = 0;
+  // The plan is a CUDA-graph plan: launches must not depend on the batch (grids from
+  // num_workers only; a merge pass whenever the layout has room for partial states, since a
+  // replayed batch may split where the captured one did not).
+  bool cuda_graph = false;
+  int32_t max_merges = 0;  // merge capacity of the layout (graph mode: the merge grid's size)
   float* partial_o = nullptr;    // [partial_rows, Hq, D_v]
   float* partial_lse = nullptr;  // [partial_rows, Hq]
 };

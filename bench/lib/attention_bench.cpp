@@ -1,0 +1,393 @@
+#include "attention_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <numeric>
+#include <random>
+
+#include "cuda_timing.h"
+#include "flashkv/core/buffer.h"
+#include "flashkv/core/thread_pool.h"
+#include "flashkv/ops/attention.h"
+
+namespace flashkv::bench {
+namespace {
+
+// ---- random inputs --------------------------------------------------------------------------
+
+// Counter-based: value i depends only on (seed, i), so inputs do not depend on the thread count.
+inline float uniform_pm1(uint64_t seed, uint64_t i) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + i;
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return static_cast<float>(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+template <typename Store>
+void fill_with(int64_t n, uint64_t seed, const Store& store) {
+  constexpr int64_t kBlock = int64_t{1} << 16;
+  ThreadPool::global().parallel_for((n + kBlock - 1) / kBlock, [&](int64_t b, int) {
+    const int64_t end = std::min(n, (b + 1) * kBlock);
+    // Unit variance: uniform on [-sqrt(3), sqrt(3)).
+    for (int64_t i = b * kBlock; i < end; ++i) store(i, 1.7320508f * uniform_pm1(seed, i));
+  });
+}
+
+// Fills a contiguous host tensor with random values of unit variance.
+void fill_random(const Tensor& t, uint64_t seed) {
+  const int64_t n = t.numel();
+  switch (t.dtype()) {
+    case DType::f32:
+      fill_with(n, seed, [p = t.ptr<float>()](int64_t i, float x) { p[i] = x; });
+      return;
+    case DType::f16:
+      fill_with(n, seed, [p = t.ptr<f16_t>()](int64_t i, float x) { p[i] = to_f16(x); });
+      return;
+    case DType::bf16:
+      fill_with(n, seed, [p = t.ptr<bf16_t>()](int64_t i, float x) { p[i] = to_bf16(x); });
+      return;
+    case DType::fp8_e4m3:
+      fill_with(n, seed, [p = t.ptr<fp8_e4m3_t>()](int64_t i, float x) { p[i] = to_fp8_e4m3(x); });
+      return;
+    case DType::fp8_e5m2:
+      fill_with(n, seed, [p = t.ptr<fp8_e5m2_t>()](int64_t i, float x) { p[i] = to_fp8_e5m2(x); });
+      return;
+    default:
+      throw_error(str_cat("fill_random: expected a float dtype, got ", dtype_name(t.dtype())));
+  }
+}
+
+// Everything one case's runs touch; lives until its timing is done.
+struct CaseState {
+  Device device;
+  uint64_t seed = 1;
+  std::mt19937_64 gen;
+
+  Tensor q, out;
+  // decode / prefix of extend: the paged KV pool and its tables.
+  Tensor pool_k, pool_v, kv_indptr, kv_indices, last_page_len;
+  PagedKV paged;
+  // prefill / new tokens of extend: contiguous K/V and their indptrs.
+  Tensor new_k, new_v, qo_indptr, new_kv_indptr;
+  // extend: the two partial states merged into `out`.
+  Tensor out_new, lse_new, out_prefix, lse_prefix;
+  DecodePlan decode_plan;
+  PrefillPlan ragged_plan, paged_plan;
+  Workspace ragged_ws, paged_ws;
+
+  Tensor random(std::initializer_list<int64_t> shape, DType dtype) {
+    Tensor host = Tensor::empty(shape, dtype);
+    fill_random(host, seed++);
+    return device.is_cpu() ? host : host.to(device);
+  }
+  Tensor empty(std::initializer_list<int64_t> shape, DType dtype) const {
+    return Tensor::empty(shape, dtype, device);
+  }
+  Tensor ints(const std::vector<int32_t>& v) const { return Tensor::from_i32(v, device); }
+
+  // `batch` requests of `len` tokens each on pages drawn from a shuffled list of all pages.
+  void make_pool(const BenchCase& c, int len) {
+    const int p = c.page_size;
+    const int pages_per_request = (len + p - 1) / p;
+    const int64_t num_pages = int64_t{c.batch} * pages_per_request;
+    pool_k = random({num_pages * p, c.num_kv_heads, c.head_dim}, c.kv_dtype);
+    pool_v = random({num_pages * p, c.num_kv_heads, c.head_dim}, c.kv_dtype);
+    std::vector<int32_t> order(num_pages), indptr(c.batch + 1), last(c.batch);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), gen);
+    for (int i = 0; i <= c.batch; ++i) indptr[i] = i * pages_per_request;
+    for (int i = 0; i < c.batch; ++i) last[i] = len - (pages_per_request - 1) * p;
+    kv_indptr = ints(indptr);
+    kv_indices = ints(order);
+    last_page_len = ints(last);
+    paged = PagedKV{
+        pool_k, pool_v, kv_indptr, kv_indices, p > 1 ? last_page_len.view() : TensorView(), p};
+  }
+};
+
+BatchShape batch_shape(const BenchCase& c, const std::vector<int32_t>* qo_indptr,
+                       const std::vector<int32_t>& kv_lens, bool causal, int page_size) {
+  BatchShape bs;
+  bs.batch_size = c.batch;
+  bs.qo_indptr = qo_indptr ? qo_indptr->data() : nullptr;
+  bs.kv_len = kv_lens.data();
+  bs.num_qo_heads = c.num_qo_heads;
+  bs.num_kv_heads = c.num_kv_heads;
+  bs.head_dim_qk = bs.head_dim_v = c.head_dim;
+  bs.page_size = page_size;
+  bs.causal = causal;
+  return bs;
+}
+
+void validate(const BenchCase& c) {
+  FLASHKV_CHECK(c.batch >= 1, "batch: expected >= 1, got ", c.batch);
+  FLASHKV_CHECK(c.qo_len >= 1, "qo_len: expected >= 1, got ", c.qo_len);
+  FLASHKV_CHECK(c.kv_len >= c.qo_len, "kv_len: expected >= qo_len (", c.qo_len, "), got ",
+                c.kv_len);
+  FLASHKV_CHECK(c.op != BenchOp::decode || c.qo_len == 1, "qo_len: decode expects 1, got ",
+                c.qo_len);
+  FLASHKV_CHECK(c.op != BenchOp::prefill || c.qo_len == c.kv_len,
+                "kv_len: prefill expects kv_len == qo_len (", c.qo_len, "), got ", c.kv_len);
+  FLASHKV_CHECK(c.num_kv_heads >= 1 && c.num_qo_heads >= 1 && c.num_qo_heads % c.num_kv_heads == 0,
+                "num_qo_heads/num_kv_heads: expected a positive multiple, got ", c.num_qo_heads,
+                "/", c.num_kv_heads);
+  FLASHKV_CHECK(c.head_dim >= 1, "head_dim: expected >= 1, got ", c.head_dim);
+  FLASHKV_CHECK(c.page_size >= 1, "page_size: expected >= 1, got ", c.page_size);
+  FLASHKV_CHECK(is_float(c.dtype) && !is_fp8(c.dtype), "dtype: expected f32/f16/bf16, got ",
+                dtype_name(c.dtype));
+  FLASHKV_CHECK(c.kv_dtype == c.dtype || is_fp8(c.kv_dtype), "kv_dtype: expected ",
+                dtype_name(c.dtype), " or fp8, got ", dtype_name(c.kv_dtype));
+}
+
+// Builds the inputs, plans and uploads; returns the function one timed run calls.
+std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, CaseState& s) {
+  s.device = c.device;
+  s.seed = o.seed;
+  s.gen.seed(o.seed);
+  const DeviceInfo info = device_info(c.device);
+  const int64_t rows = int64_t{c.batch} * c.qo_len;
+  s.q = s.random({rows, c.num_qo_heads, c.head_dim}, c.dtype);
+  s.out = s.empty({rows, c.num_qo_heads, c.head_dim}, c.dtype);
+  const PlanOptions po;
+  const AttentionOptions causal;  // defaults: causal, no window, no soft cap
+  AttentionOptions non_causal;
+  non_causal.causal = false;
+
+  if (c.op == BenchOp::decode) {
+    s.make_pool(c, c.kv_len);
+    const std::vector<int32_t> lens(c.batch, c.kv_len);
+    s.decode_plan = plan_decode(batch_shape(c, nullptr, lens, false, c.page_size), info, po);
+    s.ragged_ws.reserve(s.decode_plan.layout.total_bytes, c.device);
+    s.ragged_ws.upload(s.decode_plan);
+    synchronize(c.device);
+    return [&s](Stream st) {
+      paged_decode(s.decode_plan, s.q, s.paged, AttentionOptions{}, s.out, TensorView(),
+                   s.ragged_ws, st);
+    };
+  }
+
+  // prefill and extend: the new tokens attend causally to themselves.
+  std::vector<int32_t> qo(c.batch + 1);
+  for (int i = 0; i <= c.batch; ++i) qo[i] = i * c.qo_len;
+  const std::vector<int32_t> new_lens(c.batch, c.qo_len);
+  s.qo_indptr = s.ints(qo);
+  s.new_kv_indptr = s.qo_indptr;
+  s.new_k = s.random({rows, c.num_kv_heads, c.head_dim}, c.dtype);
+  s.new_v = s.random({rows, c.num_kv_heads, c.head_dim}, c.dtype);
+  s.ragged_plan = plan_prefill(batch_shape(c, &qo, new_lens, true, 1), info, po);
+  s.ragged_ws.reserve(s.ragged_plan.layout.total_bytes, c.device);
+  s.ragged_ws.upload(s.ragged_plan);
+  if (c.op == BenchOp::prefill || c.prefix_len() == 0) {
+    synchronize(c.device);
+    return [&s, causal](Stream st) {
+      ragged_prefill(s.ragged_plan, s.q, s.new_k, s.new_v, s.qo_indptr, s.new_kv_indptr, causal,
+                     s.out, TensorView(), s.ragged_ws, st);
+    };
+  }
+
+  // extend with a prefix: + non-causal paged attention over the prefix, merged by LSE.
+  s.make_pool(c, c.prefix_len());
+  const std::vector<int32_t> prefix_lens(c.batch, c.prefix_len());
+  s.paged_plan = plan_prefill(batch_shape(c, &qo, prefix_lens, false, c.page_size), info, po);
+  s.paged_ws.reserve(s.paged_plan.layout.total_bytes, c.device);
+  s.paged_ws.upload(s.paged_plan);
+  s.out_new = s.empty({rows, c.num_qo_heads, c.head_dim}, c.dtype);
+  s.out_prefix = s.empty({rows, c.num_qo_heads, c.head_dim}, c.dtype);
+  s.lse_new = s.empty({rows, c.num_qo_heads}, DType::f32);
+  s.lse_prefix = s.empty({rows, c.num_qo_heads}, DType::f32);
+  synchronize(c.device);
+  return [&s, causal, non_causal](Stream st) {
+    ragged_prefill(s.ragged_plan, s.q, s.new_k, s.new_v, s.qo_indptr, s.new_kv_indptr, causal,
+                   s.out_new, s.lse_new, s.ragged_ws, st);
+    paged_prefill(s.paged_plan, s.q, s.qo_indptr, s.paged, non_causal, s.out_prefix, s.lse_prefix,
+                  s.paged_ws, st);
+    merge_state(s.out_new, s.lse_new, s.out_prefix, s.lse_prefix, s.out, TensorView(), st);
+  };
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+detail::TimedRuns time_cpu(const std::function<void(Stream)>& run, const BenchOptions& o) {
+  using Clock = std::chrono::steady_clock;
+  for (int i = 0; i < o.warmup; ++i) run(Stream{});
+  detail::TimedRuns t;
+  const auto start = Clock::now();
+  for (;;) {
+    const auto t0 = Clock::now();
+    run(Stream{});
+    const auto t1 = Clock::now();
+    t.us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    t.runs++;
+    const double spent = std::chrono::duration<double>(t1 - start).count();
+    if (t.runs >= o.min_runs && (spent >= o.min_seconds || t.runs >= o.max_runs)) break;
+  }
+  return t;
+}
+
+}  // namespace
+
+const char* op_name(BenchOp op) {
+  switch (op) {
+    case BenchOp::decode:
+      return "decode";
+    case BenchOp::prefill:
+      return "prefill";
+    case BenchOp::extend:
+      return "extend";
+  }
+  return "?";
+}
+
+BenchOp parse_op(const std::string& name) {
+  if (name == "decode") return BenchOp::decode;
+  if (name == "prefill") return BenchOp::prefill;
+  if (name == "extend") return BenchOp::extend;
+  throw_error(str_cat("op: expected decode, prefill or extend, got '", name, "'"));
+}
+
+std::string BenchCase::str() const {
+  return str_cat(op_name(op), " B=", batch, " qo=", qo_len, " kv=", kv_len, " ", num_qo_heads, "/",
+                 num_kv_heads, "/", head_dim, " P=", page_size, " ", dtype_name(dtype), "/",
+                 dtype_name(kv_dtype), " ", device.str());
+}
+
+BenchCase decode_case(int batch, int kv_len, Device device, int hq, int hkv, int d,
+                      DType kv_dtype) {
+  BenchCase c;
+  c.op = BenchOp::decode;
+  c.batch = batch;
+  c.qo_len = 1;
+  c.kv_len = kv_len;
+  c.num_qo_heads = hq;
+  c.num_kv_heads = hkv;
+  c.head_dim = d;
+  c.kv_dtype = kv_dtype;
+  c.device = device;
+  return c;
+}
+
+BenchCase prefill_case(int batch, int len, Device device, int hq, int hkv, int d) {
+  BenchCase c = decode_case(batch, len, device, hq, hkv, d);
+  c.op = BenchOp::prefill;
+  c.qo_len = len;
+  return c;
+}
+
+BenchCase extend_case(int batch, int prefix_len, int new_len, Device device, int hq, int hkv,
+                      int d) {
+  BenchCase c = decode_case(batch, prefix_len + new_len, device, hq, hkv, d);
+  c.op = BenchOp::extend;
+  c.qo_len = new_len;
+  return c;
+}
+
+double case_flops(const BenchCase& c) {
+  const double n = c.qo_len, prefix = c.prefix_len();
+  return double(c.batch) * 4.0 * c.num_qo_heads * c.head_dim * (n * prefix + n * (n + 1) / 2);
+}
+
+double case_bytes(const BenchCase& c) {
+  const double row = double(c.batch) * c.qo_len;
+  const double qo_bytes = 2.0 * row * c.num_qo_heads * c.head_dim * dtype_size(c.dtype);
+  const double kv_row = 2.0 * c.num_kv_heads * c.head_dim;  // K and V of one token
+  const double paged_tokens = c.op == BenchOp::decode   ? double(c.batch) * c.kv_len
+                              : c.op == BenchOp::extend ? double(c.batch) * c.prefix_len()
+                                                        : 0.0;
+  const double new_tokens = c.op == BenchOp::decode ? 0.0 : row;
+  return qo_bytes +
+         kv_row * (paged_tokens * dtype_size(c.kv_dtype) + new_tokens * dtype_size(c.dtype));
+}
+
+CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOptions& o) {
+  validate(c);
+  FLASHKV_CHECK(c.device == machine.device, "device: case on ", c.device.str(),
+                ", roofline measured on ", machine.device.str());
+  FLASHKV_CHECK(o.min_runs >= 1 && o.max_runs >= o.min_runs && o.warmup >= 0,
+                "BenchOptions: expected warmup >= 0 and 1 <= min_runs <= max_runs, got ", o.warmup,
+                ", ", o.min_runs, ", ", o.max_runs);
+  CaseState state;
+  const std::function<void(Stream)> run = prepare(c, o, state);
+  detail::TimedRuns t;
+  if (c.device.is_cpu()) {
+    t = time_cpu(run, o);
+  } else {
+#if FLASHKV_WITH_CUDA
+    t = detail::time_cuda(c.device, run, o);
+#else
+    throw_error(str_cat("device ", c.device.str(), ": this flashkv was built without CUDA"));
+#endif
+  }
+  CaseResult r;
+  r.c = c;
+  r.us = median(t.us);
+  r.runs = t.runs;
+  r.cuda_graph = t.cuda_graph;
+  r.gbps = case_bytes(c) / (r.us * 1e-6) / 1e9;
+  r.tflops = case_flops(c) / (r.us * 1e-6) / 1e12;
+  r.roofline_fraction =
+      c.op == BenchOp::decode
+          ? (machine.read_gbps > 0 ? r.gbps / machine.read_gbps : 0)
+          : (machine.matmul_gflops > 0 ? r.tflops * 1e3 / machine.matmul_gflops : 0);
+  return r;
+}
+
+BenchReport run_cases(const std::vector<BenchCase>& cases, const Roofline& machine,
+                      const BenchOptions& options,
+                      const std::function<void(const CaseResult&)>& on_result) {
+  BenchReport report;
+  report.machine = machine;
+  for (const BenchCase& c : cases) {
+    report.cases.push_back(run_case(c, machine, options));
+    if (on_result) on_result(report.cases.back());
+  }
+  return report;
+}
+
+std::vector<BenchCase> bench_grid(const std::string& name, Device device) {
+  if (name == "quick") {
+    // Small GQA shapes with lengths off any tile size; a second or so on a 2-core CPU.
+    return {decode_case(2, 300, device, 4, 2, 64), prefill_case(1, 96, device, 4, 2, 64),
+            extend_case(2, 64, 33, device, 4, 2, 64)};
+  }
+  FLASHKV_CHECK(name == "full", "grid: expected quick or full, got '", name, "'");
+  if (device.is_cpu()) {
+    // Issue 5 (Llama-3-8B shapes, bf16): decode 16 x 4096 and a 2048-token causal prefill;
+    // plus one extend on top of a cached prefix.
+    return {decode_case(16, 4096, device), prefill_case(1, 2048, device),
+            extend_case(1, 3072, 1024, device)};
+  }
+  // Issue 6: decode, page size 1 with a shuffled slot layout, bf16 KV, then the group-size
+  // variants, then fp8 KV on the large shapes.
+  std::vector<BenchCase> g;
+  using Shapes = std::initializer_list<std::pair<int, int>>;  // (batch, kv_len)
+  for (auto [b, kv] : Shapes{{1, 1024},
+                             {1, 4096},
+                             {1, 32768},
+                             {16, 4096},
+                             {64, 4096},
+                             {256, 2048},
+                             {64, 16384},
+                             {8, 65536}})
+    g.push_back(decode_case(b, kv, device));
+  g.push_back(decode_case(64, 4096, device, 8, 1, 128));
+  g.push_back(decode_case(64, 4096, device, 32, 32, 128));
+  for (auto [b, kv] : Shapes{{64, 4096}, {256, 2048}, {64, 16384}, {8, 65536}})
+    g.push_back(decode_case(b, kv, device, 32, 8, 128, DType::fp8_e4m3));
+  // Issue 7: causal prefill and extend with a cached prefix.
+  g.push_back(prefill_case(1, 8192, device));
+  g.push_back(prefill_case(4, 4096, device));
+  g.push_back(prefill_case(1, 16384, device));
+  g.push_back(extend_case(4, 3072, 1024, device));
+  g.push_back(extend_case(16, 4096, 256, device));
+  return g;
+}
+
+}  // namespace flashkv::bench

@@ -1,0 +1,92 @@
+// Device-agnostic benchmark of the attention operators: random inputs in a paged pool with a
+// shuffled page layout, plan -> upload -> warm up -> timed runs (CPU: wall clock; CUDA: CUDA-graph
+// replays timed with events), reported against the roofline measured in the same run.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "flashkv/core/device.h"
+#include "flashkv/core/dtype.h"
+#include "roofline.h"
+
+namespace flashkv::bench {
+
+// decode: paged_decode, one query per request over its paged KV.
+// prefill: ragged_prefill, causal, new tokens only (no cached prefix).
+// extend: ragged causal prefill over the new tokens + non-causal paged_prefill over the cached
+//   prefix + merge_state (SEMANTICS.md); with no prefix, the ragged kernel alone.
+enum class BenchOp { decode, prefill, extend };
+const char* op_name(BenchOp op);
+BenchOp parse_op(const std::string& name);  // "decode" | "prefill" | "extend"
+
+// One benchmark shape. Every request of the batch has the same lengths.
+struct BenchCase {
+  BenchOp op = BenchOp::decode;
+  int batch = 1;
+  int qo_len = 1;  // new query tokens per request (decode: 1; prefill: == kv_len)
+  int kv_len = 1;  // KV tokens each request attends to in total (extend: cached prefix + qo_len)
+  int num_qo_heads = 32;
+  int num_kv_heads = 8;
+  int head_dim = 128;
+  int page_size = 1;             // of the paged KV (decode, the prefix of extend)
+  DType dtype = DType::bf16;     // Q, O and the new tokens' K/V
+  DType kv_dtype = DType::bf16;  // the paged KV pool (may be fp8)
+  Device device;
+
+  int prefix_len() const { return kv_len - qo_len; }
+  std::string str() const;  // e.g. "decode B=16 qo=1 kv=4096 32/8/128 P=1 bf16/bf16 cpu"
+};
+
+// Convenience constructors (heads/dims default to the Llama-3-8B shape 32/8/128, bf16).
+BenchCase decode_case(int batch, int kv_len, Device device, int hq = 32, int hkv = 8, int d = 128,
+                      DType kv_dtype = DType::bf16);
+BenchCase prefill_case(int batch, int len, Device device, int hq = 32, int hkv = 8, int d = 128);
+BenchCase extend_case(int batch, int prefix_len, int new_len, Device device, int hq = 32,
+                      int hkv = 8, int d = 128);
+
+// Work of a case: FLOPs are 4 * Hq * D * (new * prefix + new * (new + 1) / 2) per request (QK^T
+// and PV over the causally visible entries; decode: 4 * Hq * D * kv_len); bytes are the minimum
+// traffic: Q and O once, every K/V entry once (at its dtype).
+double case_flops(const BenchCase& c);
+double case_bytes(const BenchCase& c);
+
+struct CaseResult {
+  BenchCase c;
+  double us = 0;      // median time of one run (all kernels of the op)
+  double gbps = 0;    // case_bytes / time
+  double tflops = 0;  // case_flops / time
+  // Against the bound that applies: decode gbps / read_gbps; prefill and extend
+  // matmul rate / matmul_gflops.
+  double roofline_fraction = 0;
+  int runs = 0;             // timed runs (CUDA: total runs over all graph replays)
+  bool cuda_graph = false;  // CUDA: timed as CUDA-graph replays
+};
+
+struct BenchReport {
+  Roofline machine;
+  std::vector<CaseResult> cases;
+};
+
+struct BenchOptions {
+  int warmup = 2;             // untimed runs before timing
+  int min_runs = 5;           // timed runs: at least this many ...
+  int max_runs = 100;         // ... at most this many ...
+  double min_seconds = 0.25;  // ... and until this much time was spent timing
+  uint64_t seed = 1;          // of the random inputs
+};
+
+// Runs one case on its device (must be machine.device) and reports its figures.
+CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOptions& options = {});
+// Runs every case in order; on_result (if set) sees each result as it is made.
+BenchReport run_cases(const std::vector<BenchCase>& cases, const Roofline& machine,
+                      const BenchOptions& options = {},
+                      const std::function<void(const CaseResult&)>& on_result = {});
+
+// Named grids: "quick" (tiny shapes, seconds on a 2-core CPU: for CI and smoke runs) and "full"
+// (the shapes of the performance issues for the device's kind: CPU issue 5; CUDA issues 6, 7).
+std::vector<BenchCase> bench_grid(const std::string& name, Device device);
+
+}  // namespace flashkv::bench

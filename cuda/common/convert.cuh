@@ -1,0 +1,87 @@
+// Element conversions for the CUDA kernels: fp32 <-> bf16 / f16 (pairs packed in 32 bits), and
+// fp8 (e4m3 / e5m2) pairs to f16 pairs, exactly.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace flashkv::cuda {
+
+// The KV element kinds a kernel is compiled for.
+enum class KvKind : int { same16 = 0, e4m3 = 1, e5m2 = 2 };
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<half>(float lo, float hi) {
+  half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t x);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t x) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<half>(uint32_t x) {
+  return __half22float2(*reinterpret_cast<half2*>(&x));
+}
+
+template <typename T>
+__device__ __forceinline__ float to_f32(T x);
+template <>
+__device__ __forceinline__ float to_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__device__ __forceinline__ float to_f32<half>(half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ half from_f32<half>(float x) { return __float2half_rn(x); }
+
+// Two fp8 values (the low byte first) to an f16x2: exact, since every e4m3 and e5m2 value is an
+// f16 value. sm_89+ converts in hardware; older targets move the byte into the high half of the
+// lane (e5m2 is the high byte of an f16) or, for e4m3, shift exponent and mantissa into place and
+// apply the bias difference 2^8 with an exact multiply. fp8 NaN maps to NaN only on sm_89+.
+template <KvKind kKind>
+__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint16_t pair) {
+  static_assert(kKind == KvKind::e4m3 || kKind == KvKind::e5m2, "fp8 kinds only");
+  uint32_t y;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (kKind == KvKind::e4m3)
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(y) : "h"(pair));
+  else
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;\n" : "=r"(y) : "h"(pair));
+#else
+  const uint32_t t = __byte_perm(uint32_t{pair}, 0u, 0x1404);  // byte i into lane i's high byte
+  if constexpr (kKind == KvKind::e5m2) {
+    y = t;
+  } else {
+    const uint32_t bits = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(y) : "r"(bits), "r"(0x5c005c00u));  // x 2^8
+  }
+#endif
+  return y;
+}
+
+}  // namespace flashkv::cuda

@@ -1,0 +1,39 @@
+// An attention state being folded from partial states over disjoint KV sets (SEMANTICS.md,
+// "Merging partial states"): the running max of the base-2 LSEs, the sum of 2^(lse - max), and
+// the weighted output accumulated by the caller. Shared by the merge of split decode items and
+// merge_state(s).
+#pragma once
+
+#include <cmath>
+
+#include "common/ptx.cuh"
+
+namespace flashkv::cuda {
+
+struct MergeState {
+  float max = -INFINITY;
+  float sum = 0.0f;
+
+  // Adds a state with base-2 LSE `lse`. Returns the factor the caller multiplies its running
+  // output by (`rescale`) and the weight of the new state's output (`weight`); a state with
+  // lse = -inf contributes nothing.
+  __device__ __forceinline__ void add(float lse, float& rescale, float& weight) {
+    if (lse == -INFINITY) {
+      rescale = 1.0f;
+      weight = 0.0f;
+      return;
+    }
+    const float m = fmaxf(max, lse);
+    rescale = ptx::exp2_fast(max - m);  // max = -inf gives 0
+    weight = ptx::exp2_fast(lse - m);
+    sum = sum * rescale + weight;
+    max = m;
+  }
+  // 1 / sum (0 when nothing was added: the output is then 0).
+  __device__ __forceinline__ float inv_sum() const { return sum > 0.0f ? 1.0f / sum : 0.0f; }
+  __device__ __forceinline__ float lse() const {
+    return sum > 0.0f ? max + __log2f(sum) : -INFINITY;
+  }
+};
+
+}  // namespace flashkv::cuda

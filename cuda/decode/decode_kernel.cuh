@@ -1,0 +1,620 @@
+// The paged-decode kernel: one query row per request against its paged KV, every KV byte read
+// once, on tensor cores.
+//
+// Grid: x = worker (its items are items[worker_indptr[x] .. worker_indptr[x + 1])), y = KV head,
+// z = group of up to 8 * kNTiles query heads of that KV head (1 unless G > 8 * kNTiles). The
+// grid depends only on the plan's worker count, so a CUDA graph replays with any batch.
+//
+// Schedule: a CTA walks its items as one stream of KV tiles (kTileTokens tokens each) through a
+// kStages-deep cp.async pipeline that runs across item boundaries. The kv_indices of a tile are
+// copied into a shared-memory ring kStages - 1 tiles before the tile's K/V copies are issued (in
+// the same commit group as an earlier tile's data), so neither the index fetch nor the K/V fetch
+// waits on the other; the query rows of an item ride in the stage of its first tile. K/V copies
+// carry an L2 evict-first hint: they are read once, and the plan and indices should stay cached.
+//
+// Math (per warp, per 16-token block; the CTA's warps take blocks round-robin and merge their
+// softmax states at the end of an item): tokens are the M side of the mma and query heads the N
+// side, so G <= 8 heads waste no more than the N padding:
+//   S^T[16 tok, 8 heads] = K[16, D] . Q^T[D, 8]            (mma m16n8k16, A = K from smem)
+//   online softmax per head column (base 2)
+//   O^T[D, 8 heads]    += V^T[D, 16] . P^T[16, 8]           (B = P^T by movmatrix of S^T)
+// fp8 KV runs on f16 mma (every fp8 value is an f16; the hardware converts pairs): a bf16 query
+// is scaled by a power of two into f16 range once per item and the scale taken out of the
+// scores. The head dim is permuted consistently (Q loaded in the same order, O stored through
+// the same map) so each thread's fp8 bytes come from contiguous shared memory.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/convert.cuh"
+#include "common/ptx.cuh"
+#include "decode/traits.h"
+#include "flashkv/core/cuda_runtime.h"
+#include "flashkv/plan/plan.h"
+
+namespace flashkv::cuda::decode {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// An item as the kernel walks it.
+struct ItemView {
+  int32_t row;         // query / output row
+  int32_t partial;     // -1: write the output; else the partial row
+  int32_t lo, hi;      // KV positions to attend, [lo, hi); empty when lo >= hi
+  int32_t entry_base;  // kv_indptr[request]: first kv_indices entry of the request
+};
+
+__device__ __forceinline__ int32_t kv_len_of(const AttentionParams& p, int32_t r) {
+  const int32_t n = p.kv_indptr[r + 1] - p.kv_indptr[r];
+  if (p.page_size == 1 || n <= 0) return n > 0 ? n : 0;
+  return (n - 1) * p.page_size + p.last_page_len[r];
+}
+
+__device__ __forceinline__ ItemView load_item(const AttentionParams& p, int32_t idx) {
+  const WorkItem it = p.items[idx];
+  const int32_t kv_len = kv_len_of(p, it.request);
+  ItemView v;
+  v.row = it.q_begin;
+  v.partial = it.partial;
+  v.entry_base = p.kv_indptr[it.request];
+  v.lo = max(it.kv_begin, 0);
+  v.hi = min(it.kv_end, kv_len);
+  // The one query sits at position kv_len - 1: the window starts window_left before it.
+  if (p.window_left >= 0) v.lo = max(v.lo, kv_len - 1 - p.window_left);
+  return v;
+}
+
+template <class Tr>
+__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
+  return static_cast<uint32_t>(row * Tr::kRowBytes +
+                               ((Tr::kSwizzle ? (chunk ^ (row & 7)) : chunk) << 4));
+}
+
+template <class Tr, typename QT, KvKind kKv>
+struct DecodeCta {
+  static constexpr int D = Tr::kHeadDim;
+  static constexpr int NT = Tr::kHeads / 8;
+  static constexpr int T = Tr::kTileTokens;
+  static constexpr bool kFp8 = kKv != KvKind::same16;
+  using MT = std::conditional_t<kFp8, half, QT>;  // mma operand type
+
+  const AttentionParams& p;
+  unsigned char* smem;
+  int tid, warp, lane, r, c;  // r = lane / 4, c = lane % 4: the mma fragment coordinates
+  int kv_head, heads, qh0;    // heads handled (<= kHeads) and the first one's global index
+  float score_scale, softcap_in, softcap_out;  // for the whole kernel
+  float item_score_scale, item_softcap_in;       // the same over the item's query scale
+  uint64_t kv_policy;
+
+  // Three walks over the same tile stream: the indices (kStages - 1 tiles ahead of the data),
+  // the K/V data (kStages - 1 tiles ahead of the compute) and the compute.
+  struct Cursor {
+    int32_t item, last, pos;
+    bool first;
+    ItemView v;
+  } ind, prod, cons;
+  int32_t ind_tile = 0, prod_tile = 0;  // tiles issued so far by each walk (ring positions)
+
+  // Consumer state of this warp.
+  uint32_t q_frag[Tr::kKSteps][NT][2];
+  float m[NT][2], l[NT][2];
+  float o[Tr::kMTiles][NT][4];
+
+  __device__ unsigned char* stage_ptr(int s) const { return smem + s * Tr::kStageBytes; }
+  __device__ float* out_buf() const {
+    return reinterpret_cast<float*>(smem + kStages * Tr::kStageBytes);
+  }
+  __device__ float* red() const {
+    return reinterpret_cast<float*>(smem + kStages * Tr::kStageBytes + Tr::kOutBytes);
+  }
+  __device__ int32_t* index_ring(int tile) const {
+    return reinterpret_cast<int32_t*>(smem + kStages * Tr::kStageBytes + Tr::kOutBytes +
+                                      Tr::kRedBytes) +
+           (tile % Tr::kIndexSlots) * T;
+  }
+
+  // ---- schedule -------------------------------------------------------------------------------
+
+  // Moves a walk to the first item (from c.item on) with KV to read.
+  __device__ void seek(Cursor& c) const {
+    for (; c.item < c.last; ++c.item) {
+      c.v = load_item(p, c.item);
+      if (c.v.lo < c.v.hi) {
+        c.pos = c.v.lo;
+        c.first = true;
+        return;
+      }
+    }
+  }
+  __device__ void advance(Cursor& c) const {
+    c.first = false;
+    c.pos += T;
+    if (c.pos >= c.v.hi) {
+      ++c.item;
+      seek(c);
+    }
+  }
+
+  // Copies the kv_indices entries of the index walk's tile into its ring slot (one 4-byte copy
+  // per token; entry j / page_size for page size > 1), and advances the walk.
+  __device__ void fetch_indices() {
+    if (ind.item >= ind.last) return;
+    int32_t* ring = index_ring(ind_tile);
+    for (int row = tid; row < T; row += kThreads) {
+      const int32_t j = ind.pos + row;
+      const bool valid = j < ind.v.hi;
+      const int32_t e = p.page_size == 1 ? j : j / p.page_size;
+      ptx::cp_async_4(ptx::smem_addr(ring + row),
+                      p.kv_indices + (valid ? ind.v.entry_base + e : 0), valid);
+    }
+    ++ind_tile;
+    advance(ind);
+  }
+
+  // Issues the K/V copies of the data walk's tile into stage s (and the item's query rows when
+  // it is the item's first tile), then the index copies kStages - 1 tiles further on. Always
+  // commits a group, so group counting stays uniform once the stream runs dry.
+  __device__ void produce(int s) {
+    if (prod.item < prod.last) {
+      unsigned char* st = stage_ptr(s);
+      const uint32_t k_smem = ptx::smem_addr(st);
+      const uint32_t v_smem = k_smem + Tr::kTileBytes;
+      const int chunk = tid % Tr::kChunks;
+      const char* kbase = static_cast<const char*>(p.k) +
+                          (int64_t{kv_head} * p.k_stride_h) * Tr::kKvBytes + chunk * 16;
+      const char* vbase = static_cast<const char*>(p.v) +
+                          (int64_t{kv_head} * p.v_stride_h) * Tr::kKvBytes + chunk * 16;
+      const int32_t* ring = index_ring(prod_tile);
+#pragma unroll
+      for (int i = 0; i < Tr::kPasses; ++i) {
+        const int row = tid / Tr::kChunks + i * Tr::kRowsPerPass;
+        const int32_t j = prod.pos + row;
+        const bool valid = j < prod.v.hi;
+        int64_t slot = ring[row];
+        if (p.page_size > 1) slot = slot * p.page_size + j % p.page_size;
+        slot = valid ? min(max(slot, int64_t{0}), p.num_kv_rows - 1) : 0;  // never out of bounds
+        const uint32_t off = swizzled<Tr>(row, chunk);
+        ptx::cp_async_16_hint(k_smem + off, kbase + slot * p.k_stride_n * Tr::kKvBytes, valid,
+                              kv_policy);
+        ptx::cp_async_16_hint(v_smem + off, vbase + slot * p.v_stride_n * Tr::kKvBytes, valid,
+                              kv_policy);
+      }
+      if (prod.first) {
+        // Q rows [kHeads, D] of the item; heads past `heads` are zero (they pad the mma N side).
+        const uint32_t q_smem = k_smem + 2 * Tr::kTileBytes;
+        constexpr int kQChunks = Tr::kQBytes / 16, kPerHead = D / 8;
+        for (int qc = tid; qc < kQChunks; qc += kThreads) {
+          const int h = qc / kPerHead, d8 = (qc % kPerHead) * 8;
+          const bool valid = h < heads;
+          const QT* src = static_cast<const QT*>(p.q) + int64_t{prod.v.row} * p.q_stride_n +
+                          int64_t{qh0 + (valid ? h : 0)} * p.q_stride_h + d8;
+          ptx::cp_async_16(q_smem + qc * 16, src, valid);
+        }
+      }
+      ++prod_tile;
+      advance(prod);
+    }
+    fetch_indices();
+    ptx::cp_async_commit();
+  }
+
+  // ---- per-item consumer state ----------------------------------------------------------------
+
+  __device__ void reset_state() {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        m[n][j] = -INFINITY;
+        l[n][j] = 0.0f;
+      }
+#pragma unroll
+    for (int i = 0; i < Tr::kMTiles; ++i)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[i][n][e] = 0.0f;
+  }
+
+  // Q^T as the mma B operand (k = head dim, n = heads), in the head-dim order the K fragments
+  // use: natural for 16-bit KV (ldmatrix); for fp8, thread c's k-step s covers dims
+  // d0 = c * D / 4 + 4 s .. d0 + 3, as pairs (d0, d0 + 1) and (d0 + 2, d0 + 3). A bf16 query
+  // for fp8 KV is scaled by 2^e into f16 range (exact; every warp derives the same e from the
+  // largest |q| of the item) and the item's score scales divided by 2^e.
+  __device__ void load_q_frags(const unsigned char* stage) {
+    const QT* qs = reinterpret_cast<const QT*>(stage + 2 * Tr::kTileBytes);
+    float q_scale = 1.0f;
+    if constexpr (kFp8 && !std::is_same_v<QT, half>) {
+      float mx = 0.0f;
+      for (int i = lane; i < Tr::kHeads * D / 2; i += 32) {
+        const float2 x = unpack2<QT>(reinterpret_cast<const uint32_t*>(qs)[i]);
+        mx = fmaxf(mx, fmaxf(fabsf(x.x), fabsf(x.y)));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      // mx < 2^e_max; scaled to below 2^15 (f16 max is 65504).
+      if (mx > 0.0f && mx <= 3.0e38f) q_scale = ldexpf(1.0f, min(14 - ilogbf(mx), 126));
+    }
+    item_score_scale = score_scale / q_scale;
+    item_softcap_in = softcap_in / q_scale;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const QT* qh = qs + (8 * n + r) * D;
+#pragma unroll
+      for (int s = 0; s < Tr::kKSteps; ++s) {
+        const int d0 = kFp8 ? c * (D / 4) + 4 * s : 16 * s + 2 * c;
+        const int d1 = kFp8 ? d0 + 2 : d0 + 8;
+        const uint32_t x0 = *reinterpret_cast<const uint32_t*>(qh + d0);
+        const uint32_t x1 = *reinterpret_cast<const uint32_t*>(qh + d1);
+        if constexpr (std::is_same_v<MT, QT>) {
+          q_frag[s][n][0] = x0;
+          q_frag[s][n][1] = x1;
+        } else {
+          const float2 a = unpack2<QT>(x0), b = unpack2<QT>(x1);
+          q_frag[s][n][0] = pack2<MT>(a.x * q_scale, a.y * q_scale);
+          q_frag[s][n][1] = pack2<MT>(b.x * q_scale, b.y * q_scale);
+        }
+      }
+    }
+  }
+
+  // ---- one 16-token block ---------------------------------------------------------------------
+
+  // S^T = K . Q^T for tokens [16 b, 16 b + 16) of the stage, accumulated in two halves (even
+  // and odd k-steps) to halve the dependent mma chain.
+  __device__ void scores(uint32_t k_smem, int b, float (&s)[NT][4]) const {
+    float s2[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = s2[n][e] = 0.0f;
+    if constexpr (!kFp8) {
+      const int mat = lane / 8;
+      const int row = 16 * b + (lane % 8) + 8 * (mat % 2);
+#pragma unroll
+      for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+        uint32_t a[4];
+        ptx::ldmatrix_x4(a, k_smem + swizzled<Tr>(row, 2 * ks + mat / 2));
+#pragma unroll
+        for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<MT>(ks % 2 ? s2[n] : s[n], a, q_frag[ks][n]);
+      }
+    } else {
+      // Thread c reads bytes [c D/4, (c + 1) D/4) of token rows r and r + 8.
+      constexpr int kWords = D / 16, kVecs = kWords / 4;
+      uint32_t ka[kWords], kb[kWords];
+      const int row_a = 16 * b + r, row_b = row_a + 8;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const uint4 xa = ptx::lds128(k_smem + swizzled<Tr>(row_a, c * kVecs + v));
+        const uint4 xb = ptx::lds128(k_smem + swizzled<Tr>(row_b, c * kVecs + v));
+        ka[4 * v] = xa.x, ka[4 * v + 1] = xa.y, ka[4 * v + 2] = xa.z, ka[4 * v + 3] = xa.w;
+        kb[4 * v] = xb.x, kb[4 * v + 1] = xb.y, kb[4 * v + 2] = xb.z, kb[4 * v + 3] = xb.w;
+      }
+#pragma unroll
+      for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+        const uint32_t a[4] = {fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(ka[ks])),
+                               fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(kb[ks])),
+                               fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(ka[ks] >> 16)),
+                               fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(kb[ks] >> 16))};
+#pragma unroll
+        for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<MT>(ks % 2 ? s2[n] : s[n], a, q_frag[ks][n]);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] += s2[n][e];
+  }
+
+  // O^T += V^T . P^T for tokens [16 b, 16 b + 16) of the stage.
+  __device__ void accumulate(uint32_t v_smem, int b, const uint32_t (&pb)[NT][2]) {
+    if constexpr (!kFp8) {
+      const int mat = lane / 8;
+      const int row = 16 * b + (lane % 8) + 8 * (mat / 2);
+#pragma unroll
+      for (int i = 0; i < Tr::kMTiles; ++i) {
+        uint32_t a[4];
+        ptx::ldmatrix_x4_trans(a, v_smem + swizzled<Tr>(row, 2 * i + mat % 2));
+#pragma unroll
+        for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<MT>(o[i][n], a, pb[n]);
+      }
+    } else {
+      // Thread (r, c) reads bytes [r D/8, (r + 1) D/8) of token rows 2c, 2c+1, 2c+8, 2c+9; m-tile
+      // i row r is dim r D/8 + 2i, row r + 8 is dim r D/8 + 2i + 1 (see out_dim).
+      constexpr int kWords = D / 32;
+      uint32_t x[4][kWords];
+      const int rows[4] = {16 * b + 2 * c, 16 * b + 2 * c + 1, 16 * b + 2 * c + 8,
+                           16 * b + 2 * c + 9};
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        if constexpr (kWords == 2) {
+          const uint32_t byte = r * 8;
+          const uint2 v = ptx::lds64(v_smem + swizzled<Tr>(rows[t], byte / 16) + byte % 16);
+          x[t][0] = v.x, x[t][1] = v.y;
+        } else {
+#pragma unroll
+          for (int q = 0; q < kWords / 4; ++q) {
+            const uint4 v = ptx::lds128(v_smem + swizzled<Tr>(rows[t], r * (kWords / 4) + q));
+            x[t][4 * q] = v.x, x[t][4 * q + 1] = v.y, x[t][4 * q + 2] = v.z,
+                     x[t][4 * q + 3] = v.w;
+          }
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          // Byte pairs (token 2c, token 2c + 1) of dim 4w + 2e (low half) and 4w + 2e + 1.
+          const uint32_t sel = e == 0 ? 0x5140u : 0x7362u;
+          const uint32_t lo = __byte_perm(x[0][w], x[1][w], sel);
+          const uint32_t hi = __byte_perm(x[2][w], x[3][w], sel);
+          const uint32_t a[4] = {fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(lo)),
+                                 fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(lo >> 16)),
+                                 fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(hi)),
+                                 fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(hi >> 16))};
+#pragma unroll
+          for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<MT>(o[2 * w + e][n], a, pb[n]);
+        }
+      }
+    }
+  }
+
+  // The dim of O^T fragment element (m-tile i, e >= 2 ? row r + 8 : row r).
+  __device__ int out_dim(int i, int e) const {
+    if constexpr (!kFp8) return 16 * i + r + (e >= 2 ? 8 : 0);
+    else return r * (D / 8) + 2 * i + (e >= 2 ? 1 : 0);
+  }
+
+  __device__ void block(const unsigned char* stage, int b, int valid) {
+    const uint32_t k_smem = ptx::smem_addr(stage);
+    float s[NT][4];
+    scores(k_smem, b, s);
+    // Scale to base-2 logits, soft cap, and mask tokens past the tile's end.
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[n][e];
+        x = softcap_in > 0.0f ? softcap_out * ptx::tanh_fast(x * item_softcap_in)
+                              : x * item_score_scale;
+        s[n][e] = (r + (e >= 2 ? 8 : 0)) < valid ? x : -INFINITY;
+      }
+    // Online softmax per head column; the 8 lanes sharing c hold one column's 16 tokens.
+    uint32_t pb[NT][2];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      float pr[4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float bm = fmaxf(s[n][j], s[n][j + 2]);
+        bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 4));
+        bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 8));
+        bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 16));
+        const float m_new = fmaxf(m[n][j], bm);  // finite: the block has a valid token
+        const float corr = ptx::exp2_fast(m[n][j] - m_new);
+        m[n][j] = m_new;
+        pr[j] = ptx::exp2_fast(s[n][j] - m_new);
+        pr[j + 2] = ptx::exp2_fast(s[n][j + 2] - m_new);
+        l[n][j] = l[n][j] * corr + pr[j] + pr[j + 2];
+#pragma unroll
+        for (int i = 0; i < Tr::kMTiles; ++i) {
+          o[i][n][j] *= corr;
+          o[i][n][j + 2] *= corr;
+        }
+      }
+      pb[n][0] = ptx::movmatrix_trans(pack2<MT>(pr[0], pr[1]));
+      pb[n][1] = ptx::movmatrix_trans(pack2<MT>(pr[2], pr[3]));
+    }
+    accumulate(k_smem + Tr::kTileBytes, b, pb);
+  }
+
+  // ---- end of an item -------------------------------------------------------------------------
+
+  // Stores heads [0, heads) of an item's result: out_buf (un-normalised, [kHeads][kOutStride])
+  // times inv[h], and lse[h]; or zeros and -inf when `empty`.
+  __device__ void store(const ItemView& v, const float* inv, const float* lse, bool empty) {
+    constexpr int kPerHead = D / 8;
+    const float* ob = out_buf();
+    for (int i = tid; i < heads * kPerHead; i += kThreads) {
+      const int h = i / kPerHead, d = (i % kPerHead) * 8;
+      float x[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) x[k] = empty ? 0.0f : ob[h * Tr::kOutStride + d + k] * inv[h];
+      if (v.partial < 0) {
+        uint4 w;
+        w.x = pack2<QT>(x[0], x[1]), w.y = pack2<QT>(x[2], x[3]);
+        w.z = pack2<QT>(x[4], x[5]), w.w = pack2<QT>(x[6], x[7]);
+        *reinterpret_cast<uint4*>(static_cast<QT*>(p.o) + int64_t{v.row} * p.o_stride_n +
+                                  int64_t{qh0 + h} * p.o_stride_h + d) = w;
+      } else {
+        float4* dst = reinterpret_cast<float4*>(
+            p.partial_o + (int64_t{v.partial} * p.num_qo_heads + qh0 + h) * D + d);
+        dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+        dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+      }
+    }
+    if (tid < heads) {
+      const float value = empty ? -INFINITY : lse[tid];
+      if (v.partial < 0) {
+        if (p.lse) p.lse[int64_t{v.row} * p.num_qo_heads + qh0 + tid] = value;
+      } else {
+        p.partial_lse[int64_t{v.partial} * p.num_qo_heads + qh0 + tid] = value;
+      }
+    }
+  }
+
+  // Merges the warps' states of the finished item (in warp order: deterministic) and stores it.
+  __device__ void finalize(const ItemView& v) {
+    float* red_m = red();                             // [kWarps][kHeads]
+    float* red_l = red_m + kWarps * Tr::kHeads;       // [kWarps][kHeads]
+    float* fin_inv = red_l + kWarps * Tr::kHeads;     // [kHeads]
+    float* fin_lse = fin_inv + Tr::kHeads;            // [kHeads]
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float x = l[n][j];
+        x += __shfl_xor_sync(0xffffffffu, x, 4);
+        x += __shfl_xor_sync(0xffffffffu, x, 8);
+        x += __shfl_xor_sync(0xffffffffu, x, 16);
+        l[n][j] = x;
+        if (r == 0) {
+          red_m[warp * Tr::kHeads + 8 * n + 2 * c + j] = m[n][j];
+          red_l[warp * Tr::kHeads + 8 * n + 2 * c + j] = x;
+        }
+      }
+    __syncthreads();
+    float scale[NT][2];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int h = 8 * n + 2 * c + j;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_m[w * Tr::kHeads + h]);
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          const float mw = red_m[w * Tr::kHeads + h];
+          if (mw != -INFINITY) sum += red_l[w * Tr::kHeads + h] * ptx::exp2_fast(mw - mx);
+        }
+        scale[n][j] = m[n][j] == -INFINITY ? 0.0f : ptx::exp2_fast(m[n][j] - mx);
+        if (warp == 0 && r == 0) {
+          fin_inv[h] = sum > 0.0f ? p.v_scale / sum : 0.0f;
+          fin_lse[h] = sum > 0.0f ? mx + __log2f(sum) : -INFINITY;
+        }
+      }
+    float* ob = out_buf();
+    for (int w = 0; w < kWarps; ++w) {
+      if (warp == w) {
+#pragma unroll
+        for (int i = 0; i < Tr::kMTiles; ++i)
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float* dst = ob + (8 * n + 2 * c + (e & 1)) * Tr::kOutStride + out_dim(i, e);
+              const float x = o[i][n][e] * scale[n][e & 1];
+              *dst = w == 0 ? x : *dst + x;
+            }
+      }
+      __syncthreads();
+    }
+    store(v, fin_inv, fin_lse, false);
+  }
+
+  // ---- the whole CTA --------------------------------------------------------------------------
+
+  // Moves the consumer to the next item with KV (from cons.item on), finishing empty ones.
+  __device__ void consumer_seek() {
+    for (; cons.item < cons.last; ++cons.item) {
+      cons.v = load_item(p, cons.item);
+      if (cons.v.lo < cons.v.hi) {
+        cons.pos = cons.v.lo;
+        cons.first = true;
+        return;
+      }
+      const float* unused = red();  // an empty item reads neither buffer
+      store(cons.v, unused, unused, true);
+    }
+  }
+
+  __device__ void run(int32_t first_item, int32_t last_item) {
+    ind.item = prod.item = cons.item = first_item;
+    ind.last = prod.last = cons.last = last_item;
+    seek(ind);
+    seek(prod);
+    // Prologue: the indices of the first kStages - 1 tiles (waited for: nothing else can start),
+    // then their K/V copies, each with the indices kStages - 1 tiles further on.
+    for (int t = 0; t < kStages - 1; ++t) fetch_indices();
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) produce(s);
+    consumer_seek();
+    int stage = 0;
+    uint32_t tile_count = 0;
+    while (cons.item < cons.last) {
+      // Tile tile_count's data group (and the index group of tile tile_count + kStages - 1,
+      // committed with it) is complete; the barrier also retires the stage and ring slot
+      // about to be refilled.
+      ptx::cp_async_wait<kStages - 2>();
+      __syncthreads();
+      produce((stage + kStages - 1) % kStages);
+      const unsigned char* st = stage_ptr(stage);
+      if (cons.first) {
+        load_q_frags(st);
+        reset_state();
+        cons.first = false;
+      }
+      const int valid = min(T, cons.v.hi - cons.pos);
+#pragma unroll
+      for (int b = 0; b < Tr::kBlocks; ++b) {
+        if (static_cast<int>((tile_count * Tr::kBlocks + b) % kWarps) != warp) continue;
+        if (valid > 16 * b) block(st, b, valid - 16 * b);
+      }
+      stage = (stage + 1) % kStages;
+      ++tile_count;
+      cons.pos += T;
+      if (cons.pos >= cons.v.hi) {
+        finalize(cons.v);
+        ++cons.item;
+        consumer_seek();
+      }
+    }
+    ptx::cp_async_wait<0>();
+  }
+};
+
+template <class Tr, typename QT, KvKind kKv>
+__global__ void __launch_bounds__(kThreads, 2)
+    decode_kernel(const __grid_constant__ AttentionParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  // Every CTA of the persistent grid is resident: dependents (the merge) may be scheduled now
+  // and wait in griddepcontrol.wait.
+  ptx::launch_dependents();
+  DecodeCta<Tr, QT, kKv> cta{p, smem};
+  cta.tid = threadIdx.x;
+  cta.warp = threadIdx.x / 32;
+  cta.lane = threadIdx.x % 32;
+  cta.r = cta.lane / 4;
+  cta.c = cta.lane % 4;
+  cta.kv_head = blockIdx.y;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int head0 = blockIdx.z * Tr::kHeads;
+  cta.heads = min(Tr::kHeads, group - head0);
+  cta.qh0 = blockIdx.y * group + head0;
+  const float qk_scale = p.sm_scale * p.k_scale;
+  cta.score_scale = qk_scale * kLog2e;
+  cta.softcap_in = p.logits_soft_cap > 0.0f ? qk_scale / p.logits_soft_cap : 0.0f;
+  cta.softcap_out = p.logits_soft_cap * kLog2e;
+  cta.kv_policy = ptx::make_evict_first_policy();
+  cta.run(p.worker_indptr[blockIdx.x], p.worker_indptr[blockIdx.x + 1]);
+}
+
+template <int D, typename QT, KvKind kKv, int kNTiles>
+void launch_decode(const AttentionParams& p, cudaStream_t stream) {
+  using Tr = Traits<D, kKv, kNTiles>;
+  auto kernel = decode_kernel<Tr, QT, kKv>;
+  // Raising the dynamic shared-memory limit is per device and idempotent; it is cheap, and not
+  // a stream operation (so it is legal during graph capture).
+  static_assert(Tr::kSmemBytes <= 227 * 1024, "shared memory");
+  detail::cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          Tr::kSmemBytes),
+                     "paged_decode: cudaFuncSetAttribute");
+  // Two CTAs per SM need the largest shared-memory carveout.
+  detail::cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared),
+                     "paged_decode: cudaFuncSetAttribute");
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const dim3 grid(p.num_workers, p.num_kv_heads, (group + Tr::kHeads - 1) / Tr::kHeads);
+  kernel<<<grid, kThreads, Tr::kSmemBytes, stream>>>(p);
+  detail::cuda_check(cudaGetLastError(), "paged_decode: kernel launch");
+}
+
+}  // namespace flashkv::cuda::decode

@@ -1,0 +1,58 @@
+// Compile-time shape of one paged-decode kernel instantiation, and the launcher declarations
+// that cuda/decode.cu dispatches to (defined in decode_kernel.cuh, instantiated per head dim
+// in cuda/inst/decode_d*.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/convert.cuh"
+#include "flashkv/ops/params.h"
+
+namespace flashkv::cuda::decode {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 3;  // KV tiles: one being computed, two in flight
+// Shared memory one CTA may use so that two fit on an SM (228 KB, 1 KB reserved per CTA).
+constexpr int kSmemBudget = 112 * 1024;
+
+// D: head dim (Q/K and V alike); kKv: KV element kind; kNTiles: 8-head column tiles of the
+// mma (the CTA handles up to 8 * kNTiles query heads of one KV head).
+template <int D, KvKind kKv, int kNTiles>
+struct Traits {
+  static_assert(D % 64 == 0, "head dims 64, 128, 256");
+  static constexpr int kHeadDim = D;
+  static constexpr int kKvBytes = kKv == KvKind::same16 ? 2 : 1;
+  static constexpr int kRowBytes = D * kKvBytes;  // one token's K (or V) row of one KV head
+  static constexpr int kChunks = kRowBytes / 16;   // 16-byte chunks per row
+  static constexpr bool kSwizzle = kChunks >= 8;   // XOR the chunk with (row & 7)
+  static constexpr int kHeads = 8 * kNTiles;
+  static constexpr int kKSteps = D / 16;  // k16 steps of Q.K^T
+  static constexpr int kMTiles = D / 16;  // 16-dim tiles of O^T = V^T P^T
+  static constexpr int kQBytes = kHeads * D * 2;
+  static constexpr int kOutStride = D + 4;  // floats per head of the finalize buffer
+  static constexpr int kOutBytes = kHeads * kOutStride * 4;
+  static constexpr int kRedBytes = (2 * kWarps + 2) * kHeads * 4;
+  static constexpr int kIndexSlots = kStages;  // kv_indices ring (see decode_kernel.cuh)
+  // KV tokens per pipeline stage: as many 16-token blocks as fit the budget, at most 8 copy
+  // passes of the whole CTA per stage.
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kFitTokens =
+      ((kSmemBudget - kOutBytes - kRedBytes) / kStages - kQBytes) / (2 * kRowBytes + 4) / 16 * 16;
+  static constexpr int kTileTokens =
+      kFitTokens < 8 * kRowsPerPass ? kFitTokens : 8 * kRowsPerPass;
+  static constexpr int kPasses = kTileTokens / kRowsPerPass;
+  static constexpr int kBlocks = kTileTokens / 16;
+  static constexpr int kTileBytes = kTileTokens * kRowBytes;
+  static constexpr int kStageBytes = 2 * kTileBytes + kQBytes;  // K tile, V tile, Q slot
+  static constexpr int kIndexBytes = kIndexSlots * kTileTokens * 4;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kOutBytes + kRedBytes + kIndexBytes;
+  static_assert(kTileTokens >= 16 && kTileTokens % kRowsPerPass == 0, "tile shape");
+  static_assert(kSmemBytes <= kSmemBudget, "shared memory budget");
+};
+
+// Launches the decode kernel for p (grid: p.num_workers x Hkv x head groups).
+template <int D, typename QT, KvKind kKv, int kNTiles>
+void launch_decode(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace flashkv::cuda::decode

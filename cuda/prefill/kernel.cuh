@@ -1,0 +1,137 @@
+// The prefill kernel: a persistent CTA per (worker, KV head) walks its worker's work items
+// (plan.h); each item's packed rows (tokens x G query heads of the KV head) are cut into blocks
+// of kCtaRows, and each block streams its KV range in kKvTile tiles through a two-stage cp.async
+// pipeline: while tile t is multiplied, tile t + 1 is in flight and the page indices of tile
+// t + 2 are being read.
+//
+// Included only by the explicit instantiation files (cuda/inst/prefill_*.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flashkv/core/error.h"
+#include "prefill/epilogue.cuh"
+#include "prefill/launch.h"
+#include "prefill/load.cuh"
+#include "prefill/mainloop.cuh"
+#include "prefill/mask.cuh"
+#include "prefill/softmax.cuh"
+
+namespace flashkv::cuda::prefill_detail {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// One row block: loads, the KV loop, the stores. Ends with every thread past its last read of
+// shared memory only after the caller's next __syncthreads().
+template <typename Cfg>
+__device__ __forceinline__ void run_block(const AttentionParams& p, const RowBlock& b, int kv_head,
+                                          int group, unsigned char* smem) {
+  using QT = typename Cfg::Q;
+  constexpr int kNTiles = Cfg::kKvTile / 8;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warp_row0 = warp * Cfg::kRowsPerWarp;
+
+  float o[Cfg::kMTiles][Cfg::kDv / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.0f;
+  OnlineSoftmax<Cfg::kMTiles> softmax;
+  softmax.init();
+
+  // Logit scale (fp8 K's scale folds in here) and the softmax's base-2 factor.
+  const float logit_scale = p.sm_scale * (Cfg::kFp8 ? p.k_scale : 1.0f);
+  const bool soft_cap = p.logits_soft_cap > 0.0f;
+  const float c = soft_cap ? kLog2e : logit_scale * kLog2e;
+  const float scale_over_cap = soft_cap ? logit_scale / p.logits_soft_cap : 0.0f;
+
+  FragmentAddresses<Cfg> fa;
+  fa.init(smem_addr(smem + Cfg::kQOffset), smem_addr(smem + Cfg::kKOffset),
+          smem_addr(smem + Cfg::kVOffset), warp_row0, lane);
+
+  const int num_tiles =
+      b.kv_hi > b.kv_lo ? (b.kv_hi - b.kv_lo + Cfg::kKvTile - 1) / Cfg::kKvTile : 0;
+  if (num_tiles > 0) {
+    KvTileRows<Cfg> rows;
+    rows.fetch(p, b, b.kv_lo, tid);
+    load_q<Cfg>(p, b, kv_head, group, reinterpret_cast<QT*>(smem + Cfg::kQOffset), tid);
+    load_kv_tile<Cfg>(p, b, rows, kv_head, b.kv_lo, smem, 0, tid);
+    cp_async_commit();
+    if (num_tiles > 1) rows.fetch(p, b, b.kv_lo + Cfg::kKvTile, tid);
+    for (int t = 0; t < num_tiles; ++t) {
+      const int stage = t & 1;
+      const int j0 = b.kv_lo + t * Cfg::kKvTile;
+      cp_async_wait<0>();
+      __syncthreads();  // tile t landed for everyone; everyone is done with tile t - 1
+      if (t + 1 < num_tiles) {
+        load_kv_tile<Cfg>(p, b, rows, kv_head, j0 + Cfg::kKvTile, smem, stage ^ 1, tid);
+        cp_async_commit();
+        if (t + 2 < num_tiles) rows.fetch(p, b, j0 + 2 * Cfg::kKvTile, tid);
+      }
+      uint32_t stage_off = 0;
+      if constexpr (Cfg::kFp8) {
+        widen_fp8_tile<Cfg, Cfg::kDqk>(smem + Cfg::kK8Offset + stage * Cfg::kK8StageBytes,
+                                       reinterpret_cast<QT*>(smem + Cfg::kKOffset), tid);
+        widen_fp8_tile<Cfg, Cfg::kDv>(smem + Cfg::kV8Offset + stage * Cfg::kV8StageBytes,
+                                      reinterpret_cast<QT*>(smem + Cfg::kVOffset), tid);
+        __syncthreads();
+      } else {
+        stage_off = stage;
+      }
+
+      float s[Cfg::kMTiles][kNTiles][4];
+      qk_product<Cfg>(fa, stage_off * Cfg::kKStageBytes, s);
+      if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap);
+      if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
+        apply_mask<Cfg::kMTiles, kNTiles>(s, p, b, group, warp_row0, j0, lane);
+      softmax.update(s, o, c);
+      PFragments<Cfg> pf;
+      pack_p<Cfg>(s, pf);
+      pv_product<Cfg>(pf, fa, stage_off * Cfg::kVStageBytes, o);
+    }
+  }
+
+  float scale[Cfg::kMTiles][2], lse[Cfg::kMTiles][2];
+  softmax.finish(c, scale, lse, Cfg::kFp8 ? p.v_scale : 1.0f);
+  store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, o, scale, lse);
+}
+
+// grid (workers, Hkv), kPrefillThreads threads; CTA (w, h) runs worker w's items for KV head h.
+template <typename Cfg>
+__global__ void __launch_bounds__(kPrefillThreads, 2)
+    prefill_kernel(const __grid_constant__ AttentionParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int worker = blockIdx.x, kv_head = blockIdx.y;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int first = p.worker_indptr[worker], last = p.worker_indptr[worker + 1];
+  for (int i = first; i < last; ++i) {
+    const WorkItem it = p.items[i];
+    const int packed_rows = it.q_len * group;
+    for (int row0 = 0; row0 < packed_rows; row0 += Cfg::kCtaRows) {
+      __syncthreads();  // the previous block's readers of shared memory are done
+      const RowBlock b = make_row_block(p, it, group, row0, Cfg::kCtaRows);
+      run_block<Cfg>(p, b, kv_head, group, smem);
+    }
+  }
+}
+
+template <int DQK, int DV, typename QT, KvFormat KVF>
+void launch_prefill(const AttentionParams& p, cudaStream_t stream) {
+  using Cfg = TileConfig<DQK, DV, QT, KVF>;
+  const auto kernel = prefill_kernel<Cfg>;
+  check_cuda(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
+      "prefill: cudaFuncSetAttribute");
+  const dim3 grid(p.num_workers, p.num_kv_heads);
+  kernel<<<grid, kPrefillThreads, Cfg::kSmemBytes, stream>>>(p);
+  check_cuda(cudaGetLastError(), "prefill: kernel launch");
+}
+
+}  // namespace flashkv::cuda::prefill_detail
+
+// Explicit instantiation of one (head dims, dtype, KV format) variant.
+#define FLASHKV_INSTANTIATE_PREFILL(DQK, DV, QT, KVF)                            \
+  template void flashkv::cuda::prefill_detail::launch_prefill<DQK, DV, QT, KVF>( \
+      const flashkv::AttentionParams&, cudaStream_t)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Builds the CPU library and tests with AddressSanitizer + UndefinedBehaviorSanitizer in a
+# separate build directory and runs the whole test suite; any report fails the run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build-asan}
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLASHKV_CUDA=OFF \
+  -DFLASHKV_SANITIZE=ON -DFLASHKV_BUILD_BENCH=OFF >/dev/null
+cmake --build "$build" -j "$(nproc)"
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+ctest --test-dir "$build" --output-on-failure

@@ -1,0 +1,265 @@
+#include "backend_harness.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "flashkv/ops/kv_ops.h"
+
+namespace flashkv::test {
+
+Harness::Harness(const ModelShape& shape, BackendOptions extra) : shape_(shape), rng_(test_seed(777)) {
+  const Device d = shape.device;
+  r2t_ = std::make_unique<ReqToTokenPool>(shape.max_reqs, shape.max_context, d);
+  KVPoolConfig pc;
+  pc.num_slots = shape.slots;
+  pc.num_layers = shape.num_layers;
+  pc.num_kv_heads = shape.hkv;
+  pc.head_dim_qk = shape.head_dim;
+  pc.head_dim_v = shape.head_dim_v ? shape.head_dim_v : shape.head_dim;
+  pc.dtype = shape.kv_dtype;
+  pc.device = d;
+  pool_ = std::make_unique<KVPool>(pc);
+  if (is_fp8(shape.kv_dtype))
+    for (int l = 0; l < shape.num_layers; ++l) pool_->set_scales(l, 0.5f, 2.0f);
+  BackendOptions o = extra;
+  o.device = d;
+  o.q_dtype = shape.dtype;
+  o.num_qo_heads = shape.hq;
+  o.num_kv_heads = shape.hkv;
+  o.head_dim_qk = shape.head_dim;
+  o.head_dim_v = pc.head_dim_v;
+  o.sliding_window_size = shape.sliding_window;
+  o.is_encoder_decoder = shape.encoder_decoder;
+  o.has_encoder_only_layers = shape.encoder_only;
+  if (shape.swa_pool) {
+    swa_pool_ = std::make_unique<KVPool>(pc);
+    if (is_fp8(shape.kv_dtype))
+      for (int l = 0; l < shape.num_layers; ++l) swa_pool_->set_scales(l, 0.5f, 2.0f);
+    auto swa = std::make_unique<SWAAllocator>(shape.slots, shape.slots, 1, d);
+    swa_alloc_ = swa.get();
+    alloc_ = std::move(swa);
+    o.swa_kv_pool = swa_pool_.get();
+    o.swa_allocator = swa_alloc_;
+  } else {
+    alloc_ = std::make_unique<TokenAllocator>(shape.slots);
+  }
+  backend_ = std::make_unique<FlashKVBackend>(o);
+}
+
+LayerSpec Harness::layer(int i) const {
+  LayerSpec l;
+  l.layer_id = i;
+  l.num_qo_heads = shape_.hq;
+  l.num_kv_heads = shape_.hkv;
+  l.head_dim_qk = shape_.head_dim;
+  l.head_dim_v = shape_.head_dim_v;
+  l.logit_cap = shape_.logit_cap;
+  l.scaling = 0.9f / std::sqrt(static_cast<float>(shape_.head_dim));
+  if (shape_.sliding_window >= 0 && i % 2 == 0) l.sliding_window_size = shape_.sliding_window;
+  if (shape_.encoder_decoder && i % 2 == 1) l.is_cross_attention = true;
+  if (shape_.encoder_only) l.attn_type = AttentionType::ENCODER_ONLY;
+  return l;
+}
+
+void Harness::fill_random_kv(const std::vector<int32_t>& slots, bool encoder) {
+  if (slots.empty()) return;
+  const int64_t n = static_cast<int64_t>(slots.size());
+  const int dv = shape_.head_dim_v ? shape_.head_dim_v : shape_.head_dim;
+  Tensor loc = Tensor::from_i32(slots, shape_.device);
+  for (int l = 0; l < shape_.num_layers; ++l) {
+    const LayerSpec spec = layer(l);
+    // Encoder tokens live in cross layers; decoder tokens in the others.
+    if (shape_.encoder_decoder && spec.is_cross_attention != encoder) continue;
+    Tensor k = random_tensor(rng_, {n, shape_.hkv, shape_.head_dim}, shape_.dtype).to(shape_.device);
+    Tensor v = random_tensor(rng_, {n, shape_.hkv, dv}, shape_.dtype).to(shape_.device);
+    append_kv(k, v, loc, pool_->k(l), pool_->v(l), pool_->k_scale(l), pool_->v_scale(l));
+    if (swa_pool_ && spec.sliding_window_size >= 0) {
+      Tensor swa_loc = Tensor::from_i32(swa_alloc_->translate_full_to_swa(slots), shape_.device);
+      append_kv(k, v, swa_loc, swa_pool_->k(l), swa_pool_->v(l), swa_pool_->k_scale(l),
+                swa_pool_->v_scale(l));
+    }
+  }
+}
+
+Request Harness::add_request(int32_t cached, int32_t encoder) {
+  Request r;
+  auto rows = r2t_->alloc(1);
+  EXPECT_TRUE(rows.has_value());
+  r.row = (*rows)[0];
+  r.encoder_len = encoder;
+  auto slots = alloc_->alloc(int64_t{cached} + encoder);
+  EXPECT_TRUE(slots.has_value());
+  r.slots = *slots;
+  r.seq_len = cached;
+  r2t_->write(r.row, 0, r.slots);
+  fill_random_kv(std::vector<int32_t>(r.slots.begin(), r.slots.begin() + encoder), true);
+  fill_random_kv(std::vector<int32_t>(r.slots.begin() + encoder, r.slots.end()), false);
+  return r;
+}
+
+void Harness::finish(Request& r) {
+  alloc_->free(r.slots);
+  r2t_->free({r.row});
+  r.slots.clear();
+}
+
+void Harness::rollback(Request& r, int32_t seq_len) {
+  const size_t keep = static_cast<size_t>(r.encoder_len + seq_len);
+  alloc_->free(std::vector<int32_t>(r.slots.begin() + keep, r.slots.end()));
+  r.slots.resize(keep);
+  r.seq_len = seq_len;
+}
+
+ForwardBatch Harness::make_batch(ForwardMode mode, std::vector<Request*> reqs,
+                                 const std::vector<int32_t>& new_lens) {
+  ForwardBatch b;
+  b.mode = mode;
+  b.batch_size = static_cast<int32_t>(reqs.size());
+  b.req_to_token_pool = r2t_.get();
+  b.token_to_kv_pool = pool_.get();
+  std::vector<int32_t> rows, locs, enc_locs;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    Request& r = *reqs[i];
+    const int32_t n = new_lens[i];
+    auto slots = alloc_->alloc(n);
+    EXPECT_TRUE(slots.has_value());
+    r2t_->write(r.row, r.encoder_len + r.seq_len, *slots);
+    r.slots.insert(r.slots.end(), slots->begin(), slots->end());
+    locs.insert(locs.end(), slots->begin(), slots->end());
+    rows.push_back(r.row);
+    b.extend_prefix_lens_cpu.push_back(r.seq_len);
+    b.extend_seq_lens_cpu.push_back(n);
+    r.seq_len += n;
+    b.seq_lens_cpu.push_back(r.seq_len);
+    b.encoder_lens_cpu.push_back(r.encoder_len);
+    for (int32_t e = 0; e < r.encoder_len; ++e) enc_locs.push_back(r.slots[e]);
+  }
+  if (mode == ForwardMode::TARGET_VERIFY) {
+    b.spec.draft_token_num = new_lens.empty() ? 1 : new_lens[0];
+    // Each draft row sees the whole prefix, itself, and a random subset of earlier drafts (a
+    // tree), as a verify mask does.
+    std::vector<uint8_t> m;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const int32_t seq = reqs[i]->seq_len, d = b.spec.draft_token_num, prefix = seq - d;
+      for (int32_t qi = 0; qi < d; ++qi)
+        for (int32_t j = 0; j < seq; ++j)
+          m.push_back(j < prefix || j == prefix + qi || (j < prefix + qi && rng_.uniform() < 0.5));
+    }
+    mask_host_ = Tensor::empty({std::max<int64_t>(static_cast<int64_t>(m.size()), 1)}, DType::u8);
+    std::copy(m.begin(), m.end(), mask_host_.ptr<uint8_t>());
+    mask_ = mask_host_.to(shape_.device);
+    b.spec.custom_mask = mask_;
+  }
+  if (mode == ForwardMode::DRAFT_EXTEND) b.spec.accept_length_cpu = new_lens;
+  if (!shape_.encoder_decoder) b.encoder_lens_cpu.clear();
+  rpi_ = Tensor::from_i32(rows, shape_.device);
+  loc_ = Tensor::from_i32(locs, shape_.device);
+  enc_loc_ = Tensor::from_i32(enc_locs, shape_.device);
+  b.req_pool_indices = rpi_;
+  b.out_cache_loc = loc_.view().rows(0, static_cast<int64_t>(locs.size()));
+  b.encoder_out_cache_loc = enc_loc_.view().rows(0, static_cast<int64_t>(enc_locs.size()));
+  batch_reqs_ = reqs;
+  batch_new_ = new_lens;
+  return b;
+}
+
+reference::Result Harness::reference_for(const ForwardBatch& b, int l, const Tensor& q_host) {
+  const LayerSpec spec = layer(l);
+  const bool window_pool = swa_pool_ && spec.sliding_window_size >= 0;
+  KVPool& pool = window_pool ? *swa_pool_ : *pool_;
+  Tensor k_all = Tensor::empty({pool.num_rows(), shape_.hkv, shape_.head_dim}, shape_.kv_dtype);
+  Tensor v_all = Tensor::empty({pool.num_rows(), shape_.hkv, pool.head_dim_v()}, shape_.kv_dtype);
+  copy_bytes(k_all.data(), Device::cpu(), pool.k(l).data, pool.device(), k_all.view().nbytes());
+  copy_bytes(v_all.data(), Device::cpu(), pool.v(l).data, pool.device(), v_all.view().nbytes());
+  // Gather each request's visible KV into ragged rows.
+  std::vector<int32_t> kv_rows, qo_len, kv_len;
+  for (size_t i = 0; i < batch_reqs_.size(); ++i) {
+    const Request& r = *batch_reqs_[i];
+    int32_t begin = r.encoder_len, n = r.seq_len;
+    if (spec.is_cross_attention) begin = 0, n = r.encoder_len;
+    for (int32_t j = 0; j < n; ++j) {
+      int32_t slot = r.slots[begin + j];
+      if (window_pool) slot = swa_alloc_->translate_full_to_swa(slot);
+      kv_rows.push_back(slot);
+    }
+    qo_len.push_back(b.extend_len(static_cast<int32_t>(i)));
+    kv_len.push_back(n);
+  }
+  const int64_t total = static_cast<int64_t>(kv_rows.size());
+  Tensor k = Tensor::empty({std::max<int64_t>(total, 1), shape_.hkv, shape_.head_dim}, shape_.kv_dtype);
+  Tensor v = Tensor::empty({std::max<int64_t>(total, 1), shape_.hkv, pool.head_dim_v()}, shape_.kv_dtype);
+  const size_t krow = k_all.view().nbytes() / k_all.size(0), vrow = v_all.view().nbytes() / v_all.size(0);
+  for (int64_t j = 0; j < total; ++j) {
+    std::memcpy(static_cast<char*>(k.data()) + j * krow, static_cast<char*>(k_all.data()) + kv_rows[j] * krow, krow);
+    std::memcpy(static_cast<char*>(v.data()) + j * vrow, static_cast<char*>(v_all.data()) + kv_rows[j] * vrow, vrow);
+  }
+  AttentionOptions opt;
+  opt.causal = !spec.is_cross_attention && spec.attn_type != AttentionType::ENCODER_ONLY;
+  opt.window_left = spec.sliding_window_size;
+  opt.logits_soft_cap = spec.logit_cap;
+  opt.sm_scale = spec.scaling;
+  if (b.mode == ForwardMode::TARGET_VERIFY && !spec.is_cross_attention) opt.custom_mask = mask_host_;
+  Tensor qo_t = Tensor::from_i32(indptr_of(qo_len)), kv_t = Tensor::from_i32(indptr_of(kv_len));
+  if (spec.attn_type == AttentionType::ENCODER_ONLY) kv_t = qo_t;  // bidirectional over new tokens
+  return reference::ragged_attention(q_host, k, v, qo_t, kv_t, opt, pool.k_scale(l), pool.v_scale(l));
+}
+
+std::vector<Tensor> Harness::run_and_check(const ForwardBatch& b, bool use_graph_state, uint64_t qkv_seed) {
+  if (use_graph_state) backend_->init_forward_metadata_replay_cuda_graph(b);
+  else backend_->init_forward_metadata(b);
+  const int64_t T = b.num_tokens();
+  const int dv = shape_.head_dim_v ? shape_.head_dim_v : shape_.head_dim;
+  const uint64_t base_seed = qkv_seed ? qkv_seed : rng_.gen()();
+  std::vector<Tensor> outs;
+  for (int l = 0; l < shape_.num_layers; ++l) {
+    const LayerSpec spec = layer(l);
+    // Row t of q/k/v depends only on (seed, layer, t): a request placed first in two batches
+    // gets the same activations whatever follows it.
+    auto rows = [&](int64_t heads, int64_t dim, uint64_t salt) {
+      Tensor t = Tensor::empty({T, heads, dim}, shape_.dtype);
+      for (int64_t r = 0; r < T; ++r) {
+        Rng row_rng(base_seed * 7919 + (uint64_t(l) * 3 + salt) * 1000003 + r);
+        for (int64_t e = 0; e < heads * dim; ++e)
+          store_from_double(t.data(), shape_.dtype, r * heads * dim + e, row_rng.normal());
+      }
+      return t;
+    };
+    Tensor q = rows(shape_.hq, shape_.head_dim, 0);
+    Tensor k = rows(shape_.hkv, shape_.head_dim, 1);
+    Tensor v = rows(shape_.hkv, dv, 2);
+    Tensor out = Tensor::empty({T, int64_t{shape_.hq} * dv}, shape_.dtype);
+    poison(out);
+    Tensor out_d = out.to(shape_.device);
+    const bool cross = spec.is_cross_attention;
+    TensorView result = backend_->forward(q.to(shape_.device), cross ? TensorView() : k.to(shape_.device).view(),
+                                          cross ? TensorView() : v.to(shape_.device).view(), spec, b, true, out_d);
+    EXPECT_EQ(result.data, out_d.data());
+    Tensor host = out_d.to(Device::cpu());
+    TensorView h3 = host.view();
+    h3.ndim = 3;
+    h3.shape[1] = shape_.hq;
+    h3.shape[2] = dv;
+    h3.stride[0] = int64_t{shape_.hq} * dv;
+    h3.stride[1] = dv;
+    h3.stride[2] = 1;
+    if (spec.attn_type == AttentionType::ENCODER_ONLY) {
+      // Encoder-only layers attend to the new tokens' own k/v.
+      Tensor qo_t = Tensor::from_i32(indptr_of(batch_new_));
+      AttentionOptions opt;
+      opt.causal = false;
+      opt.sm_scale = spec.scaling;
+      opt.logits_soft_cap = spec.logit_cap;
+      auto ref = reference::ragged_attention(q, k, v, qo_t, qo_t, opt);
+      SCOPED_TRACE(::testing::Message() << "layer " << l << " (encoder-only)");
+      expect_close(h3, TensorView(), ref, shape_.dtype, false);
+    } else {
+      auto ref = reference_for(b, l, q);
+      SCOPED_TRACE(::testing::Message() << "layer " << l << " mode " << mode_name(b.mode));
+      expect_close(h3, TensorView(), ref, shape_.dtype, is_fp8(shape_.kv_dtype));
+    }
+    outs.push_back(host);
+  }
+  return outs;
+}
+
+}  // namespace flashkv::test

@@ -1,0 +1,659 @@
+// CUDA ragged and paged prefill against the float64 reference: host inputs -> device -> run ->
+// copy back -> compare. Every case poisons its outputs with NaN first and leaves unused KV pool
+// slots NaN. Long cases compare sampled rows against per-row reference problems (the reference
+// is O(q * kv) on the CPU).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <optional>
+
+#include "flashkv/ops/attention.h"
+#include "flashkv/ops/kernels.h"
+#include "flashkv/ops/reference.h"
+#include "test_util.h"
+
+#if FLASHKV_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace flashkv {
+namespace {
+
+using test::Rng;
+
+// Query rows (tokens x G) of the CUDA kernel's CTA tile, for planning full tiles.
+int cta_rows(int dqk, int dv) {
+#if FLASHKV_WITH_CUDA
+  return cuda::prefill_cta_rows(dqk, dv);
+#else
+  (void)dqk;
+  (void)dv;
+  return 128;
+#endif
+}
+
+struct Problem {
+  std::vector<int32_t> q_lens;   // new tokens per request
+  std::vector<int32_t> kv_lens;  // KV entries per request (prefix + new for paged extend)
+  int hq = 8, hkv = 2, dqk = 128, dv = 128;
+  DType dtype = DType::bf16;
+  DType kv_dtype = DType::bf16;
+  bool paged = true;
+  int page_size = 16;
+  float k_scale = 1.0f, v_scale = 1.0f;
+  bool causal = true;
+  int window_left = -1;
+  float soft_cap = 0.0f;
+  float sm_scale = 0.0f;
+  bool custom_mask = false;
+  bool with_lse = true;
+  PlanOptions plan;  // q_tile 0: the kernel's full tile
+  int samples = 0;   // > 0: compare this many sampled rows instead of all
+  bool expect_merges = false;
+};
+
+// Host inputs of a problem.
+struct Inputs {
+  Tensor q, k, v;  // k/v: pool [slots, Hkv, D] (paged) or ragged rows
+  std::vector<int32_t> qo_indptr, kv_indptr, indices, last_page_len;
+  Tensor mask;  // u8, packed per request
+  std::vector<int32_t> mask_indptr;
+};
+
+// Sets every element of rows [begin, end) of a [rows, heads, dim] host tensor to NaN.
+void poison_rows(const Tensor& t, int64_t begin, int64_t end) {
+  const int64_t row = t.size(1) * t.size(2);
+  for (int64_t i = begin * row; i < end * row; ++i)
+    store_from_double(t.data(), t.dtype(), i, std::numeric_limits<double>::quiet_NaN());
+}
+
+Inputs make_inputs(const Problem& pr, Rng& rng) {
+  Inputs in;
+  const int batch = static_cast<int>(pr.q_lens.size());
+  in.qo_indptr = test::indptr_of(pr.q_lens);
+  in.q = test::random_tensor(rng, {in.qo_indptr.back(), pr.hq, pr.dqk}, pr.dtype);
+  if (pr.paged) {
+    const int ps = pr.page_size;
+    std::vector<int32_t> pages(batch);
+    for (int i = 0; i < batch; ++i) pages[i] = (pr.kv_lens[i] + ps - 1) / ps;
+    const int used = std::accumulate(pages.begin(), pages.end(), 0);
+    const int pool_pages = used + 7;  // spare pages stay NaN
+    std::vector<int32_t> perm(pool_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng.gen());
+    in.k = test::random_tensor(rng, {int64_t{pool_pages} * ps, pr.hkv, pr.dqk}, pr.kv_dtype);
+    in.v = test::random_tensor(rng, {int64_t{pool_pages} * ps, pr.hkv, pr.dv}, pr.kv_dtype);
+    std::vector<char> slot_used(static_cast<size_t>(pool_pages) * ps, 0);
+    in.kv_indptr = test::indptr_of(pages);
+    int next = 0;
+    for (int i = 0; i < batch; ++i) {
+      for (int pg = 0; pg < pages[i]; ++pg) {
+        const int page = perm[next++];
+        in.indices.push_back(page);
+        const int tokens = std::min(ps, pr.kv_lens[i] - pg * ps);
+        for (int t = 0; t < tokens; ++t) slot_used[static_cast<size_t>(page) * ps + t] = 1;
+      }
+      in.last_page_len.push_back(pages[i] ? pr.kv_lens[i] - (pages[i] - 1) * ps : 1);
+    }
+    for (size_t s = 0; s < slot_used.size(); ++s)
+      if (!slot_used[s]) {
+        poison_rows(in.k, s, s + 1);
+        poison_rows(in.v, s, s + 1);
+      }
+  } else {
+    in.kv_indptr = test::indptr_of(pr.kv_lens);
+    const int64_t rows = in.kv_indptr.back() + 16;  // 16 trailing NaN rows
+    in.k = test::random_tensor(rng, {rows, pr.hkv, pr.dqk}, pr.kv_dtype);
+    in.v = test::random_tensor(rng, {rows, pr.hkv, pr.dv}, pr.kv_dtype);
+    poison_rows(in.k, rows - 16, rows);
+    poison_rows(in.v, rows - 16, rows);
+  }
+  if (pr.custom_mask) {
+    in.mask_indptr.push_back(0);
+    for (int i = 0; i < batch; ++i)
+      in.mask_indptr.push_back(in.mask_indptr.back() + pr.q_lens[i] * pr.kv_lens[i]);
+    in.mask = Tensor::empty({std::max<int64_t>(in.mask_indptr.back(), 1)}, DType::u8);
+    auto* m = in.mask.ptr<uint8_t>();
+    for (int64_t e = 0; e < in.mask.numel(); ++e) m[e] = rng.uniform() < 0.7 ? 1 : 0;
+    // A row that sees nothing: O = 0, LSE = -inf.
+    if (batch > 0 && pr.q_lens[0] > 0) std::fill(m, m + pr.kv_lens[0], uint8_t{0});
+  }
+  return in;
+}
+
+AttentionOptions options_of(const Problem& pr) {
+  AttentionOptions o;
+  o.causal = pr.causal;
+  o.window_left = pr.window_left;
+  o.logits_soft_cap = pr.soft_cap;
+  o.sm_scale = pr.sm_scale;
+  return o;
+}
+
+// The reference for request rows [q0, q0 + n) given as one row each (sampled mode).
+reference::Result sampled_reference(const Problem& pr, const Inputs& in,
+                                    const AttentionOptions& opt,
+                                    const std::vector<std::pair<int, int>>& rows) {
+  reference::Result all;
+  all.rows = static_cast<int64_t>(rows.size());
+  all.heads = pr.hq;
+  all.head_dim = pr.dv;
+  for (const auto& [req, qi] : rows) {
+    // Row qi of request req sits at position kv_len - q_len + qi; as a one-row request its
+    // visible KV is the first pos + 1 entries (causal) or all of them.
+    const int kv_len = pr.kv_lens[req];
+    const int pos = kv_len - pr.q_lens[req] + qi;
+    const int kv_sub = pr.causal ? pos + 1 : kv_len;
+    Tensor q1 = Tensor::empty({1, pr.hq, pr.dqk}, pr.dtype);
+    const size_t row_bytes = static_cast<size_t>(pr.hq) * pr.dqk * dtype_size(pr.dtype);
+    std::memcpy(q1.data(),
+                static_cast<const char*>(in.q.data()) + (in.qo_indptr[req] + qi) * row_bytes,
+                row_bytes);
+    Tensor qo = Tensor::from_i32({0, 1});
+    reference::Result r;
+    if (pr.paged) {
+      const int ps = pr.page_size;
+      const int n = (kv_sub + ps - 1) / ps;
+      std::vector<int32_t> idx(in.indices.begin() + in.kv_indptr[req],
+                               in.indices.begin() + in.kv_indptr[req] + n);
+      Tensor indptr = Tensor::from_i32({0, n}), indices = Tensor::from_i32(idx);
+      Tensor lpl = Tensor::from_i32({n ? kv_sub - (n - 1) * ps : 1});
+      PagedKV kv{in.k, in.v, indptr, indices, lpl, ps, pr.k_scale, pr.v_scale};
+      r = reference::paged_attention(q1, qo, kv, opt);
+    } else {
+      Tensor kvp = Tensor::from_i32({in.kv_indptr[req], in.kv_indptr[req] + kv_sub});
+      r = reference::ragged_attention(q1, in.k, in.v, qo, kvp, opt, pr.k_scale, pr.v_scale);
+    }
+    all.o.insert(all.o.end(), r.o.begin(), r.o.end());
+    all.lse.insert(all.lse.end(), r.lse.begin(), r.lse.end());
+  }
+  return all;
+}
+
+// Rows [r] of a host [rows, heads, dim] (or [rows, heads]) tensor, gathered.
+Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows) {
+  std::vector<int64_t> shape(t.view().shape, t.view().shape + t.view().ndim);
+  shape[0] = static_cast<int64_t>(rows.size());
+  Tensor g = Tensor::empty(shape, t.dtype());
+  const size_t row_bytes = t.view().nbytes() / t.size(0);
+  for (size_t i = 0; i < rows.size(); ++i)
+    std::memcpy(static_cast<char*>(g.data()) + i * row_bytes,
+                static_cast<const char*>(t.data()) + rows[i] * row_bytes, row_bytes);
+  return g;
+}
+
+// Runs the problem on the GPU and returns (out, lse) on the host.
+std::pair<Tensor, Tensor> run_on_gpu(const Problem& pr, const Inputs& in, PrefillPlan* plan_out) {
+  const Device gpu = Device::cuda();
+  const int batch = static_cast<int>(pr.q_lens.size());
+  const int group = pr.hq / pr.hkv;
+  BatchShape bs;
+  bs.batch_size = batch;
+  bs.qo_indptr = in.qo_indptr.data();
+  bs.kv_len = pr.kv_lens.data();
+  bs.num_qo_heads = pr.hq;
+  bs.num_kv_heads = pr.hkv;
+  bs.head_dim_qk = pr.dqk;
+  bs.head_dim_v = pr.dv;
+  bs.page_size = pr.paged ? pr.page_size : 1;
+  bs.causal = pr.causal && !pr.custom_mask;
+  bs.window_left = pr.window_left;
+  PlanOptions po = pr.plan;
+  if (po.q_tile == 0) po.q_tile = std::max(1, cta_rows(pr.dqk, pr.dv) / group);
+  PrefillPlan plan = plan_prefill(bs, device_info(gpu), po);
+  if (pr.expect_merges) EXPECT_FALSE(plan.merges.empty()) << "the case should split KV";
+  Workspace ws(std::max<size_t>(plan.layout.total_bytes, 256), gpu);
+  ws.upload(plan);
+
+  const int64_t tokens = in.qo_indptr.back();
+  Tensor out_h = Tensor::empty({tokens, pr.hq, pr.dv}, pr.dtype);
+  Tensor lse_h = Tensor::empty({tokens, pr.hq}, DType::f32);
+  test::poison(out_h);
+  test::poison(lse_h);
+  Tensor q = in.q.to(gpu), k = in.k.to(gpu), v = in.v.to(gpu);
+  Tensor out = out_h.to(gpu), lse = lse_h.to(gpu);
+  Tensor qo = Tensor::from_i32(in.qo_indptr).to(gpu), kvp = Tensor::from_i32(in.kv_indptr).to(gpu);
+  Tensor mask, mask_indptr;
+  AttentionOptions opt = options_of(pr);
+  if (pr.custom_mask) {
+    mask = in.mask.to(gpu);
+    mask_indptr = Tensor::from_i32(in.mask_indptr).to(gpu);
+    opt.custom_mask = mask;
+    opt.mask_indptr = mask_indptr;
+  }
+  const TensorView lse_view = pr.with_lse ? lse.view() : TensorView();
+  if (pr.paged) {
+    Tensor idx =
+        Tensor::from_i32(in.indices.empty() ? std::vector<int32_t>{0} : in.indices).to(gpu);
+    Tensor lpl =
+        Tensor::from_i32(in.last_page_len.empty() ? std::vector<int32_t>{1} : in.last_page_len)
+            .to(gpu);
+    PagedKV kv{k, v, kvp, idx, lpl, pr.page_size, pr.k_scale, pr.v_scale};
+    paged_prefill(plan, q, qo, kv, opt, out, lse_view, ws);
+  } else {
+    FLASHKV_CHECK(pr.k_scale == 1.0f && pr.v_scale == 1.0f, "ragged KV has no scales");
+    ragged_prefill(plan, q, k, v, qo, kvp, opt, out, lse_view, ws);
+  }
+  if (plan_out) *plan_out = plan;
+  return {out.to(Device::cpu()), lse.to(Device::cpu())};
+}
+
+void check_problem(const Problem& pr, Rng& rng) {
+  const Inputs in = make_inputs(pr, rng);
+  auto [out, lse] = run_on_gpu(pr, in, nullptr);
+  AttentionOptions ref_opt = options_of(pr);
+  Tensor mask_indptr;  // owns what ref_opt.mask_indptr views
+  if (pr.custom_mask) {
+    mask_indptr = Tensor::from_i32(in.mask_indptr);
+    ref_opt.custom_mask = in.mask;
+    ref_opt.mask_indptr = mask_indptr;
+  }
+  const bool fp8 = is_fp8(pr.kv_dtype);
+  const TensorView no_lse;
+  if (pr.samples == 0) {
+    Tensor qo = Tensor::from_i32(in.qo_indptr), kvp = Tensor::from_i32(in.kv_indptr);
+    reference::Result ref;
+    if (pr.paged) {
+      Tensor idx = Tensor::from_i32(in.indices), lpl = Tensor::from_i32(in.last_page_len);
+      PagedKV kv{in.k, in.v, kvp, idx, lpl, pr.page_size, pr.k_scale, pr.v_scale};
+      ref = reference::paged_attention(in.q, qo, kv, ref_opt);
+    } else {
+      ref = reference::ragged_attention(in.q, in.k, in.v, qo, kvp, ref_opt);
+    }
+    test::expect_close(out, pr.with_lse ? lse.view() : no_lse, ref, pr.dtype, fp8);
+    if (!pr.with_lse) EXPECT_TRUE(test::has_nan(lse)) << "lse was not asked for but written";
+    return;
+  }
+  // Sampled rows: the first and last of every request, the rest spread at random.
+  std::vector<std::pair<int, int>> rows;
+  std::vector<int64_t> abs_rows;
+  const int batch = static_cast<int>(pr.q_lens.size());
+  for (int r = 0; r < batch; ++r) {
+    if (pr.q_lens[r] == 0) continue;
+    std::vector<int> pick = {0, pr.q_lens[r] - 1};
+    for (int s = 0; s < pr.samples; ++s) pick.push_back(rng.uniform_int(0, pr.q_lens[r] - 1));
+    std::sort(pick.begin(), pick.end());
+    pick.erase(std::unique(pick.begin(), pick.end()), pick.end());
+    for (int qi : pick) {
+      rows.push_back({r, qi});
+      abs_rows.push_back(in.qo_indptr[r] + qi);
+    }
+  }
+  const reference::Result ref = sampled_reference(pr, in, ref_opt, rows);
+  Tensor out_s = gather_rows(out, abs_rows), lse_s = gather_rows(lse, abs_rows);
+  test::expect_close(out_s, pr.with_lse ? lse_s.view() : no_lse, ref, pr.dtype, fp8);
+}
+
+// --- lengths and layouts ------------------------------------------------------------------------
+
+TEST(CudaPrefill, RaggedCausalMatchesReference) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 701);
+  Problem pr;
+  pr.paged = false;
+  pr.q_lens = {1, 17, 127, 577, 17};
+  pr.kv_lens = {1, 17, 127, 577, 54};  // the last: 37 earlier keys before its 17 queries
+  check_problem(pr, rng);
+}
+
+TEST(CudaPrefill, PagedPrefixPageSizes) {
+  FLASHKV_REQUIRE_GPU();
+  for (int ps : {1, 16}) {
+    SCOPED_TRACE(testing::Message() << "page_size=" << ps);
+    FLASHKV_SEEDED_RNG(rng, 702 + ps);
+    Problem pr;
+    pr.page_size = ps;
+    pr.q_lens = {1, 17, 127, 577, 1, 5};
+    const std::vector<int32_t> prefix = {0, 97, 2048, 54, 2048, 0};
+    for (size_t i = 0; i < prefix.size(); ++i) pr.kv_lens.push_back(prefix[i] + pr.q_lens[i]);
+    check_problem(pr, rng);
+  }
+}
+
+TEST(CudaPrefill, SplitKvMergesInChunkOrder) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 705);
+  Problem pr;  // few tiles, long KV: the planner splits
+  pr.q_lens = {17, 40};
+  pr.kv_lens = {2048 + 17, 1500 + 40};
+  pr.expect_merges = true;
+  check_problem(pr, rng);
+  pr.plan.fixed_split_size = 256;  // deterministic mode
+  check_problem(pr, rng);
+  pr.paged = false;  // ragged, non-causal split
+  pr.causal = false;
+  check_problem(pr, rng);
+}
+
+TEST(CudaPrefill, EmptyRequestsAndEmptyBatch) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 706);
+  Problem pr;
+  pr.q_lens = {0, 3, 0, 20};
+  pr.kv_lens = {5, 0, 0, 30};  // request 1 has no KV at all: O = 0, LSE = -inf
+  check_problem(pr, rng);
+  Problem none;  // no query rows: nothing is launched, nothing fails
+  none.q_lens = {0, 0};
+  none.kv_lens = {10, 0};
+  const Inputs in = make_inputs(none, rng);
+  PrefillPlan plan;
+  run_on_gpu(none, in, &plan);
+  EXPECT_TRUE(plan.items.empty());
+}
+
+TEST(CudaPrefill, LongSequencesSampled) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 707);
+  Problem pr;  // 4096 new tokens on a 12288 prefix, and a 4096 self-attention request
+  pr.hq = 8;
+  pr.hkv = 1;
+  pr.q_lens = {4096};
+  pr.kv_lens = {16384};
+  pr.samples = 10;
+  check_problem(pr, rng);
+  pr.paged = false;
+  pr.kv_lens = {4096};
+  check_problem(pr, rng);
+}
+
+// --- variants -----------------------------------------------------------------------------------
+
+Problem small_variant_problem() {
+  Problem pr;
+  pr.q_lens = {17, 127, 1};
+  pr.kv_lens = {17 + 54, 127 + 97, 1 + 200};
+  return pr;
+}
+
+TEST(CudaPrefill, NonCausal) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 710);
+  Problem pr = small_variant_problem();
+  pr.causal = false;
+  check_problem(pr, rng);
+}
+
+TEST(CudaPrefill, SlidingWindow) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 711);
+  Problem pr = small_variant_problem();
+  pr.window_left = 40;
+  check_problem(pr, rng);
+  pr.causal = false;  // window without causal: keys after the query stay visible
+  pr.window_left = 5;
+  check_problem(pr, rng);
+}
+
+TEST(CudaPrefill, SoftCapAndScale) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 712);
+  Problem pr = small_variant_problem();
+  pr.soft_cap = 5.0f;
+  pr.sm_scale = 0.3f;  // large logits, so the cap matters
+  check_problem(pr, rng);
+  pr.soft_cap = 0.0f;
+  pr.sm_scale = 0.05f;
+  check_problem(pr, rng);
+}
+
+TEST(CudaPrefill, CustomMask) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 713);
+  Problem pr = small_variant_problem();
+  pr.custom_mask = true;
+  check_problem(pr, rng);
+  pr.paged = false;
+  pr.window_left = 30;  // the window still applies on top of the mask
+  check_problem(pr, rng);
+}
+
+TEST(CudaPrefill, NoLse) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 714);
+  Problem pr = small_variant_problem();
+  pr.with_lse = false;
+  check_problem(pr, rng);
+}
+
+TEST(CudaPrefill, HeadDimsAndGroups) {
+  FLASHKV_REQUIRE_GPU();
+  struct Shape {
+    int hq, hkv, dqk, dv;
+  };
+  for (const Shape& s : {Shape{4, 4, 64, 64}, Shape{4, 2, 256, 256}, Shape{16, 2, 192, 128},
+                         Shape{6, 2, 128, 128}, Shape{32, 4, 128, 128}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "hq=" << s.hq << " hkv=" << s.hkv << " d=" << s.dqk << "/" << s.dv);
+    FLASHKV_SEEDED_RNG(rng, 720 + s.dqk + s.hq);
+    Problem pr;
+    pr.hq = s.hq;
+    pr.hkv = s.hkv;
+    pr.dqk = s.dqk;
+    pr.dv = s.dv;
+    pr.q_lens = {33, 150};
+    pr.kv_lens = {33 + 20, 150 + 300};
+    check_problem(pr, rng);
+    pr.paged = false;
+    pr.kv_lens = {33, 150};
+    check_problem(pr, rng);
+  }
+}
+
+TEST(CudaPrefill, AnyQueryTile) {
+  FLASHKV_REQUIRE_GPU();
+  for (int q_tile : {7, 64, 200}) {  // items of fewer or more rows than the CTA tile
+    SCOPED_TRACE(testing::Message() << "q_tile=" << q_tile);
+    FLASHKV_SEEDED_RNG(rng, 730 + q_tile);
+    Problem pr = small_variant_problem();
+    pr.plan.q_tile = q_tile;
+    check_problem(pr, rng);
+  }
+}
+
+TEST(CudaPrefill, Float16) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 740);
+  Problem pr = small_variant_problem();
+  pr.dtype = pr.kv_dtype = DType::f16;
+  check_problem(pr, rng);
+}
+
+TEST(CudaPrefill, Fp8KvWithScales) {
+  FLASHKV_REQUIRE_GPU();
+  for (DType kv : {DType::fp8_e4m3, DType::fp8_e5m2}) {
+    SCOPED_TRACE(dtype_name(kv));
+    FLASHKV_SEEDED_RNG(rng, 750 + static_cast<int>(kv));
+    Problem pr = small_variant_problem();
+    pr.kv_dtype = kv;
+    pr.k_scale = 0.5f;
+    pr.v_scale = 2.0f;
+    check_problem(pr, rng);
+    pr.dtype = DType::f16;
+    pr.dqk = pr.dv = 256;
+    pr.hq = 4;
+    check_problem(pr, rng);
+  }
+}
+
+// Extend = ragged causal over the new tokens + paged non-causal over the cached prefix, merged by
+// LSE, equals one causal paged pass over prefix + new.
+TEST(CudaPrefill, ExtendComposition) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 760);
+  Problem full;
+  full.q_lens = {40, 130};
+  const std::vector<int32_t> prefix = {100, 333};
+  for (size_t i = 0; i < prefix.size(); ++i) full.kv_lens.push_back(prefix[i] + full.q_lens[i]);
+  const Inputs in = make_inputs(full, rng);
+
+  // The prefix part: the same pool, the first prefix[i] entries of each request.
+  Problem pre = full;
+  pre.kv_lens = prefix;
+  pre.causal = false;
+  Inputs pin = in;
+  pin.kv_indptr = {0};
+  pin.indices.clear();
+  pin.last_page_len.clear();
+  for (size_t i = 0; i < prefix.size(); ++i) {
+    const int n = (prefix[i] + full.page_size - 1) / full.page_size;
+    pin.indices.insert(pin.indices.end(), in.indices.begin() + in.kv_indptr[i],
+                       in.indices.begin() + in.kv_indptr[i] + n);
+    pin.kv_indptr.push_back(pin.kv_indptr.back() + n);
+    pin.last_page_len.push_back(prefix[i] - (n - 1) * full.page_size);
+  }
+  // The new part: ragged K/V rows gathered from the pool.
+  Problem fresh = full;
+  fresh.paged = false;
+  fresh.kv_lens = full.q_lens;
+  Inputs rin = in;
+  rin.kv_indptr = test::indptr_of(full.q_lens);
+  std::vector<int64_t> slots;
+  for (size_t i = 0; i < prefix.size(); ++i)
+    for (int t = prefix[i]; t < full.kv_lens[i]; ++t)
+      slots.push_back(int64_t{in.indices[in.kv_indptr[i] + t / full.page_size]} * full.page_size +
+                      t % full.page_size);
+  rin.k = gather_rows(in.k, slots);
+  rin.v = gather_rows(in.v, slots);
+
+  auto [o_pre, lse_pre] = run_on_gpu(pre, pin, nullptr);
+  auto [o_new, lse_new] = run_on_gpu(fresh, rin, nullptr);
+  Tensor o = Tensor::empty({o_pre.size(0), full.hq, full.dv}, full.dtype);
+  Tensor lse = Tensor::empty({o_pre.size(0), full.hq}, DType::f32);
+  test::poison(o);
+  test::poison(lse);
+  merge_state(o_new, lse_new, o_pre, lse_pre, o, lse);  // host merge of the two GPU states
+  Tensor qo = Tensor::from_i32(in.qo_indptr), kvp = Tensor::from_i32(in.kv_indptr);
+  Tensor idx = Tensor::from_i32(in.indices), lpl = Tensor::from_i32(in.last_page_len);
+  PagedKV kv{in.k, in.v, kvp, idx, lpl, full.page_size};
+  const auto ref = reference::paged_attention(in.q, qo, kv, options_of(full));
+  test::expect_close(o, lse, ref, full.dtype);
+}
+
+#if FLASHKV_WITH_CUDA
+// A prefill captured into a CUDA graph with a graph-mode plan replays correctly after a new plan
+// (same batch size and token count, other lengths, split differently) is uploaded.
+TEST(CudaPrefill, GraphCaptureReplaysNewPlan) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 770);
+  const Device gpu = Device::cuda();
+  Problem a;
+  a.q_lens = {30, 2};
+  a.kv_lens = {30 + 100, 2 + 1500};
+  Problem b = a;
+  b.q_lens = {1, 31};
+  b.kv_lens = {1 + 900, 31 + 5};
+  const Inputs in_a = make_inputs(a, rng);
+  const Inputs in_b = make_inputs(b, rng);
+  PlanOptions po;
+  po.cuda_graph = true;
+  po.max_batch_size = 2;
+  po.max_num_tokens = 32;
+  po.q_tile = cta_rows(a.dqk, a.dv) / (a.hq / a.hkv);
+
+  auto plan_for = [&](const Problem& pr, const Inputs& in) {
+    BatchShape bs;
+    bs.batch_size = 2;
+    bs.qo_indptr = in.qo_indptr.data();
+    bs.kv_len = pr.kv_lens.data();
+    bs.num_qo_heads = pr.hq;
+    bs.num_kv_heads = pr.hkv;
+    bs.head_dim_qk = pr.dqk;
+    bs.head_dim_v = pr.dv;
+    bs.page_size = pr.page_size;
+    bs.causal = true;
+    return plan_prefill(bs, device_info(gpu), po);
+  };
+  PrefillPlan plan_a = plan_for(a, in_a), plan_b = plan_for(b, in_b);
+  ASSERT_EQ(plan_a.layout.total_bytes, plan_b.layout.total_bytes);
+  Workspace ws(plan_a.layout.total_bytes, gpu);
+
+  // Fixed device buffers, sized for both batches.
+  const int64_t slots = std::max(in_a.k.size(0), in_b.k.size(0));
+  const int64_t max_idx = 256;
+  Tensor q = Tensor::empty({32, a.hq, a.dqk}, a.dtype, gpu);
+  Tensor k = Tensor::empty({slots, a.hkv, a.dqk}, a.kv_dtype, gpu);
+  Tensor v = Tensor::empty({slots, a.hkv, a.dv}, a.kv_dtype, gpu);
+  Tensor out = Tensor::empty({32, a.hq, a.dv}, a.dtype, gpu);
+  Tensor lse = Tensor::empty({32, a.hq}, DType::f32, gpu);
+  Tensor qo = Tensor::empty({3}, DType::i32, gpu), kvp = Tensor::empty({3}, DType::i32, gpu);
+  Tensor idx = Tensor::empty({max_idx}, DType::i32, gpu), lpl = Tensor::empty({2}, DType::i32, gpu);
+  auto load = [&](const Inputs& in) {
+    copy_bytes(q.data(), gpu, in.q.data(), Device::cpu(), in.q.view().nbytes());
+    copy_bytes(k.data(), gpu, in.k.data(), Device::cpu(), in.k.view().nbytes());
+    copy_bytes(v.data(), gpu, in.v.data(), Device::cpu(), in.v.view().nbytes());
+    copy_bytes(qo.data(), gpu, in.qo_indptr.data(), Device::cpu(), 3 * 4);
+    copy_bytes(kvp.data(), gpu, in.kv_indptr.data(), Device::cpu(), 3 * 4);
+    ASSERT_LE(static_cast<int64_t>(in.indices.size()), max_idx);
+    copy_bytes(idx.data(), gpu, in.indices.data(), Device::cpu(), in.indices.size() * 4);
+    copy_bytes(lpl.data(), gpu, in.last_page_len.data(), Device::cpu(), 2 * 4);
+    fill_bytes(out.data(), gpu, 0xff, out.view().nbytes());  // NaN
+    fill_bytes(lse.data(), gpu, 0xff, lse.view().nbytes());
+    synchronize(gpu);
+  };
+  auto check = [&](const Problem& pr, const Inputs& in) {
+    Tensor out_h = out.to(Device::cpu()), lse_h = lse.to(Device::cpu());
+    Tensor qo_h = Tensor::from_i32(in.qo_indptr), kvp_h = Tensor::from_i32(in.kv_indptr);
+    Tensor idx_h = Tensor::from_i32(in.indices), lpl_h = Tensor::from_i32(in.last_page_len);
+    // Compare against a pool of the device's size: the reference reads only listed slots.
+    Tensor k_h = Tensor::empty({slots, pr.hkv, pr.dqk}, pr.kv_dtype);
+    Tensor v_h = Tensor::empty({slots, pr.hkv, pr.dv}, pr.kv_dtype);
+    copy_bytes(k_h.data(), Device::cpu(), k.data(), gpu, k.view().nbytes());
+    copy_bytes(v_h.data(), Device::cpu(), v.data(), gpu, v.view().nbytes());
+    PagedKV kv{k_h, v_h, kvp_h, idx_h, lpl_h, pr.page_size};
+    const auto ref = reference::paged_attention(in.q, qo_h, kv, options_of(pr));
+    test::expect_close(out_h, lse_h, ref, pr.dtype);
+  };
+
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const Stream s{stream};
+  PagedKV kv{k, v, kvp, idx, lpl, a.page_size};
+  AttentionOptions opt;
+  load(in_a);
+  ws.upload(plan_a, s);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  paged_prefill(plan_a, q, qo, kv, opt, out, lse, ws, s);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  check(a, in_a);
+
+  load(in_b);
+  ws.upload(plan_b, s);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  check(b, in_b);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+#endif
+
+// --- rejected configurations ---------------------------------------------------------------------
+
+TEST(CudaPrefill, UnsupportedConfigurationsThrow) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 780);
+  Problem f32 = small_variant_problem();
+  f32.dtype = f32.kv_dtype = DType::f32;
+  const Inputs in32 = make_inputs(f32, rng);
+  EXPECT_THROW(run_on_gpu(f32, in32, nullptr), Error);
+  Problem d80 = small_variant_problem();
+  d80.dqk = d80.dv = 80;
+  const Inputs in80 = make_inputs(d80, rng);
+  EXPECT_THROW(run_on_gpu(d80, in80, nullptr), Error);
+  Problem mixed = small_variant_problem();
+  mixed.dqk = 128;
+  mixed.dv = 64;
+  const Inputs inm = make_inputs(mixed, rng);
+  EXPECT_THROW(run_on_gpu(mixed, inm, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace flashkv
