@@ -12,10 +12,11 @@
 //   Chunk boundaries are absolute multiples of the chunk size, so in deterministic mode (a fixed
 //   chunk) a request's chunks, and its result, do not depend on the rest of the batch.
 // - Balance: items go to workers costliest first, each to the least-loaded worker (LPT greedy).
-//   It is the planner's hot loop, so: "costliest first" is a counting sort on an 8-bit
-//   float-like key (costs within ~6% may swap; the cost model is no more exact than that), the
-//   first `workers` items go one to each worker, and the least-loaded worker of the rest comes
-//   from a tournament tree whose update is a short chain of branch-free minimums.
+//   It is the planner's hot loop, so: "costliest first" is one counting-sort pass on an 8-bit
+//   float-like key made with the tiles (costs within 12.5% may swap; the cost model is no more
+//   exact than that), the first `workers` items go one to each worker, and the least-loaded
+//   worker for each of the rest comes from a tournament tree, whose update is an unrolled chain
+//   of branch-free minimums. plan_decode for 256 requests takes a few microseconds.
 // - Graph mode: the worker count and the workspace layout come from the capacities only, so a
 //   graph captured once replays with any batch that fits.
 #include "flashkv/plan/plan.h"
@@ -24,6 +25,7 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "flashkv/core/error.h"
@@ -50,20 +52,38 @@ int bit_width(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
 
 // Chunks of `chunk` tokens, at absolute multiples of it, that KV range [lo, hi) touches (an
 // empty range still needs its one item).
-int64_t num_chunks(int64_t lo, int64_t hi, int64_t chunk) {
-  return (chunk == 0 || hi <= lo) ? 1 : (hi - 1) / chunk - lo / chunk + 1;
+// KV positions are int32, so a chunk is at most INT32_MAX (a longer one cuts nothing either)
+// and the divisions are 32-bit ones, several times cheaper than 64-bit ones on some hosts.
+int32_t num_chunks(int32_t lo, int32_t hi, uint32_t chunk) {
+  if (hi <= lo) return 1;
+  return static_cast<int32_t>((static_cast<uint32_t>(hi) - 1) / chunk -
+                              static_cast<uint32_t>(lo) / chunk + 1);
 }
 
 int64_t item_cost(const WorkItem& it) {
   return int64_t{it.q_len} * (int64_t{it.kv_end} - it.kv_begin + kItemOverhead);
 }
 
+// Items in planning order, with each one's cost (item_cost) and sort key (cost_key).
+struct ItemList {
+  std::vector<WorkItem> items;
+  std::vector<uint64_t> cost;
+  std::vector<uint8_t> key;
+  int64_t total_cost = 0;
+
+  void resize(size_t n) {
+    items.resize(n);
+    cost.resize(n);
+    key.resize(n);
+  }
+  size_t size() const { return items.size(); }
+};
+
 // Per-thread scratch, so steady-state planning allocates nothing.
 struct Scratch {
-  std::vector<WorkItem> tiles;  // one item per (request, query tile), in request order
-  std::vector<WorkItem> split;  // the tiles cut into KV chunks (used when a chunk is set)
-  std::vector<uint64_t> tile_cost, split_cost;  // item_cost of each
-  std::vector<uint8_t> key;
+  ItemList tiles;  // one item per (request, query tile), in request order
+  ItemList split;  // the tiles cut into KV chunks (used when a chunk is set)
+  std::vector<int32_t> chunks_per_tile;
   std::vector<uint32_t> order;
   std::vector<uint64_t> tree;  // see balance()
   std::vector<int32_t> owner, cursor;
@@ -77,9 +97,9 @@ Scratch& scratch() {
 // input (the case to be fast) the loop vectorizes; a second pass finds the culprit.
 template <typename Ok>
 int32_t first_failing(int32_t n, Ok ok) {
-  bool all = true;
-  for (int32_t i = 0; i < n; ++i) all &= ok(i);
-  if (all) return -1;
+  int32_t failed = 0;  // an int, not a bool, so that the loop vectorizes
+  for (int32_t i = 0; i < n; ++i) failed |= !ok(i);
+  if (!failed) return -1;
   for (int32_t i = 0; i < n; ++i)
     if (!ok(i)) return i;
   return -1;
@@ -180,66 +200,80 @@ int64_t max_tiles_of(int64_t tokens, int64_t requests, int64_t q_tile) {
   return std::min(tokens, (tokens + nonempty * (q_tile - 1)) / q_tile);
 }
 
-// What the automatic split needs to know about the tiles.
-struct TileStats {
-  int64_t total_cost = 0;    // sum of item_cost over the tiles
-  int64_t largest_cost = 0;  // max item_cost over the tiles (>= that of any chunk of them)
-  int64_t longest = 0;       // longest KV range
-};
+// An 8-bit sort key, monotonic in the cost: its exponent (costs are >= kItemOverhead = 16, so
+// it starts at 4; costs of 2^36 and more share the top key) and 3 mantissa bits. Costs within
+// 12.5% may swap places in the LPT order, which costs next to nothing in balance (the cost
+// model is no finer) and lets one counting-sort pass order the items.
+uint8_t cost_key(uint64_t cost) {
+  // A float's bits above the top 3 mantissa bits are 8 * exponent + those 3 bits, biased by
+  // 8 * (127 + 4) for the smallest cost; the conversion rounds, which keeps the order.
+  const float f = static_cast<float>(static_cast<int64_t>(cost));
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return static_cast<uint8_t>(std::min<uint32_t>((bits >> 20) - 8 * (127 + 4), 255));
+}
 
-// One item per (request, q_tile rows), KV trimmed to what the tile's rows can see.
-TileStats build_tiles(const BatchShape& b, bool decode, int32_t q_tile,
-                      std::vector<WorkItem>* tiles, std::vector<uint64_t>* costs) {
-  TileStats st;
-  if (decode) {
-    tiles->resize(b.batch_size);
-    costs->resize(b.batch_size);
-    WorkItem* t = tiles->data();
-    uint64_t* cost = costs->data();
-    for (int32_t r = 0; r < b.batch_size; ++r) {
-      const int32_t kv_len = b.kv_len[r];
-      // The row sits at position kv_len - 1: causal trims nothing.
-      const int32_t lo = b.window_left >= 0 ? std::clamp(kv_len - 1 - b.window_left, 0, kv_len) : 0;
-      t[r] = {r, r, 1, lo, kv_len, -1, 0, 0};
-      cost[r] = static_cast<uint64_t>(kv_len - lo + kItemOverhead);
-      st.longest = std::max<int64_t>(st.longest, kv_len - lo);
-      st.total_cost += static_cast<int64_t>(cost[r]);
-    }
-    st.largest_cost = st.longest + kItemOverhead;
-    return st;
-  }
+// Calls fn(std::bool_constant<flag>) so that a hot loop can be specialised on a runtime flag.
+template <typename Fn>
+decltype(auto) with_flag(bool flag, Fn&& fn) {
+  return flag ? fn(std::true_type()) : fn(std::false_type());
+}
+
+// One item per (request, q_tile rows), KV trimmed to what the tile's rows can see, with its
+// cost and sort key; returns the longest KV range. The loops are specialised on the masks,
+// which are fixed per batch.
+int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* tiles) {
   // Room for the most tiles the rows can make (no division per request), trimmed below.
   const int64_t room =
-      max_tiles_of(b.qo_indptr[b.batch_size] - b.qo_indptr[0], b.batch_size, q_tile);
+      decode ? b.batch_size
+             : max_tiles_of(b.qo_indptr[b.batch_size] - b.qo_indptr[0], b.batch_size, q_tile);
   tiles->resize(room);
-  costs->resize(room);
-  WorkItem* const first = tiles->data();
+  WorkItem* const first = tiles->items.data();
   WorkItem* t = first;
-  uint64_t* cost = costs->data();
-  for (int32_t r = 0; r < b.batch_size; ++r) {
-    const int32_t q0 = b.qo_indptr[r];
-    const int32_t q_len = b.qo_indptr[r + 1] - q0;
-    const int64_t kv_len = b.kv_len[r];
-    for (int32_t row = 0; row < q_len; row += q_tile) {
-      const int32_t rows = std::min(q_tile, q_len - row);
-      // Query row q of a request sits at position kv_len - q_len + q (negative: sees nothing
-      // under causal masking).
-      const int64_t first_pos = kv_len - q_len + row;
-      const int64_t last_pos = first_pos + rows - 1;
-      const int64_t lo =
-          b.window_left >= 0 ? std::clamp<int64_t>(first_pos - b.window_left, 0, kv_len) : 0;
-      const int64_t hi = b.causal ? std::clamp<int64_t>(last_pos + 1, lo, kv_len) : kv_len;
-      *t = {r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1, 0, 0};
-      const int64_t c = item_cost(*t++);
-      *cost++ = static_cast<uint64_t>(c);
-      st.longest = std::max(st.longest, hi - lo);
-      st.largest_cost = std::max(st.largest_cost, c);
-      st.total_cost += c;
+  uint64_t* cost = tiles->cost.data();
+  uint8_t* key = tiles->key.data();
+  int64_t longest = 0, total = 0;
+  auto emit = [&](const WorkItem& item) {
+    *t++ = item;
+    const int64_t c = item_cost(item);
+    *cost++ = static_cast<uint64_t>(c);
+    *key++ = cost_key(static_cast<uint64_t>(c));
+    longest = std::max<int64_t>(longest, item.kv_end - item.kv_begin);
+    total += c;
+  };
+  const int32_t window = b.window_left;
+  with_flag(window >= 0, [&](auto windowed) {
+    if (decode) {
+      for (int32_t r = 0; r < b.batch_size; ++r) {
+        const int32_t kv_len = b.kv_len[r];
+        // The row sits at position kv_len - 1: causal trims nothing.
+        int32_t lo = 0;
+        if constexpr (windowed) lo = std::clamp(kv_len - 1 - window, 0, kv_len);
+        emit({r, r, 1, lo, kv_len, -1, 0, 0});
+      }
+      return;
     }
-  }
+    with_flag(b.causal, [&](auto causal) {
+      for (int32_t r = 0; r < b.batch_size; ++r) {
+        const int32_t q0 = b.qo_indptr[r];
+        const int32_t q_len = b.qo_indptr[r + 1] - q0;
+        const int64_t kv_len = b.kv_len[r];
+        for (int32_t row = 0; row < q_len; row += q_tile) {
+          const int32_t rows = std::min(q_tile, q_len - row);
+          // Query row q of a request sits at position kv_len - q_len + q (negative: sees
+          // nothing under causal masking).
+          const int64_t first_pos = kv_len - q_len + row;
+          int64_t lo = 0, hi = kv_len;
+          if constexpr (windowed) lo = std::clamp<int64_t>(first_pos - window, 0, kv_len);
+          if constexpr (causal) hi = std::clamp<int64_t>(first_pos + rows, lo, kv_len);
+          emit({r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1, 0, 0});
+        }
+      }
+    });
+  });
   tiles->resize(t - first);
-  costs->resize(t - first);
-  return st;
+  tiles->total_cost = total;
+  return longest;
 }
 
 // The automatic chunk (see the top of the file): one worker's share of the cost, in KV tokens
@@ -247,19 +281,19 @@ TileStats build_tiles(const BatchShape& b, bool decode, int32_t q_tile,
 // `workers` items; 0 when no tile is longer than that. The item count is not monotonic in the
 // chunk (absolute boundaries), so the binary search finds a small valid chunk, not always the
 // smallest; every chunk it returns is valid.
-int64_t auto_chunk(const std::vector<WorkItem>& tiles, const TileStats& st, int64_t workers,
-                   int64_t q_tile, int64_t align, int64_t min_chunk) {
-  const int64_t share = ceil_div(ceil_div(st.total_cost, workers), q_tile);
+int64_t auto_chunk(const ItemList& tiles, int64_t longest, int64_t workers, int64_t q_tile,
+                   int64_t align, int64_t min_chunk) {
+  const int64_t share = ceil_div(ceil_div(tiles.total_cost, workers), q_tile);
   const int64_t chunk = ceil_div(std::max<int64_t>({min_chunk, share, 1}), align) * align;
-  if (st.longest <= chunk) return 0;
+  if (longest <= chunk) return 0;
   const int64_t budget = static_cast<int64_t>(tiles.size()) + workers;
   auto fits = [&](int64_t units) {
-    const int64_t c = units * align;
+    const uint32_t c = static_cast<uint32_t>(std::min<int64_t>(units * align, INT32_MAX));
     int64_t n = 0;
-    for (const WorkItem& t : tiles) n += num_chunks(t.kv_begin, t.kv_end, c);
+    for (const WorkItem& t : tiles.items) n += num_chunks(t.kv_begin, t.kv_end, c);
     return n <= budget;
   };
-  int64_t lo = chunk / align, hi = ceil_div(st.longest, align);  // in units of align
+  int64_t lo = chunk / align, hi = ceil_div(longest, align);  // in units of align
   if (fits(lo)) return chunk;
   while (lo + 1 < hi) {  // fits(lo) is false; hi is either untested (>= longest) or fits
     const int64_t mid = lo + (hi - lo) / 2;
@@ -268,69 +302,72 @@ int64_t auto_chunk(const std::vector<WorkItem>& tiles, const TileStats& st, int6
     else
       lo = mid;
   }
-  return hi * align >= st.longest ? 0 : hi * align;
+  return hi * align >= longest ? 0 : hi * align;
 }
 
-// Cuts the tiles into chunks; fills `items` (planning order), the merges and the partial rows.
-void split_tiles(const std::vector<WorkItem>& tiles, const std::vector<uint64_t>& tile_costs,
-                 int64_t chunk, std::vector<WorkItem>* items, std::vector<uint64_t>* costs,
-                 std::vector<MergeItem>* merges, int64_t* partial_rows) {
+// Cuts the tiles into chunks of `chunk` (<= INT32_MAX) tokens; fills `out` (planning order),
+// the merges and the partial rows. `chunks`: scratch for each tile's chunk count.
+void split_tiles(const ItemList& tiles, int32_t chunk, ItemList* out,
+                 std::vector<MergeItem>* merges, int64_t* partial_rows,
+                 std::vector<int32_t>* chunks) {
   // Count first: the sizes must fit the int32 fields before anything is written.
   int64_t num_items = 0, num_merges = 0, rows = 0;
-  for (const WorkItem& t : tiles) {
-    const int64_t n = num_chunks(t.kv_begin, t.kv_end, chunk);
+  chunks->resize(tiles.size());
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const WorkItem& t = tiles.items[i];
+    const int32_t n = num_chunks(t.kv_begin, t.kv_end, static_cast<uint32_t>(chunk));
+    (*chunks)[i] = n;
     num_items += n;
     if (n > 1) {
       ++num_merges;
-      rows += n * t.q_len;
+      rows += int64_t{n} * t.q_len;
     }
   }
   FLASHKV_CHECK(num_items <= INT32_MAX && rows <= INT32_MAX, "fixed_split_size: chunks of ", chunk,
                 " tokens make ", num_items, " items and ", rows,
                 " partial rows, past the int32 range of the plan");
-  items->resize(num_items);
-  costs->resize(num_items);
+  out->resize(num_items);
   merges->resize(num_merges);
-  WorkItem* it = items->data();
-  uint64_t* cost = costs->data();
+  WorkItem* it = out->items.data();
+  uint64_t* cost = out->cost.data();
+  uint8_t* key = out->key.data();
   MergeItem* m = merges->data();
   int32_t base = 0;
+  int64_t total = 0;
   for (size_t i = 0; i < tiles.size(); ++i) {
-    const WorkItem& t = tiles[i];
-    const int64_t n = num_chunks(t.kv_begin, t.kv_end, chunk);
+    const WorkItem& t = tiles.items[i];
+    const int32_t n = (*chunks)[i];
     if (n == 1) {
       *it++ = t;
-      *cost++ = tile_costs[i];
+      *cost++ = tiles.cost[i];
+      *key++ = tiles.key[i];
+      total += static_cast<int64_t>(tiles.cost[i]);
       continue;
     }
-    const int64_t first = t.kv_begin / chunk;
-    for (int64_t c = 0; c < n; ++c) {
-      const int64_t lo = std::max<int64_t>(t.kv_begin, (first + c) * chunk);
-      const int64_t hi = std::min<int64_t>(t.kv_end, (first + c + 1) * chunk);
+    // Chunk c covers [max(kv_begin, boundary c), min(kv_end, boundary c + 1)).
+    int64_t lo = t.kv_begin;
+    int64_t boundary = int64_t{t.kv_begin} - static_cast<uint32_t>(t.kv_begin) % chunk + chunk;
+    for (int32_t c = 0; c < n; ++c, boundary += chunk) {
+      const int64_t hi = std::min<int64_t>(t.kv_end, boundary);
       *it++ = {t.request,
                t.q_begin,
                t.q_len,
                static_cast<int32_t>(lo),
                static_cast<int32_t>(hi),
-               static_cast<int32_t>(base + c * t.q_len),
-               static_cast<int32_t>(c),
+               base + c * t.q_len,
+               c,
                0};
-      *cost++ = static_cast<uint64_t>(t.q_len * (hi - lo + kItemOverhead));
+      const int64_t chunk_cost = t.q_len * (hi - lo + kItemOverhead);
+      *cost++ = static_cast<uint64_t>(chunk_cost);
+      *key++ = cost_key(static_cast<uint64_t>(chunk_cost));
+      total += chunk_cost;
+      lo = hi;
     }
-    *m++ = {t.q_begin, t.q_len, base, static_cast<int32_t>(n)};
-    base += static_cast<int32_t>(n * t.q_len);
+    *m++ = {t.q_begin, t.q_len, base, n};
+    base += n * t.q_len;
   }
   *partial_rows = rows;
-}
-
-// An 8-bit sort key, monotonic in the cost: 4 bits of exponent relative to the largest cost's
-// (`top`) and 4 bits of mantissa. Costs below 2^-15 of the largest share key 0. Every cost is
-// >= kItemOverhead = 16, so there are always 4 mantissa bits below the leading one.
-uint8_t cost_key(uint64_t cost, int top) {
-  const int e = bit_width(cost) - 1;
-  const int relative = e - top + 15;
-  if (relative < 0) return 0;
-  return static_cast<uint8_t>((relative << 4) | ((cost >> (e - 4)) & 15));
+  out->total_cost = total;
 }
 
 // The LPT loop, for the items order[begin, end), over a tournament tree of 2^kDepth leaves (see
@@ -389,34 +426,31 @@ void lpt_walk_for_depth(int depth, const LptState& st, uint32_t begin, uint32_t 
 
 // LPT: items costliest first, each to the least-loaded worker (ties: the lowest id); writes
 // the items grouped by worker (each worker's in planning order) into p->items and
-// p->worker_indptr. Needs more items than workers; `largest` bounds every item's cost.
-void balance(const std::vector<WorkItem>& items, const uint64_t* cost, int32_t num_workers,
-             uint64_t largest, Scratch& s, Plan* p) {
+// p->worker_indptr. Needs more items than workers.
+void balance(const ItemList& items, int32_t num_workers, Scratch& s, Plan* p) {
   const uint32_t n = static_cast<uint32_t>(items.size());
-  const WorkItem* src = items.data();
-  s.key.resize(n);
+  const WorkItem* src = items.items.data();
+  const uint64_t* cost = items.cost.data();
+  const uint8_t* key = items.key.data();
+  const uint64_t total = static_cast<uint64_t>(items.total_cost);
   s.order.resize(n);
   s.owner.resize(n);
-  uint8_t* key = s.key.data();
   uint32_t* order = s.order.data();
   int32_t* owner = s.owner.data();
 
-  // 1. Costs, and the items in descending cost order by a counting sort on their keys. Items
-  // alternate between two counter sets, so that runs of equal keys (the tiles of one request)
-  // do not serialize on one counter; within a key, even-numbered items come first, then odd
-  // ones, each in item order.
-  const int top = bit_width(largest) - 1;
+  // 1. The items in descending cost order, by a counting sort on their keys. Items alternate
+  // between two counter sets, so that runs of equal keys (the tiles of one request) do not
+  // serialize on one counter; within a key, even-numbered items come first, then odd ones, each
+  // in item order.
   uint32_t count[256][2] = {};
-  uint64_t total = 0;
-  uint8_t lowest = 255;
+  uint8_t lowest = 255, highest = 0;
   for (uint32_t i = 0; i < n; ++i) {
-    total += cost[i];
-    key[i] = cost_key(cost[i], top);
-    lowest = std::min(lowest, key[i]);
     ++count[key[i]][i & 1];
+    lowest = std::min(lowest, key[i]);
+    highest = std::max(highest, key[i]);
   }
   uint32_t next = 0;
-  for (int k = 255; k >= lowest; --k) {
+  for (int k = highest; k >= lowest; --k) {
     const uint32_t even = count[k][0], odd = count[k][1];
     count[k][0] = next;
     count[k][1] = next + even;
@@ -533,7 +567,7 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   const int32_t max_workers = max_workers_of(b, dev, o);
 
   // 1. Tiles, with KV trimmed to what their rows can see.
-  const TileStats stats = build_tiles(b, decode, p.q_tile, &s.tiles, &s.tile_cost);
+  const int64_t longest = build_tiles(b, decode, p.q_tile, &s.tiles);
   p.num_tiles = static_cast<int32_t>(s.tiles.size());
 
   // 2. The chunk size: chunks never cut a page, and are multiples of the kernel's KV tile.
@@ -543,21 +577,18 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   if (o.enable_split_kv) {
     chunk = o.fixed_split_size > 0
                 ? ceil_div(o.fixed_split_size, align) * align
-                : auto_chunk(s.tiles, stats, max_workers, p.q_tile, align,
+                : auto_chunk(s.tiles, longest, max_workers, p.q_tile, align,
                              o.min_split_size > 0 ? o.min_split_size : kDefaultMinSplit);
   }
   p.kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
 
   // 3. Items (planning order) and merges.
-  const std::vector<WorkItem>* items = &s.tiles;
-  const std::vector<uint64_t>* costs = &s.tile_cost;
+  const ItemList* items = &s.tiles;
   p.merges.clear();
   p.num_partial_rows = 0;
   if (chunk > 0) {
-    split_tiles(s.tiles, s.tile_cost, chunk, &s.split, &s.split_cost, &p.merges,
-                &p.num_partial_rows);
+    split_tiles(s.tiles, p.kv_chunk, &s.split, &p.merges, &p.num_partial_rows, &s.chunks_per_tile);
     items = &s.split;
-    costs = &s.split_cost;
   }
   const int32_t num_items = static_cast<int32_t>(items->size());
 
@@ -569,9 +600,9 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   if (num_items <= W) {  // one item a worker, in planning order
     p.worker_indptr.resize(W + 1);
     for (int32_t w = 0; w <= W; ++w) p.worker_indptr[w] = std::min(w, num_items);
-    p.items.assign(items->begin(), items->end());
+    p.items.assign(items->items.begin(), items->items.end());
   } else {
-    balance(*items, costs->data(), W, static_cast<uint64_t>(stats.largest_cost), s, &p);
+    balance(*items, W, s, &p);
   }
 
   // 5. Workspace layout (capacities in graph mode).

@@ -866,64 +866,31 @@ TEST(Plan, BadInputNamesTheArgument) {
         b.shape.num_qo_heads = b.shape.num_kv_heads = 1;
       },
       "num_threads");
-  // Graph mode capacities.
-  auto graph = [](O o) {
-    o.cuda_graph = true;
-    o.max_batch_size = 2;
-    o.max_num_tokens = 8;
+  // Graph mode: graph(change) sets capacities the good batch fits exactly, then `change`.
+  auto graph = [](const std::function<void(O)>& change) {
+    return [change](B, O o, D) {
+      o.cuda_graph = true;
+      o.max_batch_size = 2;
+      o.max_num_tokens = 8;
+      change(o);
+    };
   };
+  prefill(graph([](O o) { o.max_batch_size = 0; }), "max_batch_size");
+  prefill(graph([](O o) { o.max_batch_size = 1; }), "max_batch_size");
+  prefill(graph([](O o) { o.max_num_tokens = 0; }), "max_num_tokens");
+  prefill(graph([](O o) { o.max_num_tokens = 7; }), "max_num_tokens");
+  prefill(graph([](O o) { o.fixed_split_size = 64; }), "max_kv_len");
   prefill(
-      [&](B, O o, D) {
-        graph(o);
-        o.max_batch_size = 0;
-      },
-      "max_batch_size");
-  prefill(
-      [&](B, O o, D) {
-        graph(o);
-        o.max_batch_size = 1;
-      },
-      "max_batch_size");
-  prefill(
-      [&](B, O o, D) {
-        graph(o);
-        o.max_num_tokens = 0;
-      },
-      "max_num_tokens");
-  prefill(
-      [&](B, O o, D) {
-        graph(o);
-        o.max_num_tokens = 7;
-      },
-      "max_num_tokens");
-  prefill(
-      [&](B, O o, D) {
-        graph(o);
-        o.fixed_split_size = 64;
+      [&](B b, O o, D d) {
+        graph([](O o) { o.fixed_split_size = 64; })(b, o, d);
+        b.kv_len[0] = b.kv_len[1] = 0;  // no request past the capacity: the capacity is missing
       },
       "max_kv_len");
-  prefill(
-      [&](B, O o, D) {
-        graph(o);
-        o.fixed_split_size = 64;
-        o.max_kv_len = 19;
-      },
-      "max_kv_len");
+  prefill(graph([](O o) { o.fixed_split_size = 64, o.max_kv_len = 19; }), "max_kv_len");
   decode([](B b, O, D) { b.shape.kv_len = nullptr; }, "kv_len");
   decode([](B b, O, D) { b.kv_len[0] = -5; }, "kv_len");
-  decode(
-      [&](B, O o, D) {
-        graph(o);
-        o.max_batch_size = 1;
-      },
-      "max_batch_size");
-  decode(
-      [&](B, O o, D) {
-        graph(o);
-        o.fixed_split_size = 16;
-        o.max_kv_len = 10;
-      },
-      "max_kv_len");
+  decode(graph([](O o) { o.max_batch_size = 1; }), "max_batch_size");
+  decode(graph([](O o) { o.fixed_split_size = 16, o.max_kv_len = 10; }), "max_kv_len");
   // Chunks so small that the partial rows leave the int32 range of the plan (checked before
   // anything is allocated).
   Batch huge = make_batch(false, {64, 64}, {INT32_MAX, INT32_MAX});
@@ -931,14 +898,13 @@ TEST(Plan, BadInputNamesTheArgument) {
   tiny.fixed_split_size = 16;
   expect_error([&] { plan_prefill(huge.shape, gpu, tiny); }, "fixed_split_size");
 
-  // The good batch itself plans, in every one of those modes.
-  PlanOptions o;
-  graph(o);
-  o.fixed_split_size = 64;
-  o.max_kv_len = 20;
+  // The good batch itself plans, with the graph capacities above.
   Batch b = good;
   b.bind();
-  EXPECT_NO_THROW(plan_prefill(b.shape, gpu, o));
+  PlanOptions o;
+  DeviceInfo d = gpu;
+  graph([](O o) { o.fixed_split_size = 64, o.max_kv_len = 20; })(b, o, d);
+  EXPECT_NO_THROW(plan_prefill(b.shape, d, o));
 }
 
 }  // namespace

@@ -102,13 +102,16 @@ struct BatchShape {
 struct PlanOptions {
   // Query rows (tokens) per item for prefill; 0 picks the device's default tile.
   int32_t q_tile = 0;
-  // Split KV across items when it adds parallelism.
+  // Cut a tile's KV into chunks (partial states merged afterwards) when it is longer than one
+  // worker's share of the batch: this fills the device when a few long requests are all there
+  // is, and keeps one huge request from holding up a large batch. false: never split.
   bool enable_split_kv = true;
   // > 0: deterministic mode, every request's KV cut at multiples of this many tokens (rounded up
   // to a multiple of the KV alignment; whether or not the batch needs the parallelism), so its
   // chunks never depend on the rest of the batch. SGLang uses 2048 for decode, 4096 for prefill.
   int32_t fixed_split_size = 0;
-  // Chunk boundaries are multiples of this (the kernel's KV tile); 0 picks the device's default.
+  // Chunk boundaries are multiples of this (the kernel's KV tile; 0: 16 tokens), rounded up to
+  // whole pages.
   int32_t kv_align = 0;
   // CUDA-graph mode: capacities fixed at capture; every plan then has the same num_workers and
   // the same workspace layout, whatever the batch.
