@@ -57,7 +57,9 @@ class SWAAllocator : public KVAllocator {
   const TensorView& host_table() const { return host_table_.view(); }
   // The same table on the allocator's device, after uploading the entries changed since the
   // last call (one copy of the changed span, ordered on `stream`). The view stays valid for the
-  // allocator's lifetime; call this again after alloc/free before the device reads it.
+  // allocator's lifetime; call this again after alloc/free before the device reads it. With
+  // changes pending it issues a host-to-device copy, so call it outside CUDA-graph capture (the
+  // backend does so when it prepares a batch); with none pending it only returns the view.
   const TensorView& full_to_swa_table(Stream stream = {});
 
  private:
