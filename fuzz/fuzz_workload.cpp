@@ -89,6 +89,9 @@ void write_json(const JsonValue& v, std::string& out) {
   }
 }
 
+// Bit for bit: -0 must stay -0.
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof(double)) == 0; }
+
 bool same_json(const JsonValue& a, const JsonValue& b) {
   if (a.type() != b.type()) return false;
   switch (a.type()) {
@@ -97,7 +100,7 @@ bool same_json(const JsonValue& a, const JsonValue& b) {
     case JsonValue::Type::boolean:
       return a.boolean() == b.boolean();
     case JsonValue::Type::number:
-      return std::memcmp(&a.number(), &b.number(), sizeof(double)) == 0;  // -0 stays -0
+      return same_bits(a.number(), b.number());
     case JsonValue::Type::string:
       return a.string() == b.string();
     case JsonValue::Type::array:
@@ -123,8 +126,7 @@ bool same_request(const RequestSpec& a, const RequestSpec& b) {
 
 bool same_workload(const Workload& a, const Workload& b) {
   if (a.name != b.name || a.spec.enabled != b.spec.enabled || a.spec.topk != b.spec.topk ||
-      a.spec.num_steps != b.spec.num_steps ||
-      std::memcmp(&a.spec.accept_rate, &b.spec.accept_rate, sizeof(double)) != 0 ||
+      a.spec.num_steps != b.spec.num_steps || !same_bits(a.spec.accept_rate, b.spec.accept_rate) ||
       a.requests.size() != b.requests.size())
     return false;
   for (size_t i = 0; i < a.requests.size(); ++i)
