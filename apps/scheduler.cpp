@@ -432,6 +432,18 @@ void Scheduler::check_end_invariants() {
                  " passes produced NaN or Inf outputs (first: ", stats_.first_nonfinite, ")"));
 }
 
+Progress Scheduler::progress() const {
+  Progress p;
+  p.done = stats_.requests_done;
+  p.total = stats_.requests;
+  p.generated_tokens = stats_.generated_tokens;
+  p.kv_used = kv_in_use();
+  p.kv_slots = allocator_->capacity();
+  p.running = static_cast<int64_t>(running_.size());
+  p.waiting = static_cast<int64_t>(waiting_.size());
+  return p;
+}
+
 ServeStats Scheduler::run(const std::function<void(const Progress&)>& on_progress) {
   const auto t0 = std::chrono::steady_clock::now();
   auto elapsed = [&] {
@@ -439,15 +451,8 @@ ServeStats Scheduler::run(const std::function<void(const Progress&)>& on_progres
   };
   while (step()) {
     if (on_progress) {
-      Progress p;
-      p.done = stats_.requests_done;
-      p.total = stats_.requests;
-      p.generated_tokens = stats_.generated_tokens;
+      Progress p = progress();
       p.serve_s = elapsed() - stats_.check_s;
-      p.kv_used = kv_in_use();
-      p.kv_slots = allocator_->capacity();
-      p.running = static_cast<int64_t>(running_.size());
-      p.waiting = static_cast<int64_t>(waiting_.size());
       on_progress(p);
     }
   }

@@ -137,6 +137,8 @@ class Scheduler {
   std::string check_step_invariants() const;
   // Figures so far (run() returns the final ones).
   const ServeStats& stats() const { return stats_; }
+  // The progress line's figures now (serve_s, step and steps are the caller's to fill).
+  Progress progress() const;
   // The allocator and the target model, for tools and tests that inspect (or deliberately
   // break) the state the invariants watch.
   TokenAllocator& allocator() { return *allocator_; }

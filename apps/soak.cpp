@@ -146,15 +146,10 @@ SoakResult run_soak(const SoakOptions& o, const SoakProgress& on_progress,
     }
     if (!bad.empty()) break;
     if (on_progress) {
-      Progress p;
+      Progress p = s.progress();
       p.step = step;
       p.steps = o.steps;
-      p.done = st.requests_done;
-      p.total = st.requests;
-      p.generated_tokens = st.generated_tokens;
       p.serve_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      p.kv_used = s.kv_in_use();
-      p.kv_slots = so.kv_slots;
       on_progress(p);
     }
   }
