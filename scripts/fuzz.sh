@@ -24,7 +24,7 @@ for t in $targets; do
     echo "FAILED: $t (see $build/$t.log)"; tail -30 "$build/$t.log"; status=1
   fi
   grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "$build/$t.log" || true
-  grep -E "^#[0-9]+ +DONE" "$build/$t.log" | tail -1 || true
+  grep -E "^#[0-9]+[[:space:]]+DONE" "$build/$t.log" | tail -1 || true
   rm -rf "$scratch"
 done
 exit $status
