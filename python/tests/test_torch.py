@@ -1,5 +1,7 @@
-"""The wrappers with PyTorch tensors: on the CPU when torch is installed, and on CUDA (including
-capture into a CUDA graph with torch.cuda.graph) when a GPU is visible."""
+"""What is specific to PyTorch: torch dtypes as plan arguments, bf16 and float8 tensors, capture
+into a CUDA graph with torch.cuda.graph, and runs on a side stream (on the CPU when torch is
+installed, on CUDA when a GPU is visible). Every wrapper test also runs on PyTorch tensors, CPU
+and CUDA, through the `xp` fixture (devices.py)."""
 
 import functools
 
