@@ -18,15 +18,17 @@ constexpr int kFewRows = 8;
 
 // Scores of n keys (row pointers `keys`) for every row: scores [rows, kBlockKeys]. Keys go
 // four at a time through a register tile of up to 4 rows x 4 keys, each K vector loaded once
-// for those rows; the per-key vectors are then reduced to lanes (one key per lane).
+// for those rows; the per-key vectors are then reduced to lanes (one key per lane). `pf` issues
+// a step of the next block's prefetches per key quad (per key with one lane).
 template <class T, class Src>
 void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int dim, float* scores,
-                 const Fp8Tables& tables) {
+                 const Fp8Tables& tables, SlotPrefetcher& pf) {
   using F = typename T::F;
   constexpr int W = T::W, P = T::kPack;
   const int vecs = t.q_pitch / W;
   if constexpr (W < 4) {  // one lane: plain dot products
-    for (int j = 0; j < n; ++j)
+    for (int j = 0; j < n; ++j) {
+      pf.step();
       for (int r = 0; r < rows; ++r) {
         F acc = T::zero();
         for (int c = 0; c < vecs; ++c)
@@ -35,6 +37,7 @@ void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int
                                      dim - c * W * P, tables));
         scores[r * T::kBlockKeys + j] = T::reduce_add(acc);
       }
+    }
   } else {
     for (int k0 = 0; k0 < n; k0 += W) {
       for (int r0 = 0; r0 < rows; r0 += 4) {
@@ -42,6 +45,7 @@ void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int
         F quads[W / 4][4];  // [key quad][row]
         FLASHKV_UNROLL
         for (int qd = 0; qd < W / 4; ++qd) {
+          pf.step();
           const int first = k0 + 4 * qd;
           if (first >= n) {
             FLASHKV_UNROLL
@@ -86,11 +90,12 @@ void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int
   }
 }
 
-// O[rows 0 .. RB - 1, dims d0 .. d0 + NV * W) = O * corr + P V, V rows read in place.
+// O[rows 0 .. RB - 1, dims d0 .. d0 + NV * W) = O * corr + P V, V rows read in place; a step of
+// the next block's prefetches per step of P.
 template <class T, class Src, int RB, int NV>
 struct FewRowsPv {
   static void run(const Tile<T>& t, const char* const* values, int n, int dim, int d0,
-                  const Fp8Tables& tables) {
+                  const Fp8Tables& tables, SlotPrefetcher& pf) {
     using F = typename T::F;
     constexpr int W = T::W, kPSteps = Tile<T>::kPSteps;
     F acc[RB][NV];
@@ -101,6 +106,7 @@ struct FewRowsPv {
       for (int v = 0; v < NV; ++v) acc[r][v] = T::mul(T::load(t.o + r * t.dv_pad + d0 + v * W), c);
     }
     for (int s = 0; s < t.steps_pv; ++s) {
+      pf.step();
       typename T::Vec v[NV + 1];
       if constexpr (T::kPack == 1) {
         const Src* row = reinterpret_cast<const Src*>(values[s]);
@@ -135,28 +141,29 @@ struct FewRowsPv {
 // All dims of RB rows: chunks of NV vectors (NV * RB <= 16 accumulators), a smaller last one.
 template <class T, class Src, int RB, int NV>
 void few_rows_pv_tail(const Tile<T>& t, const char* const* values, int n, int dim, int d0, int vecs,
-                      const Fp8Tables& tables) {
+                      const Fp8Tables& tables, SlotPrefetcher& pf) {
   if constexpr (NV >= 1) {
-    if (vecs == NV) return FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, d0, tables);
-    few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, d0, vecs, tables);
+    if (vecs == NV) return FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, d0, tables, pf);
+    few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, d0, vecs, tables, pf);
   }
 }
 template <class T, class Src, int RB>
 void few_rows_pv_rows(const Tile<T>& t, const char* const* values, int n, int dim,
-                      const Fp8Tables& tables) {
+                      const Fp8Tables& tables, SlotPrefetcher& pf) {
   constexpr int NV = RB <= 1 ? 16 : RB == 2 ? 8 : RB <= 4 ? 4 : 2;
   const int vecs = t.dv_pad / T::W;
   int v = 0;
   for (; v + NV <= vecs; v += NV)
-    FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, v * T::W, tables);
-  if (v < vecs) few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, v * T::W, vecs - v, tables);
+    FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, v * T::W, tables, pf);
+  if (v < vecs)
+    few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, v * T::W, vecs - v, tables, pf);
 }
 template <class T, class Src, int RB = kFewRows>
 void few_rows_pv(const Tile<T>& t, int rows, const char* const* values, int n, int dim,
-                 const Fp8Tables& tables) {
+                 const Fp8Tables& tables, SlotPrefetcher& pf) {
   if constexpr (RB >= 1) {
-    if (rows == RB) return few_rows_pv_rows<T, Src, RB>(t, values, n, dim, tables);
-    few_rows_pv<T, Src, RB - 1>(t, rows, values, n, dim, tables);
+    if (rows == RB) return few_rows_pv_rows<T, Src, RB>(t, values, n, dim, tables, pf);
+    few_rows_pv<T, Src, RB - 1>(t, rows, values, n, dim, tables, pf);
   }
 }
 

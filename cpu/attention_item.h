@@ -90,6 +90,8 @@ class ItemTask {
     v_head0_ = static_cast<const char*>(p.v) + head0 * p.v_stride_h * kKvEsz;
     k_span_ = ((heads - 1) * p.k_stride_h + p.head_dim_qk) * kKvEsz;
     v_span_ = ((heads - 1) * p.v_stride_h + p.head_dim_v) * kKvEsz;
+    prefetch_.init(k_head0_, p.k_stride_n * kKvEsz, k_span_, v_head0_, p.v_stride_n * kKvEsz,
+                   v_span_);
     if (total_rows_ > 0) allocate();
   }
 
@@ -103,9 +105,10 @@ class ItemTask {
         const int n = block_keys(j0), n_next = block_keys(j0 + BK);
         if (n_next > 0) kv_rows_.get(j0 + BK, n_next, block_rows_[cur ^ 1]);
         set_masks(row0, rows, j0, n);
-        if (few_) prefetch_slots(block_rows_[cur ^ 1], n_next);
+        if (few_) prefetch_.start(block_rows_[cur ^ 1], n_next);
         for (int h = 0; h < heads_; ++h)
           run_head_block(h, rows, n, block_rows_[cur], block_rows_[cur ^ 1], n_next);
+        if (few_) prefetch_.finish();
       }
       store_outputs(row0, rows);
     }
@@ -213,14 +216,6 @@ class ItemTask {
     }
   }
 
-  // The next block's rows, all heads of the task, into L2: whole contiguous runs of each slot.
-  FLASHKV_ALWAYS_INLINE void prefetch_slots(const int64_t* rows, int n) const {
-    for (int i = 0; i < n; ++i) {
-      prefetch_l2(k_head0_ + rows[i] * p_.k_stride_n * kKvEsz, k_span_);
-      prefetch_l2(v_head0_ + rows[i] * p_.v_stride_n * kKvEsz, v_span_);
-    }
-  }
-
   // Head h's K or V rows (strides in elements) of the current block, and of the next one.
   static HeadRows head_rows(const char* first_head, int64_t stride_h, int64_t stride_n, int dim,
                             int h, const int64_t* cur, const int64_t* next, int n_next) {
@@ -257,12 +252,12 @@ class ItemTask {
         load_row_steps<T, KvType>(key_rows[i], dqk, t.q_pitch, dst, tables_);
         key_rows[i] = reinterpret_cast<const char*>(dst);
       }
-      few_rows_qk<T, typename T::Native>(t, rows, key_rows, n, dqk, scores_, tables_);
+      few_rows_qk<T, typename T::Native>(t, rows, key_rows, n, dqk, scores_, tables_, prefetch_);
     } else {
-      few_rows_qk<T, KvType>(t, rows, key_rows, n, dqk, scores_, tables_);
+      few_rows_qk<T, KvType>(t, rows, key_rows, n, dqk, scores_, tables_, prefetch_);
     }
     few_rows_softmax(t, rows, scores_);
-    few_rows_pv<T, KvType>(t, rows, value_rows, n, dv, tables_);
+    few_rows_pv<T, KvType>(t, rows, value_rows, n, dv, tables_, prefetch_);
   }
 
   // O / l (times the V scale) and LSE = m + log2(l); empty rows: O = 0, LSE = -inf. Split
@@ -306,6 +301,7 @@ class ItemTask {
   const char* k_head0_;
   const char* v_head0_;
   int64_t k_span_, v_span_;  // bytes of a K / V row from the first head to the end of the last
+  SlotPrefetcher prefetch_;  // few rows: the next block's slots, spread over the current one
   HeadState<T> state_{};
   Tile<T> base_{};
   int* pos_ = nullptr;                           // [chunk_] absolute position of each row's token
