@@ -105,7 +105,7 @@ class ItemTask {
         const int n = block_keys(j0), n_next = block_keys(j0 + BK);
         if (n_next > 0) kv_rows_.get(j0 + BK, n_next, block_rows_[cur ^ 1]);
         set_masks(row0, rows, j0, n);
-        if (few_) prefetch_.start(block_rows_[cur ^ 1], n_next);
+        if (few_) start_prefetch(j0, block_rows_[cur ^ 1], n_next);
         for (int h = 0; h < heads_; ++h)
           run_head_block(h, rows, n, block_rows_[cur], block_rows_[cur ^ 1], n_next);
         if (few_) prefetch_.finish();
@@ -118,6 +118,20 @@ class ItemTask {
   static constexpr int64_t kKvEsz = sizeof(KvType);
 
   int block_keys(int64_t j0) const { return static_cast<int>(clamp64(kv_end_ - j0, 0, BK)); }
+
+  // Few rows: the slots of the block after the next one, spread over block j0's work; on a
+  // task's first block the next block's slots go first, in one burst. Two blocks ahead measured
+  // 5 - 20% faster than one on Zen 4 (decode 16 x 4096, 32/8/128): the first heads of a block
+  // need lines that the last prefetches of the block before asked for. Three: no faster.
+  void start_prefetch(int64_t j0, const int64_t* next_rows, int n_next) {
+    if (j0 == kv_begin_) {
+      prefetch_.start(next_rows, n_next);
+      prefetch_.finish();
+    }
+    const int n_ahead = block_keys(j0 + 2 * BK);
+    if (n_ahead > 0) kv_rows_.get(j0 + 2 * BK, n_ahead, ahead_rows_);
+    prefetch_.start(ahead_rows_, n_ahead);
+  }
 
   // Scratch: per head Q, O, m, l, corr (chunk_ rows each); shared P, tiles, masks, row indices,
   // few-rows scores and converted K rows.
@@ -138,7 +152,7 @@ class ItemTask {
     const size_t vp_at = layout.add<Step>(size_t(kPSteps) * dv_pad);
     const size_t pos_at = layout.add<int>(size_t(chunk_) * 3);
     const size_t allowed_at = layout.add<uint8_t>(mask_base_ ? size_t(chunk_) * BK : 0);
-    const size_t rows_at = layout.add<int64_t>(2 * BK);
+    const size_t rows_at = layout.add<int64_t>(3 * BK);
     const size_t scores_at = layout.add<float>(few_ ? size_t(chunk_) * BK : 0);
     const size_t staged_at = layout.add<Step>(few_ && kConvertK ? size_t(BK) * q_pitch : 0);
     char* s = static_cast<char*>(thread_scratch(layout.bytes()));
@@ -148,6 +162,7 @@ class ItemTask {
     pos_ = reinterpret_cast<int*>(s + pos_at);
     block_rows_[0] = reinterpret_cast<int64_t*>(s + rows_at);
     block_rows_[1] = block_rows_[0] + BK;
+    ahead_rows_ = block_rows_[1] + BK;
     scores_ = reinterpret_cast<float*>(s + scores_at);
     staged_ = reinterpret_cast<Step*>(s + staged_at);
     Tile<T>& t = base_;
@@ -301,11 +316,12 @@ class ItemTask {
   const char* k_head0_;
   const char* v_head0_;
   int64_t k_span_, v_span_;  // bytes of a K / V row from the first head to the end of the last
-  SlotPrefetcher prefetch_;  // few rows: the next block's slots, spread over the current one
+  SlotPrefetcher prefetch_;  // few rows: slots two blocks ahead, spread over the current block
   HeadState<T> state_{};
   Tile<T> base_{};
   int* pos_ = nullptr;                           // [chunk_] absolute position of each row's token
   int64_t* block_rows_[2] = {nullptr, nullptr};  // rows of the current / next block
+  int64_t* ahead_rows_ = nullptr;                // few rows: of the block being prefetched
   float* scores_ = nullptr;
   Step* staged_ = nullptr;
 };

@@ -77,15 +77,15 @@ struct HeadRows {
   }
 };
 
-// Prefetches into L2 the K and V rows of the slots of the next block (all heads of a task: the
+// Prefetches into L2 the K and V rows of the slots of a later block (all heads of a task: the
 // bytes from a row's first head to the end of its last), a few lines per step() call. The
-// few-rows path calls step() from its inner loops, so the next block's lines are requested
-// evenly over the work on the current one and the memory system always has lines in flight. A
+// few-rows path calls step() from its inner loops, so that block's lines are requested evenly
+// over the work on the current one and the memory system always has lines in flight. A
 // burst at the start of the block instead stalls the core (the prefetches wait for miss buffers)
 // and then leaves the memory idle while the core computes. Lines go K and V together, slot after
 // slot, in address order within a slot (the order of an in-order pool). The lines per call
-// follow from the calls counted in the block before; the first block of a task prefetches its
-// successor in one burst, and finish() issues whatever a block's calls left.
+// follow from the calls counted in the block before (the first block of a task, not counted
+// yet, prefetches in one burst), and finish() issues whatever a block's calls left.
 struct SlotPrefetcher {
   const char* k_base = nullptr;  // first head's K of row 0
   const char* v_base = nullptr;
@@ -106,7 +106,7 @@ struct SlotPrefetcher {
     v_lines = static_cast<int>((v_bytes + 63) / 64);
     lines = k_lines > v_lines ? k_lines : v_lines;
   }
-  // Starts on the rows of the next block (count may be 0).
+  // Starts on the rows of the block to prefetch (count may be 0).
   void start(const int64_t* next_rows, int count) {
     const int64_t total = int64_t{count} * lines;
     per_call = calls > 0 ? static_cast<int>((total + calls - 1) / calls) : static_cast<int>(total);
