@@ -19,7 +19,8 @@ constexpr int kFewRows = 8;
 // Scores of n keys (row pointers `keys`) for every row: scores [rows, kBlockKeys]. Keys go
 // four at a time through a register tile of up to 4 rows x 4 keys, each K vector loaded once
 // for those rows; the per-key vectors are then reduced to lanes (one key per lane). `pf` issues
-// a step of the next block's prefetches per key quad (per key with one lane).
+// a step of a later block's prefetches per W keys (per key with one lane), and few_rows_pv one
+// per pass over the block: outside the register tiles, whose loops stay free of its state.
 template <class T, class Src>
 void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int dim, float* scores,
                  const Fp8Tables& tables, SlotPrefetcher& pf) {
@@ -40,12 +41,12 @@ void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int
     }
   } else {
     for (int k0 = 0; k0 < n; k0 += W) {
+      pf.step();
       for (int r0 = 0; r0 < rows; r0 += 4) {
         const int rq = imin(4, rows - r0);
         F quads[W / 4][4];  // [key quad][row]
         FLASHKV_UNROLL
         for (int qd = 0; qd < W / 4; ++qd) {
-          pf.step();
           const int first = k0 + 4 * qd;
           if (first >= n) {
             FLASHKV_UNROLL
@@ -90,12 +91,11 @@ void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int
   }
 }
 
-// O[rows 0 .. RB - 1, dims d0 .. d0 + NV * W) = O * corr + P V, V rows read in place; a step of
-// the next block's prefetches per step of P.
+// O[rows 0 .. RB - 1, dims d0 .. d0 + NV * W) = O * corr + P V, V rows read in place.
 template <class T, class Src, int RB, int NV>
 struct FewRowsPv {
   static void run(const Tile<T>& t, const char* const* values, int n, int dim, int d0,
-                  const Fp8Tables& tables, SlotPrefetcher& pf) {
+                  const Fp8Tables& tables) {
     using F = typename T::F;
     constexpr int W = T::W, kPSteps = Tile<T>::kPSteps;
     F acc[RB][NV];
@@ -106,7 +106,6 @@ struct FewRowsPv {
       for (int v = 0; v < NV; ++v) acc[r][v] = T::mul(T::load(t.o + r * t.dv_pad + d0 + v * W), c);
     }
     for (int s = 0; s < t.steps_pv; ++s) {
-      pf.step();
       typename T::Vec v[NV + 1];
       if constexpr (T::kPack == 1) {
         const Src* row = reinterpret_cast<const Src*>(values[s]);
@@ -143,7 +142,10 @@ template <class T, class Src, int RB, int NV>
 void few_rows_pv_tail(const Tile<T>& t, const char* const* values, int n, int dim, int d0, int vecs,
                       const Fp8Tables& tables, SlotPrefetcher& pf) {
   if constexpr (NV >= 1) {
-    if (vecs == NV) return FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, d0, tables, pf);
+    if (vecs == NV) {
+      pf.step();
+      return FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, d0, tables);
+    }
     few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, d0, vecs, tables, pf);
   }
 }
@@ -153,8 +155,10 @@ void few_rows_pv_rows(const Tile<T>& t, const char* const* values, int n, int di
   constexpr int NV = RB <= 1 ? 16 : RB == 2 ? 8 : RB <= 4 ? 4 : 2;
   const int vecs = t.dv_pad / T::W;
   int v = 0;
-  for (; v + NV <= vecs; v += NV)
-    FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, v * T::W, tables, pf);
+  for (; v + NV <= vecs; v += NV) {
+    pf.step();
+    FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, v * T::W, tables);
+  }
   if (v < vecs)
     few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, v * T::W, vecs - v, tables, pf);
 }

@@ -119,18 +119,30 @@ class ItemTask {
 
   int block_keys(int64_t j0) const { return static_cast<int>(clamp64(kv_end_ - j0, 0, BK)); }
 
-  // Few rows: the slots of the block after the next one, spread over block j0's work; on a
-  // task's first block the next block's slots go first, in one burst. Two blocks ahead measured
-  // 5 - 20% faster than one on Zen 4 (decode 16 x 4096, 32/8/128): the first heads of a block
-  // need lines that the last prefetches of the block before asked for. Three: no faster.
-  void start_prefetch(int64_t j0, const int64_t* next_rows, int n_next) {
-    if (j0 == kv_begin_) {
-      prefetch_.start(next_rows, n_next);
-      prefetch_.finish();
-    }
+  // Few rows: what to prefetch while block j0 is computed. Slots in a run (a fresh pool hands a
+  // request consecutive slots): those of the block after the next one, spread over the block's
+  // work (the next block first, in one burst, when it was not prefetched that way). Scattered
+  // slots (a pool after churn): the next block, in one burst at the start. Measured on Zen 4
+  // (decode 16 x 4096, 32/8/128): on consecutive slots the spread prefetch two blocks ahead is
+  // 10 - 30% faster than the burst; on shuffled slots it was up to 30% slower while other jobs
+  // loaded the machine (random DRAM pages want many requests in flight at once).
+  FLASHKV_ALWAYS_INLINE void start_prefetch(int64_t j0, const int64_t* next_rows, int n_next) {
     const int n_ahead = block_keys(j0 + 2 * BK);
     if (n_ahead > 0) kv_rows_.get(j0 + 2 * BK, n_ahead, ahead_rows_);
-    prefetch_.start(ahead_rows_, n_ahead);
+    const bool spread = is_run(next_rows, n_next) && is_run(ahead_rows_, n_ahead);
+    if (!spread || j0 == kv_begin_ || !spread_before_) {
+      for (int i = 0; i < n_next; ++i) {
+        prefetch_l2(k_head0_ + next_rows[i] * p_.k_stride_n * kKvEsz, k_span_);
+        prefetch_l2(v_head0_ + next_rows[i] * p_.v_stride_n * kKvEsz, v_span_);
+      }
+    }
+    spread_before_ = spread;
+    prefetch_.start(ahead_rows_, spread ? n_ahead : 0);
+  }
+  static bool is_run(const int64_t* rows, int n) {
+    for (int i = 1; i < n; ++i)
+      if (rows[i] != rows[0] + i) return false;
+    return true;
   }
 
   // Scratch: per head Q, O, m, l, corr (chunk_ rows each); shared P, tiles, masks, row indices,
@@ -316,12 +328,13 @@ class ItemTask {
   const char* k_head0_;
   const char* v_head0_;
   int64_t k_span_, v_span_;  // bytes of a K / V row from the first head to the end of the last
-  SlotPrefetcher prefetch_;  // few rows: slots two blocks ahead, spread over the current block
+  SlotPrefetcher prefetch_;  // few rows: the slots of a later block (start_prefetch)
   HeadState<T> state_{};
   Tile<T> base_{};
   int* pos_ = nullptr;                           // [chunk_] absolute position of each row's token
   int64_t* block_rows_[2] = {nullptr, nullptr};  // rows of the current / next block
-  int64_t* ahead_rows_ = nullptr;                // few rows: of the block being prefetched
+  int64_t* ahead_rows_ = nullptr;                // few rows: of the block two ahead
+  bool spread_before_ = false;  // few rows: the last block prefetched two blocks ahead
   float* scores_ = nullptr;
   Step* staged_ = nullptr;
 };

@@ -82,15 +82,15 @@ struct HeadRows {
 // few-rows path calls step() from its inner loops, so that block's lines are requested evenly
 // over the work on the current one and the memory system always has lines in flight. A
 // burst at the start of the block instead stalls the core (the prefetches wait for miss buffers)
-// and then leaves the memory idle while the core computes. Lines go K and V together, slot after
-// slot, in address order within a slot (the order of an in-order pool). The lines per call
+// and then leaves the memory idle while the core computes. Lines go slot after slot, each slot's
+// K run and then its V run in address order (one DRAM page at a time). The lines per call
 // follow from the calls counted in the block before (the first block of a task, not counted
 // yet, prefetches in one burst), and finish() issues whatever a block's calls left.
 struct SlotPrefetcher {
   const char* k_base = nullptr;  // first head's K of row 0
   const char* v_base = nullptr;
   int64_t k_row_bytes = 0, v_row_bytes = 0;
-  int k_lines = 0, v_lines = 0, lines = 0;  // 64-byte lines of a slot's K / V run; the larger
+  int k_lines = 0, v_lines = 0, lines = 0;  // 64-byte lines of a slot's K / V run; both
 
   const int64_t* rows = nullptr;  // rows of the block being prefetched
   int n = 0, slot = 0, line = 0;
@@ -104,7 +104,7 @@ struct SlotPrefetcher {
     v_row_bytes = v_row;
     k_lines = static_cast<int>((k_bytes + 63) / 64);
     v_lines = static_cast<int>((v_bytes + 63) / 64);
-    lines = k_lines > v_lines ? k_lines : v_lines;
+    lines = k_lines + v_lines;
   }
   // Starts on the rows of the block to prefetch (count may be 0).
   void start(const int64_t* next_rows, int count) {
@@ -124,8 +124,10 @@ struct SlotPrefetcher {
 
  private:
   FLASHKV_ALWAYS_INLINE void one() {
-    if (line < k_lines) __builtin_prefetch(k_base + rows[slot] * k_row_bytes + line * 64, 0, 2);
-    if (line < v_lines) __builtin_prefetch(v_base + rows[slot] * v_row_bytes + line * 64, 0, 2);
+    if (line < k_lines)
+      __builtin_prefetch(k_base + rows[slot] * k_row_bytes + line * 64, 0, 2);
+    else
+      __builtin_prefetch(v_base + rows[slot] * v_row_bytes + (line - k_lines) * 64, 0, 2);
     if (++line == lines) {
       line = 0;
       ++slot;
