@@ -348,10 +348,11 @@ void FlashKVBackend::prepare(const ForwardBatch& b, bool graph, bool check_index
   shape.head_dim_qk = o.head_dim_qk;
   shape.head_dim_v = o.head_dim_v;
   shape.page_size = 1;
+  // Buffers a captured graph may read must not move; one never allocated is in no graph yet.
   auto check_workspace = [&](const Plan& plan, const Workspace& ws, const char* what) {
-    FLASHKV_CHECK(!fixed || ws.bytes() >= plan.layout.total_bytes, what, ": the plan needs ",
-                  plan.layout.total_bytes, " bytes of workspace, past the CUDA-graph workspace ",
-                  ws.bytes());
+    FLASHKV_CHECK(!fixed || ws.bytes() == 0 || ws.bytes() >= plan.layout.total_bytes, what,
+                  ": the plan needs ", plan.layout.total_bytes,
+                  " bytes of workspace, past the CUDA-graph workspace ", ws.bytes());
   };
 
   const int w = o.sliding_window_size;
@@ -479,7 +480,7 @@ void FlashKVBackend::prepare(const ForwardBatch& b, bool graph, bool check_index
     check_index_room(s.d_swa_out_cache_loc, graph ? s.graph_max_tokens : n.num_tokens, fixed,
                      "swa_out_cache_loc");
   const int64_t rows = graph ? s.graph_max_tokens : std::max<int64_t>(n.num_tokens, 1);
-  FLASHKV_CHECK(!fixed || (s.out.defined() && s.out.size(0) >= rows),
+  FLASHKV_CHECK(!fixed || !s.out.defined() || s.out.size(0) >= rows,
                 "output buffer: past the CUDA-graph capacity");
 }
 

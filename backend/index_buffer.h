@@ -15,12 +15,14 @@ namespace flashkv::backend_detail {
 // Entries a buffer for n values holds (at least one, so that every buffer has an address).
 inline int64_t index_room(int64_t n) { return std::max<int64_t>(n, 1); }
 
-// Throws, naming `what`, when a fixed buffer `t` is smaller than n entries: the batch does not
-// fit the CUDA-graph capacities.
+// Throws, naming `what`, when `t` is fixed (a captured graph may hold its address) and smaller
+// than n entries: the batch does not fit the CUDA-graph capacities. A buffer not allocated yet
+// is in no graph, so it may still be allocated.
 inline void check_index_room(const Tensor& t, int64_t n, bool fixed, const char* what) {
   const int64_t have = t.defined() ? t.numel() : 0;
-  FLASHKV_CHECK(!fixed || have >= index_room(n), what, ": the batch needs ", index_room(n),
-                " entries, past the CUDA-graph capacity ", have, " (init_cuda_graph_state)");
+  FLASHKV_CHECK(!fixed || have == 0 || have >= index_room(n), what, ": the batch needs ",
+                index_room(n), " entries, past the CUDA-graph capacity ", have,
+                " (init_cuda_graph_state)");
 }
 
 // `t` when it holds n entries, else a new i32 buffer of that size on `device` (contents
