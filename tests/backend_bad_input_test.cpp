@@ -14,12 +14,6 @@
 namespace flashkv::test {
 namespace {
 
-std::vector<Device> devices() {
-  std::vector<Device> d = {Device::cpu()};
-  if (cuda_available()) d.push_back(Device::cuda(0));
-  return d;
-}
-
 // Runs `fn`, expects a flashkv::Error, and expects the pools unchanged.
 void expect_error_changes_nothing(Harness& h, const std::string& what,
                                   const std::function<void()>& fn) {
@@ -266,7 +260,7 @@ TEST_P(BackendBadInputTest, ClearErrorPoolsUnchangedPlanKept) {
 }
 
 INSTANTIATE_TEST_SUITE_P(DevicesAndModes, BackendBadInputTest,
-                         ::testing::Combine(::testing::ValuesIn(devices()),
+                         ::testing::Combine(::testing::ValuesIn(backend_test_devices()),
                                             ::testing::ValuesIn(scenarios())),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param).is_cpu() ? "cpu_" : "cuda_") +
@@ -405,7 +399,8 @@ TEST_P(MultiStepBadInputTest, ClearErrorPoolsUnchangedPlanKept) {
   h.allocator().free(*slots);
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, MultiStepBadInputTest, ::testing::ValuesIn(devices()),
+INSTANTIATE_TEST_SUITE_P(Devices, MultiStepBadInputTest,
+                         ::testing::ValuesIn(backend_test_devices()),
                          [](const auto& info) { return info.param.is_cpu() ? "cpu" : "cuda"; });
 
 }  // namespace

@@ -14,6 +14,13 @@
 
 namespace flashkv::test {
 
+// The devices the backend tests run on: the CPU always, CUDA when a GPU is visible.
+inline std::vector<Device> backend_test_devices() {
+  std::vector<Device> d = {Device::cpu()};
+  if (cuda_available()) d.push_back(Device::cuda(0));
+  return d;
+}
+
 struct ModelShape {
   Device device;
   int num_layers = 2;

@@ -10,11 +10,16 @@
 namespace flashkv::test {
 namespace {
 
-// The devices the backend tests run on: the CPU always, CUDA when a GPU is visible.
-std::vector<Device> devices() {
-  std::vector<Device> d = {Device::cpu()};
-  if (cuda_available()) d.push_back(Device::cuda(0));
-  return d;
+// New requests with cached[i] tokens, an extend adding new_lens[i] tokens to each, then a decode
+// step; both passes checked against the reference.
+void extend_then_decode(Harness& h, const std::vector<int32_t>& cached,
+                        const std::vector<int32_t>& new_lens) {
+  std::vector<Request> reqs;
+  for (int32_t c : cached) reqs.push_back(h.add_request(c));
+  std::vector<Request*> ptrs;
+  for (Request& r : reqs) ptrs.push_back(&r);
+  h.run_and_check(h.make_batch(ForwardMode::EXTEND, ptrs, new_lens));
+  h.run_and_check(h.make_batch(ForwardMode::DECODE, ptrs, std::vector<int32_t>(ptrs.size(), 1)));
 }
 
 class BackendTest : public ::testing::TestWithParam<Device> {
@@ -167,11 +172,7 @@ TEST_P(BackendTest, Fp8KvCacheAndSoftCap) {
     BackendOptions o;
     o.is_multimodal = kv == DType::fp8_e5m2;
     Harness h(s, o);
-    Request a = h.add_request(70), b = h.add_request(0);
-    auto e = h.make_batch(ForwardMode::EXTEND, {&a, &b}, {9, 14});
-    h.run_and_check(e);
-    auto d = h.make_batch(ForwardMode::DECODE, {&a, &b}, {1, 1});
-    h.run_and_check(d);
+    extend_then_decode(h, {70, 0}, {9, 14});
   }
 }
 
@@ -179,11 +180,7 @@ TEST_P(BackendTest, SoftCapAlone) {
   ModelShape s = shape();
   s.logit_cap = 5.0f;  // small enough that the cap changes the result
   Harness h(s);
-  Request a = h.add_request(33), b = h.add_request(0);
-  auto e = h.make_batch(ForwardMode::EXTEND, {&a, &b}, {12, 7});
-  h.run_and_check(e);
-  auto d = h.make_batch(ForwardMode::DECODE, {&a, &b}, {1, 1});
-  h.run_and_check(d);
+  extend_then_decode(h, {33, 0}, {12, 7});
 }
 
 TEST_P(BackendTest, DecodeKernelChoice) {
@@ -352,7 +349,7 @@ TEST_P(BackendTest, DeterministicExtendIsBatchInvariant) {
   EXPECT_FALSE(h.backend().uses_ragged());
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, BackendTest, ::testing::ValuesIn(devices()),
+INSTANTIATE_TEST_SUITE_P(Devices, BackendTest, ::testing::ValuesIn(backend_test_devices()),
                          [](const auto& info) { return info.param.is_cpu() ? "cpu" : "cuda"; });
 
 // Awkward sizes: GQA groups 1, 4, 8; head dims 64, 128, 256; pages of 1 and 16 tokens handed out
@@ -375,14 +372,12 @@ TEST_P(BackendShapeTest, ExtendThenDecode) {
     BackendOptions o;
     o.use_tensor_cores = tensor_cores;
     Harness h(s, o);
-    Request a = h.add_request(0), b = h.add_request(37), c = h.add_request(130);
-    h.run_and_check(h.make_batch(ForwardMode::EXTEND, {&a, &b, &c}, {17, 5, 1}));
-    h.run_and_check(h.make_batch(ForwardMode::DECODE, {&a, &b, &c}, {1, 1, 1}));
+    extend_then_decode(h, {0, 37, 130}, {17, 5, 1});
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, BackendShapeTest,
-                         ::testing::Combine(::testing::ValuesIn(devices()),
+                         ::testing::Combine(::testing::ValuesIn(backend_test_devices()),
                                             ::testing::Values(1, 4, 8),
                                             ::testing::Values(64, 128, 256),
                                             ::testing::Values(1, 16)),

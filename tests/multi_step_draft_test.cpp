@@ -10,12 +10,6 @@
 namespace flashkv::test {
 namespace {
 
-std::vector<Device> devices() {
-  std::vector<Device> d = {Device::cpu()};
-  if (cuda_available()) d.push_back(Device::cuda(0));
-  return d;
-}
-
 class MultiStepDraftTest : public ::testing::TestWithParam<std::tuple<Device, int>> {};
 
 // Runs all steps for `reqs` and checks every row of every step.
@@ -141,7 +135,7 @@ TEST(MultiStepDraft, BadArguments) {
 }
 
 INSTANTIATE_TEST_SUITE_P(DevicesAndTopk, MultiStepDraftTest,
-                         ::testing::Combine(::testing::ValuesIn(devices()),
+                         ::testing::Combine(::testing::ValuesIn(backend_test_devices()),
                                             ::testing::Values(1, 4)),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param).is_cpu() ? "cpu" : "cuda") +
