@@ -106,7 +106,7 @@ void Harness::finish(Request& r) {
 }
 
 void Harness::rollback(Request& r, int32_t seq_len) {
-  const size_t keep = static_cast<size_t>(r.encoder_len + seq_len);
+  const size_t keep = static_cast<size_t>(r.encoder_len) + static_cast<size_t>(seq_len);
   alloc_->free(std::vector<int32_t>(r.slots.begin() + keep, r.slots.end()));
   r.slots.resize(keep);
   r.seq_len = seq_len;

@@ -27,6 +27,7 @@ TEST_P(BackendTest, Decode) {
   std::vector<Request> reqs;
   for (int32_t len : {1, 17, 300, 64, 0 + 1}) reqs.push_back(h.add_request(len));
   std::vector<Request*> ptrs;
+  ptrs.reserve(reqs.size());
   for (auto& r : reqs) ptrs.push_back(&r);
   auto b = h.make_batch(ForwardMode::DECODE, ptrs, std::vector<int32_t>(ptrs.size(), 1));
   h.run_and_check(b);
@@ -180,6 +181,7 @@ TEST_P(BackendTest, DeterministicModeIsBatchInvariant) {
   for (int trial = 0; trial < 1000; ++trial) {
     std::vector<Request> others;
     const int companions = trial == 0 ? 0 : h.rng().uniform_int(1, 4);
+    others.reserve(companions);
     for (int i = 0; i < companions; ++i)
       others.push_back(h.add_request(h.rng().uniform_int(1, 200)));
     std::vector<Request*> ptrs = {&probe};

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Lint: fails on any formatting difference or clang-tidy warning.
+#   format: clang-format --dry-run -Werror (.clang-format) over every tracked C++/CUDA source and
+#           header (*.cpp *.h *.cu *.cuh).
+#   tidy:   clang-tidy (.clang-tidy) over every tracked host C++ translation unit (*.cpp: library,
+#           apps, tests, benchmarks, fuzz targets, Python bindings), in parallel, with the
+#           compile_commands.json of a CPU-only clang configure in the build directory; the
+#           flashkv headers they include are checked with them.
+# CUDA sources (*.cu, *.cuh) are format-checked only: clang-tidy parses CUDA with its clang, and
+# clang 14 (Debian's) knows CUDA only up to 11.5: it rejects sm_90a and its CUDA wrapper headers
+# do not compile against CUDA 12+ headers (texture references are gone). nvcc compiles them in
+# the CUDA build (scripts/test.sh with nvcc present).
+# Usage: scripts/lint.sh [format|tidy|all] [build-dir]   (default: all, build-lint; `all` runs
+#        both and fails if either does; CLANG_FORMAT / CLANG_TIDY pick the tools,
+#        FLASHKV_LINT_JOBS the number of clang-tidy processes)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+build=${2:-build-lint}
+clang_format=${CLANG_FORMAT:-clang-format}
+clang_tidy=${CLANG_TIDY:-clang-tidy}
+jobs=${FLASHKV_LINT_JOBS:-$(nproc)}
+
+check_format() {
+  local start=$SECONDS
+  echo "== clang-format ($("$clang_format" --version | grep -o 'version [0-9.]*'))"
+  if ! git ls-files -z '*.cpp' '*.h' '*.cu' '*.cuh' |
+      xargs -0 "$clang_format" --dry-run -Werror; then
+    echo "clang-format: FAILED (see above; clang-format -i FILE rewrites a file)"
+    return 1
+  fi
+  echo "clang-format: clean ($((SECONDS - start))s)"
+}
+
+check_tidy() {
+  local start=$SECONDS
+  echo "== clang-tidy ($("$clang_tidy" --version | grep -o 'version [0-9.]*'), $jobs jobs)"
+  # clang, so the flags in the database are ones clang-tidy understands; the fuzz targets and the
+  # Python module are only configured when their tools are there.
+  local configure=(-DCMAKE_CXX_COMPILER=clang++ -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
+                   -DFLASHKV_CUDA=OFF -DFLASHKV_BUILD_TESTS=ON -DFLASHKV_BUILD_BENCH=ON
+                   -DFLASHKV_FUZZ=ON)
+  local python=${PYTHON:-python3}
+  if "$python" -c 'import nanobind' 2>/dev/null; then
+    configure+=(-DFLASHKV_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$python")")
+  else
+    echo "clang-tidy: nanobind not found for $python: python/*.cpp not checked (pip install nanobind)"
+    configure+=(-DFLASHKV_BUILD_PYTHON=OFF)
+  fi
+  cmake -S . -B "$build" -G Ninja "${configure[@]}" >/dev/null || return 1
+
+  # Every tracked .cpp the configure compiled; a tracked .cpp missing from the database (and not
+  # one of the Python bindings skipped above) fails the run rather than going unchecked.
+  local files
+  files=$("$python" - "$build/compile_commands.json" <<'EOF'
+import json, os, subprocess, sys
+db = {os.path.realpath(e["file"]) for e in json.load(open(sys.argv[1]))}
+tracked = subprocess.run(["git", "ls-files", "*.cpp"], capture_output=True, text=True,
+                         check=True).stdout.split()
+missing = [f for f in tracked if os.path.realpath(f) not in db and not f.startswith("python/")]
+if missing:
+    sys.exit("clang-tidy: not in the compile database: " + " ".join(missing))
+print("\n".join(f for f in tracked if os.path.realpath(f) in db))
+EOF
+) || return 1
+  local n
+  n=$(wc -l <<<"$files")
+  # One process per file; a file's diagnostics are printed together, and any warning fails it.
+  local status=0
+  # shellcheck disable=SC2016  # the inner script expands its own arguments
+  tr '\n' '\0' <<<"$files" | xargs -0 -P "$jobs" -n 1 sh -c '
+    out=$("$0" -p "$1" --quiet --warnings-as-errors="*" "$2" 2>&1) && exit 0
+    printf "%s\n" "$out" | grep -v " warnings\? \(and [0-9]* errors\? \)\?generated\.$"
+    exit 1' "$clang_tidy" "$build" || status=$?
+  if [ "$status" != 0 ]; then
+    echo "clang-tidy: FAILED (see above; $n files, $((SECONDS - start))s)"
+    return 1
+  fi
+  echo "clang-tidy: clean ($n files, $((SECONDS - start))s)"
+}
+
+case "$what" in
+  format) check_format ;;
+  tidy) check_tidy ;;
+  all)
+    status=0
+    check_format || status=1
+    check_tidy || status=1
+    exit "$status"
+    ;;
+  *) echo "usage: scripts/lint.sh [format|tidy|all] [build-dir]" >&2; exit 2 ;;
+esac
