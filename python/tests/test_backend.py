@@ -97,6 +97,19 @@ def test_extend_then_decode(xp, rng):
         e.run_layers(fb, [1, 1, 1])
 
 
+@pytest.mark.parametrize("use_tensor_cores", [None, False, True])
+def test_decode_kernel_choice(xp, rng, use_tensor_cores):
+    """use_tensor_cores=True decodes through the prefill kernel, False (and unset) through the
+    decode operator; both match the reference."""
+    e = Engine(xp, rng, use_tensor_cores=use_tensor_cores)
+    assert e.backend.decode_uses_prefill_kernel == bool(use_tensor_cores)
+    e.add_requests([40, 1, 17])
+    for _ in range(2):
+        fb = e.batch(ForwardMode.DECODE, [1, 1, 1])
+        e.backend.init_forward_metadata(fb)
+        e.run_layers(fb, [1, 1, 1])
+
+
 def test_cuda_graph_state_replays_other_batches(xp, rng):
     """CUDA-graph mode, run eagerly (test_torch.py captures real graphs): fixed buffers sized by
     init_cuda_graph_state; capture plans one batch, replays plan others of the same size into
