@@ -36,7 +36,6 @@ TEST_P(BackendTest, Decode) {
   std::vector<Request> reqs;
   for (int32_t len : {1, 17, 300, 64, 0 + 1}) reqs.push_back(h.add_request(len));
   std::vector<Request*> ptrs;
-  ptrs.reserve(reqs.size());
   for (auto& r : reqs) ptrs.push_back(&r);
   auto b = h.make_batch(ForwardMode::DECODE, ptrs, std::vector<int32_t>(ptrs.size(), 1));
   h.run_and_check(b);

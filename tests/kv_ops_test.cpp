@@ -561,7 +561,6 @@ TEST(KVCacheEndToEnd, RowsSlotsIndicesAndAppendAgree) {
   const std::vector<int64_t> prompt = {5, 0, 11};
   std::vector<int32_t> rows = *r2t.alloc(3);
   std::vector<ExtendRequest> prefill;
-  prefill.reserve(prompt.size());
   for (int64_t len : prompt) prefill.push_back({0, 0, len});
   std::vector<int32_t> loc = *alloc.alloc_extend(prefill);
   size_t at = 0;
@@ -580,7 +579,6 @@ TEST(KVCacheEndToEnd, RowsSlotsIndicesAndAppendAgree) {
   const Tensor v = test::random_tensor(rng, {3, 2, 8}, DType::f32);
   append_kv(k, v, Tensor::from_i32(decode_loc), pool.k(0), pool.v(0));
   std::vector<int32_t> lens32;
-  lens32.reserve(prompt.size());
   for (int64_t len : prompt) lens32.push_back(static_cast<int32_t>(len + 1));
   const std::vector<int32_t> indptr = test::indptr_of(lens32);
   Tensor indices = Tensor::empty({indptr.back()}, DType::i32);

@@ -281,7 +281,6 @@ TEST(PrefixCache, RandomScheduleKeepsInvariants) {
     if (rng.uniform() < 0.6 || live.empty()) {
       std::vector<int32_t> tokens;
       const int shared = rng.uniform_int(0, 3), own = rng.uniform_int(0, 9);
-      tokens.reserve(shared * 4 + own);
       for (int i = 0; i < shared * 4; ++i) tokens.push_back(i % 7);  // common prefixes
       for (int i = 0; i < own; ++i) tokens.push_back(rng.uniform_int(0, 3));
       std::vector<int32_t> chain = c.match(tokens);
