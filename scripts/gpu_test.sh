@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: builds flashkv with the CUDA kernels, runs the whole test
 # suite (GPU tests included), then the GPU tests again under compute-sanitizer's memcheck,
-# racecheck, initcheck and synccheck (side by side). Usage: scripts/gpu_test.sh [build-dir] [--no-sanitizer]
+# racecheck, initcheck and synccheck (side by side).
+# Usage: scripts/gpu_test.sh [build-dir] [--no-sanitizer | --sanitizer-only]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
@@ -10,8 +11,9 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHKV_CUDA=ON \
   -DFLASHKV_CUDA_ARCHS="$archs" ${FLASHKV_CMAKE_ARGS:-} >/dev/null
 cmake --build "$build" -j "$(nproc)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$build/flashkv_tests" --gtest_brief=1
-[ "${2:-}" = "--no-sanitizer" ] && exit 0
+mode=${2:-}
+[ "$mode" = "--sanitizer-only" ] || "$build/flashkv_tests" --gtest_brief=1
+[ "$mode" = "--no-sanitizer" ] && exit 0
 # The GPU tests under each compute-sanitizer tool, the four tools side by side (one GPU holds
 # them all; the host has the cores). FLASHKV_SANITIZER_FILTER narrows the tests.
 filter=${FLASHKV_SANITIZER_FILTER:-'Cuda*:*cuda*:*Cuda*'}

@@ -447,24 +447,28 @@ TEST(CudaMerge, MergeStateMatchesReference) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 620);
   const Device gpu = Device::cuda();
+  // Head dims: 16-byte vectors with lanes left over (80), one element per access (36 bf16 /
+  // f16: no whole vectors), and more vectors than a warp's lanes (320 f32).
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
-    for (bool in_place : {false, true}) {
-      SCOPED_TRACE(testing::Message() << dtype_name(dt) << (in_place ? " in place" : ""));
-      const int64_t rows = 37, heads = 5, dim = 80;
-      Tensor oa = test::random_tensor(rng, {rows, heads, dim}, dt);
-      Tensor ob = test::random_tensor(rng, {rows, heads, dim}, dt);
-      Tensor la = random_lse(rng, {rows, heads}, 3, heads);
-      Tensor lb = random_lse(rng, {rows, heads}, 3, heads);
-      const auto ref = reference::merge_states({result_of(oa, la), result_of(ob, lb)});
-      Tensor oa_d = oa.to(gpu), ob_d = ob.to(gpu), la_d = la.to(gpu), lb_d = lb.to(gpu);
-      Tensor o = Tensor::empty({rows, heads, dim}, dt),
-             l = Tensor::empty({rows, heads}, DType::f32);
-      test::poison(o);
-      test::poison(l);
-      Tensor o_d = in_place ? oa_d : o.to(gpu), l_d = in_place ? la_d : l.to(gpu);
-      merge_state(oa_d, la_d, ob_d, lb_d, o_d, l_d);
-      test::expect_close(o_d.to(Device::cpu()), l_d.to(Device::cpu()), ref, dt);
-    }
+    for (int64_t dim : {80, 36, 320})
+      for (bool in_place : {false, true}) {
+        SCOPED_TRACE(testing::Message()
+                     << dtype_name(dt) << " dim=" << dim << (in_place ? " in place" : ""));
+        const int64_t rows = 37, heads = 5;
+        Tensor oa = test::random_tensor(rng, {rows, heads, dim}, dt);
+        Tensor ob = test::random_tensor(rng, {rows, heads, dim}, dt);
+        Tensor la = random_lse(rng, {rows, heads}, 3, heads);
+        Tensor lb = random_lse(rng, {rows, heads}, 3, heads);
+        const auto ref = reference::merge_states({result_of(oa, la), result_of(ob, lb)});
+        Tensor oa_d = oa.to(gpu), ob_d = ob.to(gpu), la_d = la.to(gpu), lb_d = lb.to(gpu);
+        Tensor o = Tensor::empty({rows, heads, dim}, dt),
+               l = Tensor::empty({rows, heads}, DType::f32);
+        test::poison(o);
+        test::poison(l);
+        Tensor o_d = in_place ? oa_d : o.to(gpu), l_d = in_place ? la_d : l.to(gpu);
+        merge_state(oa_d, la_d, ob_d, lb_d, o_d, l_d);
+        test::expect_close(o_d.to(Device::cpu()), l_d.to(Device::cpu()), ref, dt);
+      }
 }
 
 TEST(CudaMerge, MergeStatesMatchesReference) {
