@@ -5,7 +5,8 @@
 #   tidy:   clang-tidy (.clang-tidy) over every tracked host C++ translation unit (*.cpp: library,
 #           apps, tests, benchmarks, fuzz targets, Python bindings), in parallel, with the
 #           compile_commands.json of a CPU-only clang configure in the build directory; the
-#           flashkv headers they include are checked with them.
+#           flashkv headers they include are checked with them. With nvcc present, the .cpp
+#           files with CUDA-only host code again, from a CUDA-on configure (<build-dir>-cuda).
 # CUDA sources (*.cu, *.cuh) are format-checked only: clang-tidy parses CUDA with its clang, and
 # clang 14 (Debian's) knows CUDA only up to 11.5: it rejects sm_90a and its CUDA wrapper headers
 # do not compile against CUDA 12+ headers (texture references are gone). nvcc compiles them in
@@ -32,11 +33,23 @@ check_format() {
   echo "clang-format: clean ($((SECONDS - start))s)"
 }
 
+# run_tidy BUILD_DIR FILES...: clang-tidy on each file with BUILD_DIR's compile_commands.json,
+# in parallel; a file's diagnostics are printed together, and any warning fails the run.
+run_tidy() {
+  local db=$1
+  shift
+  # shellcheck disable=SC2016  # the inner script expands its own arguments
+  printf '%s\0' "$@" | xargs -0 -P "$jobs" -n 1 sh -c '
+    out=$("$0" -p "$1" --quiet --warnings-as-errors="*" "$2" 2>&1) && exit 0
+    printf "%s\n" "$out" | grep -v " warnings\? \(and [0-9]* errors\? \)\?generated\.$"
+    exit 1' "$clang_tidy" "$db"
+}
+
 check_tidy() {
   local start=$SECONDS
   echo "== clang-tidy ($("$clang_tidy" --version | grep -o 'version [0-9.]*'), $jobs jobs)"
-  # clang, so the flags in the database are ones clang-tidy understands; the fuzz targets and the
-  # Python module are only configured when their tools are there.
+  # clang, so the flags in the database are ones clang-tidy understands. CUDA off: every host
+  # translation unit, the fuzz targets and (when nanobind is there) the Python module.
   local configure=(-DCMAKE_CXX_COMPILER=clang++ -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
                    -DFLASHKV_CUDA=OFF -DFLASHKV_BUILD_TESTS=ON -DFLASHKV_BUILD_BENCH=ON
                    -DFLASHKV_FUZZ=ON)
@@ -63,20 +76,31 @@ if missing:
 print("\n".join(f for f in tracked if os.path.realpath(f) in db))
 EOF
 ) || return 1
-  local n
-  n=$(wc -l <<<"$files")
-  # One process per file; a file's diagnostics are printed together, and any warning fails it.
+  local -a host_files cuda_files=()
+  mapfile -t host_files <<<"$files"
   local status=0
-  # shellcheck disable=SC2016  # the inner script expands its own arguments
-  tr '\n' '\0' <<<"$files" | xargs -0 -P "$jobs" -n 1 sh -c '
-    out=$("$0" -p "$1" --quiet --warnings-as-errors="*" "$2" 2>&1) && exit 0
-    printf "%s\n" "$out" | grep -v " warnings\? \(and [0-9]* errors\? \)\?generated\.$"
-    exit 1' "$clang_tidy" "$build" || status=$?
+  run_tidy "$build" "${host_files[@]}" || status=1
+
+  # With nvcc present, the host code behind `#if FLASHKV_WITH_CUDA` too: the .cpp files that
+  # mention it, again, from a CUDA-on configure (whose .cu files stay unchecked, as above).
+  local nvcc=/usr/local/cuda/bin/nvcc
+  if command -v nvcc >/dev/null; then nvcc=$(command -v nvcc); fi
+  if [ -x "$nvcc" ]; then
+    mapfile -t cuda_files < <(git grep -l FLASHKV_WITH_CUDA -- '*.cpp' | grep -v '^python/')
+    cmake -S . -B "$build-cuda" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
+      -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_EXPORT_COMPILE_COMMANDS=ON -DFLASHKV_CUDA=ON \
+      -DFLASHKV_CUDA_ARCHS=90a -DFLASHKV_BUILD_TESTS=ON -DFLASHKV_BUILD_BENCH=ON >/dev/null ||
+      return 1
+    run_tidy "$build-cuda" "${cuda_files[@]}" || status=1
+  else
+    echo "clang-tidy: no nvcc: the CUDA-only host code (#if FLASHKV_WITH_CUDA) is not checked"
+  fi
+  local summary="${#host_files[@]} files, ${#cuda_files[@]} of them again with CUDA on"
   if [ "$status" != 0 ]; then
-    echo "clang-tidy: FAILED (see above; $n files, $((SECONDS - start))s)"
+    echo "clang-tidy: FAILED (see above; $summary; $((SECONDS - start))s)"
     return 1
   fi
-  echo "clang-tidy: clean ($n files, $((SECONDS - start))s)"
+  echo "clang-tidy: clean ($summary; $((SECONDS - start))s)"
 }
 
 case "$what" in
