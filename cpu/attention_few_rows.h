@@ -15,6 +15,7 @@
 #endif
 
 #include "attention_kernel.h"
+#include "attention_loads.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 

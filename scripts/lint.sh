@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# Lint: fails on any formatting difference or clang-tidy warning.
-#   format: clang-format --dry-run -Werror (.clang-format) over every tracked C++/CUDA source and
-#           header (*.cpp *.h *.cu *.cuh).
-#   tidy:   clang-tidy (.clang-tidy) over every tracked host C++ translation unit (*.cpp: library,
-#           apps, tests, benchmarks, fuzz targets, Python bindings), in parallel, with the
-#           compile_commands.json of a CPU-only clang configure in the build directory; the
-#           flashkv headers they include are checked with them. With nvcc present, the .cpp
-#           files with CUDA-only host code again, from a CUDA-on configure (<build-dir>-cuda).
+# Lint: fails on any formatting difference, header that needs another included first, or
+# clang-tidy warning.
+#   format:  clang-format --dry-run -Werror (.clang-format) over every tracked C++/CUDA source and
+#            header (*.cpp *.h *.cu *.cuh).
+#   headers: every tracked host header (*.h outside cuda/) compiles on its own.
+#   tidy:    clang-tidy (.clang-tidy) over every tracked host C++ translation unit (*.cpp:
+#            library, apps, tests, benchmarks, fuzz targets, Python bindings), in parallel, with
+#            the compile_commands.json of a CPU-only clang configure in the build directory; the
+#            flashkv headers they include are checked with them. With nvcc present, the .cpp
+#            files with CUDA-only host code again, from a CUDA-on configure (<build-dir>-cuda).
 # CUDA sources (*.cu, *.cuh) are format-checked only: clang-tidy parses CUDA with its clang, and
 # clang 14 (Debian's) knows CUDA only up to 11.5: it rejects sm_90a and its CUDA wrapper headers
 # do not compile against CUDA 12+ headers (texture references are gone). nvcc compiles them in
 # the CUDA build (scripts/test.sh with nvcc present).
-# Usage: scripts/lint.sh [format|tidy|all] [build-dir]   (default: all, build-lint; `all` runs
-#        both and fails if either does; CLANG_FORMAT / CLANG_TIDY pick the tools,
-#        FLASHKV_LINT_JOBS the number of clang-tidy processes)
+# Usage: scripts/lint.sh [format|headers|tidy|all] [build-dir]   (default: all, build-lint; `all`
+#        runs the three and fails if any does; CLANG_FORMAT / CLANG_CXX / CLANG_TIDY pick the
+#        tools, FLASHKV_LINT_JOBS the number of processes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 build=${2:-build-lint}
 clang_format=${CLANG_FORMAT:-clang-format}
 clang_tidy=${CLANG_TIDY:-clang-tidy}
+clang_cxx=${CLANG_CXX:-clang++}
 jobs=${FLASHKV_LINT_JOBS:-$(nproc)}
 
 check_format() {
@@ -31,6 +34,41 @@ check_format() {
     return 1
   fi
   echo "clang-format: clean ($((SECONDS - start))s)"
+}
+
+# Every tracked host header compiles on its own, so the include order (which clang-format sorts)
+# never matters. The per-ISA pieces of cpu/ are checked as an AVX-512 BF16 unit includes them
+# (their ISA namespace and target); the headers in cuda/ are nvcc's (left out).
+check_headers() {
+  local start=$SECONDS
+  echo "== headers compile on their own ($clang_cxx)"
+  local -a flags=(-std=c++17 -fsyntax-only -DFLASHKV_WITH_CUDA=0 -Iinclude -Iapps -Ibench/lib
+                  -Icpu -Itests)
+  local python=${PYTHON:-python3} nb_include
+  if nb_include=$("$python" -m nanobind --include_dir 2>/dev/null); then
+    flags+=(-I"$nb_include" -I"$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')")
+  fi
+  local -a headers
+  mapfile -t headers < <(git ls-files '*.h' ':!cuda/')
+  if [ -z "$nb_include" ]; then
+    echo "headers: nanobind not found for $python: python/*.h not checked (pip install nanobind)"
+    mapfile -t headers < <(printf '%s\n' "${headers[@]}" | grep -v '^python/')
+  fi
+  local status=0
+  # shellcheck disable=SC2016  # the inner script expands its own arguments
+  printf '%s\0' "${headers[@]}" | xargs -0 -P "$jobs" -I{} sh -c '
+    h=$1; shift
+    set -- "$@" -I"$(dirname "$h")"
+    case "$h" in cpu/*) set -- "$@" -DFLASHKV_CPU_ISA_NS=avx512bf16 -DFLASHKV_CPU_HAS_BF16=1 \
+      -mavx2 -mfma -mf16c -mbmi -mbmi2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16;;
+    esac
+    printf "#include \"%s\"\n" "$h" | "$0" "$@" -x c++ - 2>&1 && exit 0
+    echo "^ $h does not compile on its own"; exit 1' "$clang_cxx" {} "${flags[@]}" || status=1
+  if [ "$status" != 0 ]; then
+    echo "headers: FAILED (${#headers[@]} headers, $((SECONDS - start))s)"
+    return 1
+  fi
+  echo "headers: clean (${#headers[@]} headers, $((SECONDS - start))s)"
 }
 
 # run_tidy BUILD_DIR FILES...: clang-tidy on each file with BUILD_DIR's compile_commands.json,
@@ -105,12 +143,14 @@ EOF
 
 case "$what" in
   format) check_format ;;
+  headers) check_headers ;;
   tidy) check_tidy ;;
   all)
     status=0
     check_format || status=1
+    check_headers || status=1
     check_tidy || status=1
     exit "$status"
     ;;
-  *) echo "usage: scripts/lint.sh [format|tidy|all] [build-dir]" >&2; exit 2 ;;
+  *) echo "usage: scripts/lint.sh [format|headers|tidy|all] [build-dir]" >&2; exit 2 ;;
 esac
