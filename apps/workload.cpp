@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <random>
 
 #include "flashkv/core/error.h"
 #include "json.h"
+#include "report.h"
 
 namespace flashkv::app {
 
@@ -286,6 +288,61 @@ class FileReader {
 Workload load_workload_file(const std::string& path, int num_requests, uint64_t seed) {
   const JsonValue doc = read_json_file(path);
   return FileReader(path, seed).read(doc, num_requests);
+}
+
+Workload parse_workload(const std::string& text, const std::string& source, int num_requests,
+                        uint64_t seed) {
+  JsonValue doc;
+  try {
+    doc = parse_json(text);
+  } catch (const Error& e) {
+    throw Error(str_cat(source, ": ", e.what()));
+  }
+  return FileReader(source, seed).read(doc, num_requests);
+}
+
+namespace {
+
+std::string token_list(std::vector<int32_t>::const_iterator begin,
+                       std::vector<int32_t>::const_iterator end) {
+  std::string s = "[";
+  for (auto it = begin; it != end; ++it) s += str_cat(it == begin ? "" : ", ", *it);
+  return s + "]";
+}
+
+}  // namespace
+
+std::string workload_to_json(const Workload& w) {
+  std::map<std::vector<int32_t>, int> prefix_ids;  // prefix tokens -> index, in first use order
+  std::string prefixes, requests;
+  for (const RequestSpec& r : w.requests) {
+    std::string req = str_cat("    {\"arrival\": ", r.arrival);
+    if (r.prefix_len > 0) {
+      const std::vector<int32_t> prefix(r.prompt.begin(), r.prompt.begin() + r.prefix_len);
+      auto it = prefix_ids.find(prefix);
+      if (it == prefix_ids.end()) {
+        it = prefix_ids.emplace(prefix, static_cast<int>(prefix_ids.size())).first;
+        prefixes += str_cat(prefixes.empty() ? "" : ",\n", "    \"p", it->second,
+                            "\": ", token_list(prefix.begin(), prefix.end()));
+      }
+      req += str_cat(", \"prefix\": \"p", it->second, "\"");
+    }
+    if (r.prompt.size() > static_cast<size_t>(r.prefix_len))
+      req += ", \"prompt\": " + token_list(r.prompt.begin() + r.prefix_len, r.prompt.end());
+    req += str_cat(", \"output\": ", r.output_len, "}");
+    requests += (requests.empty() ? "" : ",\n") + req;
+  }
+  std::string out = "{\n";
+  if (!w.name.empty()) out += "  \"name\": " + bench::json_string(w.name) + ",\n";
+  if (!prefixes.empty()) out += "  \"prefixes\": {\n" + prefixes + "\n  },\n";
+  if (w.spec.enabled) {
+    // 17 significant digits: the rate reads back as the same double.
+    char rate[32];
+    std::snprintf(rate, sizeof rate, "%.17g", w.spec.accept_rate);
+    out += str_cat("  \"speculative\": {\"topk\": ", w.spec.topk, ", \"steps\": ", w.spec.num_steps,
+                   ", \"accept_rate\": ", rate, "},\n");
+  }
+  return out + "  \"requests\": [\n" + requests + "\n  ]\n}\n";
 }
 
 }  // namespace flashkv::app
