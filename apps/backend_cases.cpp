@@ -132,6 +132,7 @@ class Scenario {
   void draft_steps(const std::vector<Sequence*>& seqs, int topk, int steps) {
     model_.enable_multi_step_draft(topk, steps);
     std::vector<int32_t> lens;
+    lens.reserve(seqs.size());
     for (const Sequence* s : seqs) lens.push_back(s->seq_len());
     const std::vector<int32_t> slots = take(static_cast<int>(seqs.size()) * topk * steps);
     tally(model_.forward_draft_steps(seqs, lens, slots, req_to_token_, check_));

@@ -265,6 +265,7 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
   batch.token_to_kv_pool = pool_.get();
   batch.seq_lens_cpu = seq_lens;
   std::vector<int32_t> seq_rows;
+  seq_rows.reserve(seqs.size());
   for (const Sequence* s : seqs) seq_rows.push_back(s->row);
   const Tensor req_pool_indices = Tensor::from_i32(seq_rows, device_);
   batch.req_pool_indices = req_pool_indices;

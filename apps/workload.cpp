@@ -113,10 +113,12 @@ Workload builtin_workload(const std::string& name, int num_requests, bool large,
   w.num_prefixes = g.num_prefixes;
   w.spec.enabled = g.speculative;
   std::vector<std::vector<int32_t>> prefixes;
+  prefixes.reserve(g.num_prefixes);
   for (int p = 0; p < g.num_prefixes; ++p)
     prefixes.push_back(random_tokens(gen, g.prefix_len.draw(gen)));
   // Popular prefixes first: prefix p is chosen with weight 1 / (p + 1).
   std::vector<double> weights;
+  weights.reserve(g.num_prefixes);
   for (int p = 0; p < g.num_prefixes; ++p) weights.push_back(1.0 / (p + 1));
   std::discrete_distribution<int> pick_prefix(weights.begin(), weights.end());
   std::exponential_distribution<double> gap(1.0 / g.mean_gap);

@@ -7,10 +7,15 @@
 // and transposed in registers into one vector of W scores (lanes = keys, as QkTile makes them),
 // which then go through the same softmax. PV: V rows are loaded (bf16: two rows interleaved
 // into steps) and multiplied into O in registers, without a V tile.
+#pragma once
+
 #ifndef FLASHKV_CPU_ISA_NS
 #error \
     "include cpu/attention_few_rows.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
+
+#include "attention_kernel.h"
+#include "attention_loads.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 

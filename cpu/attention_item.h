@@ -8,9 +8,15 @@
 // G query heads share every loaded K/V row). A task holding several heads reads each slot's
 // heads back to back: for few rows per head (decode) that turns the per-head 256-byte pieces
 // into contiguous streams, which the memory system serves much faster.
+#pragma once
+
 #ifndef FLASHKV_CPU_ISA_NS
 #error "include cpu/attention_item.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
+
+#include "attention_few_rows.h"
+#include "attention_kernel.h"
+#include "attention_loads.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 
@@ -365,15 +371,15 @@ ItemKernel item_kernel_for(DType kv_dtype) {
       return &run_item<T, fp8_e4m3_t>;
     case DType::fp8_e5m2:
       return &run_item<T, fp8_e5m2_t>;
-    case DType::f32:
-      if constexpr (T::kPack == 1) return &run_item<T, float>;
-      return nullptr;
-    case DType::f16:
-      if constexpr (T::kPack == 1) return &run_item<T, f16_t>;
-      return nullptr;
     default:
-      return nullptr;
+      break;
   }
+  // fp32 and fp16 KV: only the fp32-step units (kPack == 1) take them.
+  if constexpr (T::kPack == 1) {
+    if (kv_dtype == DType::f32) return &run_item<T, float>;
+    if (kv_dtype == DType::f16) return &run_item<T, f16_t>;
+  }
+  return nullptr;
 }
 
 }  // namespace flashkv::cpu::FLASHKV_CPU_ISA_NS

@@ -1,9 +1,13 @@
 // Loads and stores of CPU attention (compiled per ISA like attention_kernel.h): where a
 // request's K/V rows live, the K and V tiles of a KV block (gathered, converted, transposed or
 // paired; the next block prefetched on the way), query rows into steps, output rows out.
+#pragma once
+
 #ifndef FLASHKV_CPU_ISA_NS
 #error "include cpu/attention_loads.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
+
+#include "attention_kernel.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 

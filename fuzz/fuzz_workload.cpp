@@ -90,7 +90,12 @@ void write_json(const JsonValue& v, std::string& out) {
 }
 
 // Bit for bit: -0 must stay -0.
-bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof(double)) == 0; }
+bool same_bits(double a, double b) {
+  uint64_t a_bits = 0, b_bits = 0;
+  std::memcpy(&a_bits, &a, sizeof a);
+  std::memcpy(&b_bits, &b, sizeof b);
+  return a_bits == b_bits;
+}
 
 bool same_json(const JsonValue& a, const JsonValue& b) {
   if (a.type() != b.type()) return false;

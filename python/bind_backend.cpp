@@ -65,7 +65,7 @@ template <nb::object PyForwardBatch::*Obj, TensorView* (*Field)(ForwardBatch&)>
 void add_array_field(nb::class_<PyForwardBatch>& cls, const char* name, const char* doc) {
   cls.def_prop_rw(
       name, [](const PyForwardBatch& f) { return f.*Obj; },
-      [name](PyForwardBatch& f, nb::object value) {
+      [name](PyForwardBatch& f, const nb::object& value) {
         if (value.is_none()) {
           *Field(f.b) = TensorView();
         } else {
@@ -179,6 +179,7 @@ void bind_kvcache(nb::module_& m) {
           "alloc_extend",
           [](KVAllocator& a, const std::vector<std::tuple<int64_t, int32_t, int64_t>>& reqs) {
             std::vector<ExtendRequest> r;
+            r.reserve(reqs.size());
             for (const auto& [prefix_len, last_slot, num_new] : reqs)
               r.push_back(ExtendRequest{prefix_len, last_slot, num_new});
             return a.alloc_extend(r);
@@ -284,14 +285,14 @@ void bind_batch(nb::module_& m) {
           })
       .def_prop_rw(
           "req_to_token_pool", [](const PyForwardBatch& f) { return f.req_to_token_pool; },
-          [](PyForwardBatch& f, nb::object p) {
+          [](PyForwardBatch& f, const nb::object& p) {
             f.b.req_to_token_pool = p.is_none() ? nullptr : nb::cast<ReqToTokenPool*>(p);
             f.req_to_token_pool = p;
           },
           nb::arg("value").none())
       .def_prop_rw(
           "token_to_kv_pool", [](const PyForwardBatch& f) { return f.token_to_kv_pool; },
-          [](PyForwardBatch& f, nb::object p) {
+          [](PyForwardBatch& f, const nb::object& p) {
             f.b.token_to_kv_pool = p.is_none() ? nullptr : nb::cast<KVPool*>(p);
             f.token_to_kv_pool = p;
           },

@@ -117,7 +117,7 @@ void Harness::finish(Request& r) {
 }
 
 void Harness::rollback(Request& r, int32_t seq_len) {
-  const size_t keep = static_cast<size_t>(r.encoder_len + seq_len);
+  const size_t keep = static_cast<size_t>(r.encoder_len) + static_cast<size_t>(seq_len);
   // Free whole pages only: a page that still holds a kept token stays with the request (its
   // later slots are what the next alloc_extend continues with).
   const int P = shape_.page_size;
