@@ -36,7 +36,12 @@ TEST(ErrorModel, TensorOfMoreThanTwoToTheSixtyThreeBytesIsAnError) {
     const std::string e = error_of([&] { Tensor::empty(shape, DType::f32); });
     EXPECT_NE(e.find("more than 2^63 bytes"), std::string::npos) << e;
   }
-  EXPECT_EQ(Tensor::empty({big, big, 0}, DType::f32).numel(), 0);
+  // A zero dimension does not excuse the others: numel() and the strides multiply them all.
+  EXPECT_NE(error_of([&] {
+              Tensor::empty({big, big, 0}, DType::f32);
+            }).find("2^63 bytes"),
+            std::string::npos);
+  EXPECT_EQ(Tensor::empty({big, 0}, DType::f32).numel(), 0);
 }
 
 // extend_len indexed the per-request lists with .at(): std::out_of_range for a short list.
