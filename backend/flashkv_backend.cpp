@@ -80,7 +80,7 @@ struct FlashKVBackend::State {
   // Batch-level: query rows, the ragged passes, the tree mask, scratch and output buffers.
   Tensor d_qo_indptr, d_mask_indptr, d_swa_out_cache_loc;
   Workspace ws_ragged_causal, ws_ragged_full;
-  Tensor out, tmp_o, lse_a, lse_b;  // [T, Hq, Dv], [T, Hq, Dv], [T, Hq] x2
+  Tensor out, lse_a;  // [T, Hq, Dv], [T, Hq]: the new tokens' own state (extend on a prefix)
   // CUDA graphs.
   bool graph_ready = false, in_graph = false;
   int graph_max_bs = 0, graph_max_tokens = 0;
@@ -564,9 +564,7 @@ void FlashKVBackend::commit(const ForwardBatch& b, bool graph) {
   const int64_t rows = graph ? s.graph_max_tokens : std::max<int64_t>(n.num_tokens, 1);
   if (!s.out.defined() || s.out.size(0) < rows) {
     s.out = Tensor::empty({rows, o.num_qo_heads, o.head_dim_v}, o.q_dtype, dev);
-    s.tmp_o = Tensor::empty({rows, o.num_qo_heads, o.head_dim_v}, o.q_dtype, dev);
     s.lse_a = Tensor::empty({rows, o.num_qo_heads}, DType::f32, dev);
-    s.lse_b = Tensor::empty({rows, o.num_qo_heads}, DType::f32, dev);
   }
   if (graph) s.in_graph = true;
   s.planned = true;
@@ -767,20 +765,23 @@ TensorView FlashKVBackend::forward_extend(const TensorView& q, const TensorView&
     if (save) append = prepare_save(io, layer);
     attention.run(stream);
   } else {
-    // New tokens among themselves (causal), then the cached prefix (all visible), merged by LSE.
-    const int64_t T = n.num_tokens;
-    const TensorView lse_a = s.lse_a.view().rows(0, T), lse_b = s.lse_b.view().rows(0, T);
-    const TensorView tmp = s.tmp_o.view().rows(0, T);
+    // New tokens among themselves (causal) into out, then the cached prefix (all visible),
+    // whose pass merges its result with that state by LSE as it writes out. The prefix pass
+    // may start while the ragged pass still runs (it writes only out and lse_a, which the
+    // prefix pass reads after waiting for it).
+    const TensorView lse_a = s.lse_a.view().rows(0, n.num_tokens);
     AttentionOptions prefix_opt = io.opt;
     prefix_opt.causal = false;
+    prefix_opt.merge_o = io.out;
+    prefix_opt.merge_lse = lse_a;
+    prefix_opt.overlap_previous = true;
     const PreparedAttention new_tokens = prepare_ragged_prefill(
         n.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out, lse_a, s.ws_ragged_causal);
-    const PreparedAttention prefix =
-        prepare_paged_prefill(wr.paged, io.q, qo, kv, prefix_opt, tmp, lse_b, buf.ws_paged);
+    const PreparedAttention prefix = prepare_paged_prefill(wr.paged, io.q, qo, kv, prefix_opt,
+                                                           io.out, TensorView(), buf.ws_paged);
     if (save) append = prepare_save(io, layer);
     new_tokens.run(stream);
     prefix.run(stream);
-    merge_state(io.out, lse_a, tmp, lse_b, io.out, TensorView(), stream);
   }
   // The ragged path reads the new K/V from k/v, so (as the seed does) it caches them afterwards.
   if (append) append->run(stream);

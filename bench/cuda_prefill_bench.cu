@@ -275,7 +275,7 @@ std::vector<Row> bench_extend(int batch, int prefix, int fresh, int iters) {
           merge_state(o_new, lse_new, o_pre, lse_pre, o, lse);
         },
         iters);
-    rows.push_back({"extend " + shape + " ragged+paged+merge", us, flops / us * 1e-6});
+    rows.push_back({"extend " + shape + " ragged+paged+merge_state", us, flops / us * 1e-6});
     // merge_state alone: reads two [tokens, Hq, D] bf16 states and their f32 LSEs, writes one.
     const double us_m =
         median_us([&] { merge_state(o_new, lse_new, o_pre, lse_pre, o, lse); }, iters);
@@ -284,6 +284,22 @@ std::vector<Row> bench_extend(int batch, int prefix, int fresh, int iters) {
   } else {
     const double us = us_r + us_p;
     rows.push_back({"extend " + shape + " ragged+paged (no cuda merge)", us, flops / us * 1e-6});
+  }
+  // The serving path: the paged pass merges with the ragged state as it writes (in place), and
+  // with overlap_previous starts on the SMs the ragged pass frees (programmatic dependent launch).
+  for (bool overlap : {true, false}) {
+    AttentionOptions merged = full;
+    merged.merge_o = o_new;
+    merged.merge_lse = lse_new;
+    merged.overlap_previous = overlap;
+    const double us = median_us(
+        [&] {
+          ragged();
+          paged_prefill(prefix_plan, q, qo_t, pre_kv, merged, o_new, TensorView(), ws_p);
+        },
+        iters);
+    rows.push_back({"extend " + shape + (overlap ? " ragged+merging paged" : " ... no overlap"),
+                    us, flops / us * 1e-6});
   }
   const double us_s =
       median_us([&] { paged_prefill(single_plan, q, qo_t, all_kv, causal, o, lse, ws_s); }, iters);

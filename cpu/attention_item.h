@@ -308,6 +308,10 @@ class ItemTask {
         const float* o = t.o + r * t.dv_pad;
         if (item_.partial < 0) {
           const int64_t row = item_.q_begin + qi;
+          if (p_.merge_o) {
+            store_merged_row(p_, row, qo_head, o, scale, lse);
+            continue;
+          }
           store_row<T>(
               p_.q_dtype, o, scale, dv,
               static_cast<char*>(p_.o) + (row * p_.o_stride_n + qo_head * p_.o_stride_h) * q_esz_);

@@ -10,8 +10,7 @@
 // request's KV length: a decode tile always reaches the end of its KV) holds the chunk count.
 #include <cuda_runtime.h>
 
-#include <atomic>
-
+#include "common/device_cc.h"
 #include "common/merge_state.cuh"
 #include "decode/traits.h"
 #include "flashkv/core/cuda_runtime.h"
@@ -74,30 +73,9 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
 }
 
-// Compute capability of the current device (cached per device).
-int current_device_cc(int* device_out) {
-  static std::atomic<int> cc_of[64] = {};
-  int device = 0;
-  detail::cuda_check(cudaGetDevice(&device), "paged_decode: cudaGetDevice");
-  *device_out = device;
-  if (device < 0 || device >= 64) return 0;
-  int cc = cc_of[device].load(std::memory_order_relaxed);
-  if (cc == 0) {
-    int major = 0, minor = 0;
-    detail::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-                       "paged_decode: cudaDeviceGetAttribute");
-    detail::cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
-                       "paged_decode: cudaDeviceGetAttribute");
-    cc = major * 10 + minor;
-    cc_of[device].store(cc, std::memory_order_relaxed);
-  }
-  return cc;
-}
-
 template <typename QT>
 void launch_merge(const AttentionParams& p, cudaStream_t stream) {
-  int device = 0;
-  const int cc = current_device_cc(&device);
+  const int cc = current_device_cc();
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(p.num_workers, p.num_kv_heads, 1);
   config.blockDim = dim3(kMergeThreads, 1, 1);

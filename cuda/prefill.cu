@@ -107,6 +107,10 @@ LaunchFn select(const AttentionParams& p) {
   FLASHKV_CHECK(aligned(p.o, 4) && p.o_stride_n % 2 == 0 && p.o_stride_h % 2 == 0,
                 "out: CUDA prefill needs a 4-byte aligned pointer and even strides, got ",
                 p.o_stride_n, "/", p.o_stride_h);
+  FLASHKV_CHECK(!p.merge_o || (aligned(p.merge_o, 4) && p.merge_stride_n % 2 == 0 &&
+                               p.merge_stride_h % 2 == 0),
+                "merge_o: CUDA prefill needs a 4-byte aligned pointer and even strides, got ",
+                p.merge_stride_n, "/", p.merge_stride_h);
   return fn;
 }
 

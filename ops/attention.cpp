@@ -113,6 +113,41 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   return p;
 }
 
+// AttentionOptions::merge_o / merge_lse (prefill operators): the state each output row is merged
+// with before it is written.
+void set_merge(AttentionParams& p, const AttentionOptions& opt, const TensorView& q,
+               const TensorView& out, int64_t dv) {
+  FLASHKV_CHECK(opt.merge_o.defined() == opt.merge_lse.defined(),
+                "merge_o/merge_lse: expected both or neither, got ",
+                opt.merge_o.defined() ? "merge_o only" : "merge_lse only");
+  if (!opt.merge_o.defined()) return;
+  Expect(opt.merge_o, "merge_o")
+      .ndim(3)
+      .device(q.device)
+      .dtype(q.dtype)
+      .inner_contiguous()
+      .dim(0, q.shape[0], "num_qo_tokens")
+      .dim(1, q.shape[1], "num_qo_heads")
+      .dim(2, dv, "head_dim_v");
+  Expect(opt.merge_lse, "merge_lse")
+      .ndim(2)
+      .device(q.device)
+      .dtype(DType::f32)
+      .contiguous()
+      .dim(0, q.shape[0], "num_qo_tokens")
+      .dim(1, q.shape[1], "num_qo_heads");
+  // In place is fine (a row is read before it is written); a shifted view of out is not.
+  FLASHKV_CHECK(opt.merge_o.data != out.data ||
+                    (opt.merge_o.stride[0] == out.stride[0] && opt.merge_o.stride[1] == out.stride[1]),
+                "merge_o: the same memory as out needs out's strides (", out.stride[0], "/",
+                out.stride[1], "), got ", opt.merge_o.stride[0], "/", opt.merge_o.stride[1]);
+  p.merge_o = opt.merge_o.data;
+  p.merge_stride_n = opt.merge_o.stride[0];
+  p.merge_stride_h = opt.merge_o.stride[1];
+  p.merge_lse = static_cast<const float*>(opt.merge_lse.data);
+  p.overlap_previous = opt.overlap_previous;
+}
+
 void set_kv(AttentionParams& p, const TensorView& k, const TensorView& v, const TensorView& q,
             const char* kname, const char* vname) {
   Expect(k, kname).ndim(3).device(q.device).inner_contiguous().dim(2, q.shape[2], "head_dim_qk");
@@ -305,6 +340,7 @@ PreparedAttention prepare_ragged_prefill(const PrefillPlan& plan, const TensorVi
   check_indptr(qo_indptr, "qo_indptr", plan.batch_size, q.device);
   check_indptr(kv_indptr, "kv_indptr", plan.batch_size, q.device);
   AttentionParams p = common_params(plan, "ragged_prefill", q, out, lse, opt, v.shape[2], ws);
+  set_merge(p, opt, q, out, v.shape[2]);
   set_kv(p, k, v, q, "k", "v");
   check_plan_matches(plan, "ragged_prefill", q, batch, k.shape[1], q.shape[2], v.shape[2], ws);
   check_query_rows(qo_indptr, q.shape[0]);
@@ -328,6 +364,7 @@ PreparedAttention prepare_paged_prefill(const PrefillPlan& plan, const TensorVie
   Expect(kv.v, "kv.v").ndim(3);
   check_indptr(qo_indptr, "qo_indptr", plan.batch_size, q.device);
   AttentionParams p = common_params(plan, "paged_prefill", q, out, lse, opt, kv.v.shape[2], ws);
+  set_merge(p, opt, q, out, kv.v.shape[2]);
   set_paged(p, kv, q, plan.batch_size);
   check_plan_matches(plan, "paged_prefill", q, qo_indptr.numel() - 1, kv.k.shape[1], q.shape[2],
                      kv.v.shape[2], ws);
@@ -344,6 +381,9 @@ PreparedAttention prepare_paged_decode(const DecodePlan& plan, const TensorView&
                                        Workspace& ws) {
   Expect(q, "q").ndim(3);
   Expect(kv.v, "kv.v").ndim(3);
+  FLASHKV_CHECK(!opt.merge_o.defined() && !opt.merge_lse.defined(),
+                "merge_o/merge_lse: paged_decode does not take a state to merge with (use "
+                "merge_state)");
   AttentionParams p = common_params(plan, "paged_decode", q, out, lse, opt, kv.v.shape[2], ws);
   set_paged(p, kv, q, q.shape[0]);
   check_plan_matches(plan, "paged_decode", q, q.shape[0], kv.k.shape[1], q.shape[2], kv.v.shape[2],

@@ -478,6 +478,42 @@ TEST(CudaPrefill, Fp8KvWithScales) {
   }
 }
 
+// Extend split into its two passes: the prefix (non-causal, the first prefix[i] entries of each
+// request's pages in the same pool) and the new tokens (ragged causal, their K/V rows gathered
+// from the pool).
+struct ExtendParts {
+  Problem pre, fresh;
+  Inputs pin, rin;
+};
+
+ExtendParts split_extend(const Problem& full, const Inputs& in,
+                         const std::vector<int32_t>& prefix) {
+  ExtendParts e{full, full, in, in};
+  e.pre.kv_lens = prefix;
+  e.pre.causal = false;
+  e.pin.kv_indptr = {0};
+  e.pin.indices.clear();
+  e.pin.last_page_len.clear();
+  for (size_t i = 0; i < prefix.size(); ++i) {
+    const int n = (prefix[i] + full.page_size - 1) / full.page_size;
+    e.pin.indices.insert(e.pin.indices.end(), in.indices.begin() + in.kv_indptr[i],
+                         in.indices.begin() + in.kv_indptr[i] + n);
+    e.pin.kv_indptr.push_back(e.pin.kv_indptr.back() + n);
+    e.pin.last_page_len.push_back(n ? prefix[i] - (n - 1) * full.page_size : 1);
+  }
+  e.fresh.paged = false;
+  e.fresh.kv_lens = full.q_lens;
+  e.rin.kv_indptr = test::indptr_of(full.q_lens);
+  std::vector<int64_t> slots;
+  for (size_t i = 0; i < prefix.size(); ++i)
+    for (int t = prefix[i]; t < full.kv_lens[i]; ++t)
+      slots.push_back(int64_t{in.indices[in.kv_indptr[i] + t / full.page_size]} * full.page_size +
+                      t % full.page_size);
+  e.rin.k = gather_rows(in.k, slots);
+  e.rin.v = gather_rows(in.v, slots);
+  return e;
+}
+
 // Extend = ragged causal over the new tokens + paged non-causal over the cached prefix, merged by
 // LSE (merge_state on the GPU), equals one causal paged pass over prefix + new.
 TEST(CudaPrefill, ExtendComposition) {
@@ -488,38 +524,10 @@ TEST(CudaPrefill, ExtendComposition) {
   const std::vector<int32_t> prefix = {100, 333};
   for (size_t i = 0; i < prefix.size(); ++i) full.kv_lens.push_back(prefix[i] + full.q_lens[i]);
   const Inputs in = make_inputs(full, rng);
+  const ExtendParts e = split_extend(full, in, prefix);
 
-  // The prefix part: the same pool, the first prefix[i] entries of each request.
-  Problem pre = full;
-  pre.kv_lens = prefix;
-  pre.causal = false;
-  Inputs pin = in;
-  pin.kv_indptr = {0};
-  pin.indices.clear();
-  pin.last_page_len.clear();
-  for (size_t i = 0; i < prefix.size(); ++i) {
-    const int n = (prefix[i] + full.page_size - 1) / full.page_size;
-    pin.indices.insert(pin.indices.end(), in.indices.begin() + in.kv_indptr[i],
-                       in.indices.begin() + in.kv_indptr[i] + n);
-    pin.kv_indptr.push_back(pin.kv_indptr.back() + n);
-    pin.last_page_len.push_back(prefix[i] - (n - 1) * full.page_size);
-  }
-  // The new part: ragged K/V rows gathered from the pool.
-  Problem fresh = full;
-  fresh.paged = false;
-  fresh.kv_lens = full.q_lens;
-  Inputs rin = in;
-  rin.kv_indptr = test::indptr_of(full.q_lens);
-  std::vector<int64_t> slots;
-  for (size_t i = 0; i < prefix.size(); ++i)
-    for (int t = prefix[i]; t < full.kv_lens[i]; ++t)
-      slots.push_back(int64_t{in.indices[in.kv_indptr[i] + t / full.page_size]} * full.page_size +
-                      t % full.page_size);
-  rin.k = gather_rows(in.k, slots);
-  rin.v = gather_rows(in.v, slots);
-
-  auto [o_pre, lse_pre] = run_on_gpu(pre, pin, nullptr);
-  auto [o_new, lse_new] = run_on_gpu(fresh, rin, nullptr);
+  auto [o_pre, lse_pre] = run_on_gpu(e.pre, e.pin, nullptr);
+  auto [o_new, lse_new] = run_on_gpu(e.fresh, e.rin, nullptr);
   // merge_state on the GPU (the states go back up: run_on_gpu returns host copies).
   const Device gpu = Device::cuda();
   Tensor o_h = Tensor::empty({o_pre.size(0), full.hq, full.dv}, full.dtype);
@@ -536,6 +544,309 @@ TEST(CudaPrefill, ExtendComposition) {
   PagedKV kv{in.k, in.v, kvp, idx, lpl, full.page_size};
   const auto ref = reference::paged_attention(in.q, qo, kv, options_of(full));
   test::expect_close(o, lse, ref, full.dtype);
+}
+
+// --- extend with the merge fused into the prefix pass (AttentionOptions::merge_o) ---------------
+
+struct FusedExtendCase {
+  std::vector<int32_t> q_lens, prefix;
+  int hq = 8, hkv = 2, page_size = 16;
+  DType dtype = DType::bf16;
+  PlanOptions prefix_plan;     // e.g. fixed_split_size: split prefix items
+  bool expect_merges = false;  // the prefix plan must split
+  bool overlap = true;         // AttentionOptions::overlap_previous
+  bool in_place = true;        // out/lse are merge_o/merge_lse; else separate, no lse
+  bool empty_state = false;    // no ragged pass: merge with O = NaN, LSE = -inf
+  bool graph = false;          // graph-mode plans, both passes replayed from a CUDA graph
+};
+
+PrefillPlan plan_for(const Problem& pr, const Inputs& in, Device dev, PlanOptions po,
+                     bool causal) {
+  BatchShape bs;
+  bs.batch_size = static_cast<int32_t>(pr.q_lens.size());
+  bs.qo_indptr = in.qo_indptr.data();
+  bs.kv_len = pr.kv_lens.data();
+  bs.num_qo_heads = pr.hq;
+  bs.num_kv_heads = pr.hkv;
+  bs.head_dim_qk = pr.dqk;
+  bs.head_dim_v = pr.dv;
+  bs.page_size = pr.paged ? pr.page_size : 1;
+  bs.causal = causal;
+  if (po.q_tile == 0) po.q_tile = std::max(1, cta_rows(pr.dqk, pr.dv) / (pr.hq / pr.hkv));
+  return plan_prefill(bs, device_info(dev), po);
+}
+
+// Runs ragged_prefill then paged_prefill merging with its state on `dev`; checks against one
+// causal paged pass of the float64 reference (the prefix alone for an empty state).
+void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
+  Problem full;
+  full.q_lens = c.q_lens;
+  full.hq = c.hq;
+  full.hkv = c.hkv;
+  full.page_size = c.page_size;
+  full.dtype = full.kv_dtype = c.dtype;
+  for (size_t i = 0; i < c.prefix.size(); ++i) full.kv_lens.push_back(c.prefix[i] + c.q_lens[i]);
+  const Inputs in = make_inputs(full, rng);
+  const ExtendParts e = split_extend(full, in, c.prefix);
+  const int64_t tokens = in.qo_indptr.back();
+  const int batch = static_cast<int>(c.q_lens.size());
+
+  PlanOptions rpo, ppo = c.prefix_plan;
+  if (c.graph) {
+    for (PlanOptions* po : {&rpo, &ppo}) {
+      po->cuda_graph = true;
+      po->max_batch_size = batch;
+      po->max_num_tokens = static_cast<int32_t>(tokens);
+    }
+  }
+  PrefillPlan plan_r = plan_for(e.fresh, e.rin, dev, rpo, true);
+  PrefillPlan plan_p = plan_for(e.pre, e.pin, dev, ppo, false);
+  if (c.expect_merges) EXPECT_FALSE(plan_p.merges.empty()) << "the prefix plan should split";
+  Workspace ws_r(std::max<size_t>(plan_r.layout.total_bytes, 256), dev);
+  Workspace ws_p(std::max<size_t>(plan_p.layout.total_bytes, 256), dev);
+  ws_r.upload(plan_r);
+  ws_p.upload(plan_p);
+
+  Tensor state_h = Tensor::empty({tokens, full.hq, full.dv}, full.dtype);
+  Tensor state_lse_h = Tensor::empty({tokens, full.hq}, DType::f32);
+  test::poison(state_h);
+  if (c.empty_state)
+    for (int64_t i = 0; i < state_lse_h.numel(); ++i)
+      state_lse_h.ptr<float>()[i] = -std::numeric_limits<float>::infinity();
+  else
+    test::poison(state_lse_h);
+  Tensor out_h = Tensor::empty({tokens, full.hq, full.dv}, full.dtype);
+  test::poison(out_h);
+  Tensor q = in.q.to(dev), rk = e.rin.k.to(dev), rv = e.rin.v.to(dev);
+  Tensor k = in.k.to(dev), v = in.v.to(dev);
+  Tensor state = state_h.to(dev), state_lse = state_lse_h.to(dev), out2 = out_h.to(dev);
+  Tensor qo = Tensor::from_i32(in.qo_indptr).to(dev);
+  Tensor rkvp = Tensor::from_i32(e.rin.kv_indptr).to(dev);
+  Tensor pkvp = Tensor::from_i32(e.pin.kv_indptr).to(dev);
+  Tensor pidx =
+      Tensor::from_i32(e.pin.indices.empty() ? std::vector<int32_t>{0} : e.pin.indices).to(dev);
+  Tensor plpl = Tensor::from_i32(e.pin.last_page_len).to(dev);
+  PagedKV pre_kv{k, v, pkvp, pidx, plpl, full.page_size};
+  AttentionOptions causal, prefix_opt;
+  prefix_opt.causal = false;
+  prefix_opt.merge_o = state;
+  prefix_opt.merge_lse = state_lse;
+  prefix_opt.overlap_previous = c.overlap;
+  const TensorView out = c.in_place ? state.view() : out2.view();
+  const TensorView lse = c.in_place ? state_lse.view() : TensorView();
+  auto run_both = [&](Stream s) {
+    if (!c.empty_state)
+      ragged_prefill(plan_r, q, rk, rv, qo, rkvp, causal, state, state_lse, ws_r, s);
+    paged_prefill(plan_p, q, qo, pre_kv, prefix_opt, out, lse, ws_p, s);
+  };
+  if (!c.graph) {
+    run_both({});
+  } else {
+#if FLASHKV_WITH_CUDA
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    run_both(Stream{stream});
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int rep = 0; rep < 2; ++rep) {  // the second replay starts from the first's outputs
+      if (rep == 1) {
+        copy_bytes(state.data(), dev, state_h.data(), Device::cpu(), state_h.view().nbytes());
+        copy_bytes(state_lse.data(), dev, state_lse_h.data(), Device::cpu(),
+                   state_lse_h.view().nbytes());
+      }
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+#else
+    FAIL() << "graph mode needs CUDA";
+#endif
+  }
+  const Tensor o_res = (c.in_place ? state : out2).to(Device::cpu());
+  const Tensor lse_res = state_lse.to(Device::cpu());
+
+  Tensor ref_qo = Tensor::from_i32(in.qo_indptr);
+  reference::Result ref;
+  if (c.empty_state) {
+    Tensor kvp = Tensor::from_i32(e.pin.kv_indptr), idx = Tensor::from_i32(e.pin.indices),
+           lpl = Tensor::from_i32(e.pin.last_page_len);
+    PagedKV kv{in.k, in.v, kvp, idx, lpl, full.page_size};
+    AttentionOptions o;
+    o.causal = false;
+    ref = reference::paged_attention(in.q, ref_qo, kv, o);
+  } else {
+    Tensor kvp = Tensor::from_i32(in.kv_indptr), idx = Tensor::from_i32(in.indices),
+           lpl = Tensor::from_i32(in.last_page_len);
+    PagedKV kv{in.k, in.v, kvp, idx, lpl, full.page_size};
+    ref = reference::paged_attention(in.q, ref_qo, kv, AttentionOptions());
+  }
+  test::expect_close(o_res, c.in_place ? lse_res.view() : TensorView(), ref, full.dtype);
+}
+
+// The lengths of the issue: q 1, 17, 127, 577 on prefixes 0, 54, 97, 2048, for page sizes 1 and
+// 16, GQA 1/4/8, with the prefix pass split and not.
+std::vector<FusedExtendCase> fused_extend_cases() {
+  std::vector<FusedExtendCase> cases;
+  for (int ps : {1, 16})
+    for (int g : {1, 4, 8})
+      for (bool split : {false, true}) {
+        FusedExtendCase c;
+        c.q_lens = {1, 17, 127, 577, 17, 1};
+        c.prefix = {2048, 0, 54, 97, 2048, 0};
+        c.page_size = ps;
+        c.hkv = 8 / g;
+        if (split) {
+          c.prefix_plan.fixed_split_size = 256;
+          c.expect_merges = true;
+        }
+        c.overlap = g != 4;  // both launch modes
+        cases.push_back(c);
+      }
+  return cases;
+}
+
+TEST(CudaPrefill, FusedExtendMergeMatchesReference) {
+  FLASHKV_REQUIRE_GPU();
+  for (const FusedExtendCase& c : fused_extend_cases()) {
+    SCOPED_TRACE(testing::Message() << "page_size=" << c.page_size << " G=" << c.hq / c.hkv
+                                    << " split=" << c.expect_merges);
+    FLASHKV_SEEDED_RNG(rng, 790 + c.page_size + 10 * c.hkv + c.expect_merges);
+    check_fused_extend(c, Device::cuda(), rng);
+  }
+}
+
+TEST(CudaPrefill, FusedExtendEmptyStateSeparateOutputFloat16AndGraph) {
+  FLASHKV_REQUIRE_GPU();
+  FusedExtendCase c;
+  c.q_lens = {17, 1, 127};
+  c.prefix = {97, 0, 54};  // request 1: both states empty, O = 0 and LSE = -inf
+  for (bool split : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "split=" << split);
+    FusedExtendCase s = c;
+    if (split) s.prefix_plan.fixed_split_size = 32;
+    FLASHKV_SEEDED_RNG(rng, 800 + split);
+    FusedExtendCase empty = s;
+    empty.empty_state = true;
+    check_fused_extend(empty, Device::cuda(), rng);
+    FusedExtendCase separate = s;
+    separate.in_place = false;
+    check_fused_extend(separate, Device::cuda(), rng);
+    FusedExtendCase f16 = s;
+    f16.dtype = DType::f16;
+    check_fused_extend(f16, Device::cuda(), rng);
+    FusedExtendCase graph = s;
+    graph.graph = true;
+    check_fused_extend(graph, Device::cuda(), rng);
+  }
+}
+
+// The CPU kernels take the same option with the same result.
+TEST(CpuPrefill, FusedExtendMergeMatchesReference) {
+  FusedExtendCase c;
+  c.q_lens = {1, 17, 127, 17};
+  c.prefix = {300, 0, 54, 97};
+  c.page_size = 1;
+  for (bool split : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "split=" << split);
+    FusedExtendCase s = c;
+    if (split) s.prefix_plan.fixed_split_size = 64;
+    FLASHKV_SEEDED_RNG(rng, 810 + split);
+    check_fused_extend(s, Device::cpu(), rng);
+    FusedExtendCase empty = s;
+    empty.empty_state = true;
+    check_fused_extend(empty, Device::cpu(), rng);
+    FusedExtendCase separate = s;
+    separate.in_place = false;
+    separate.hkv = 1;
+    check_fused_extend(separate, Device::cpu(), rng);
+  }
+}
+
+TEST(CpuPrefill, MergeStateOptionBadInputsThrow) {
+  FLASHKV_SEEDED_RNG(rng, 820);
+  Problem pr = small_variant_problem();
+  const Inputs in = make_inputs(pr, rng);
+  const Device cpu = Device::cpu();
+  PrefillPlan plan = plan_for(pr, in, cpu, PlanOptions(), true);
+  Workspace ws(std::max<size_t>(plan.layout.total_bytes, 256), cpu);
+  ws.upload(plan);
+  const int64_t tokens = in.qo_indptr.back();
+  Tensor out = Tensor::empty({tokens, pr.hq, pr.dv}, pr.dtype);
+  Tensor lse = Tensor::empty({tokens, pr.hq}, DType::f32);
+  Tensor qo = Tensor::from_i32(in.qo_indptr), kvp = Tensor::from_i32(in.kv_indptr);
+  Tensor idx = Tensor::from_i32(in.indices), lpl = Tensor::from_i32(in.last_page_len);
+  PagedKV kv{in.k, in.v, kvp, idx, lpl, pr.page_size};
+  auto error = [&](const AttentionOptions& o) {
+    return test::error_of([&] { paged_prefill(plan, in.q, qo, kv, o, out, lse, ws); });
+  };
+  AttentionOptions o;
+  o.merge_o = out;
+  EXPECT_NE(error(o).find("merge_o/merge_lse"), std::string::npos) << error(o);
+  o = AttentionOptions();
+  o.merge_lse = lse;
+  EXPECT_NE(error(o).find("merge_o/merge_lse"), std::string::npos) << error(o);
+  Tensor f32 = Tensor::empty({tokens, pr.hq, pr.dv}, DType::f32);
+  o.merge_o = f32;
+  EXPECT_NE(error(o).find("merge_o"), std::string::npos) << error(o);
+  Tensor short_o = Tensor::empty({tokens - 1, pr.hq, pr.dv}, pr.dtype);
+  o.merge_o = short_o;
+  EXPECT_NE(error(o).find("merge_o"), std::string::npos) << error(o);
+  Tensor wide_lse = Tensor::empty({tokens, pr.hq + 1}, DType::f32);
+  o.merge_o = out;
+  o.merge_lse = wide_lse;
+  EXPECT_NE(error(o).find("merge_lse"), std::string::npos) << error(o);
+  Tensor lse_i32 = Tensor::empty({tokens, pr.hq}, DType::i32);
+  o.merge_lse = lse_i32;
+  EXPECT_NE(error(o).find("merge_lse"), std::string::npos) << error(o);
+  // The same memory as out, viewed with other strides.
+  Tensor big = Tensor::empty({tokens, pr.hq, 2 * pr.dv}, pr.dtype);
+  TensorView strided = big.view();
+  strided.shape[2] = pr.dv;
+  o.merge_lse = lse;
+  o.merge_o = strided;
+  TensorView out_view = big.view();
+  out_view.shape[2] = pr.dv;
+  out_view.stride[1] = pr.dv;
+  out_view.stride[0] = int64_t{pr.hq} * pr.dv;
+  EXPECT_NE(test::error_of([&] { paged_prefill(plan, in.q, qo, kv, o, out_view, lse, ws); })
+                .find("merge_o"),
+            std::string::npos);
+  // Decode takes no merge state.
+  o.merge_o = out;
+  EXPECT_NE(test::error_of([&] {
+              std::vector<int32_t> kv_len = pr.kv_lens;
+              BatchShape bs;
+              bs.batch_size = static_cast<int32_t>(kv_len.size());
+              bs.kv_len = kv_len.data();
+              bs.num_qo_heads = pr.hq;
+              bs.num_kv_heads = pr.hkv;
+              bs.head_dim_qk = pr.dqk;
+              bs.head_dim_v = pr.dv;
+              bs.page_size = pr.page_size;
+              DecodePlan dp = plan_decode(bs, device_info(cpu), PlanOptions());
+              Workspace dws(dp.layout.total_bytes, cpu);
+              dws.upload(dp);
+              Tensor dq = test::random_tensor(rng, {bs.batch_size, pr.hq, pr.dqk}, pr.dtype);
+              Tensor dout = Tensor::empty({bs.batch_size, pr.hq, pr.dv}, pr.dtype);
+              Tensor dlse = Tensor::empty({bs.batch_size, pr.hq}, DType::f32);
+              AttentionOptions d;
+              d.merge_o = dout;
+              d.merge_lse = dlse;
+              paged_decode(dp, dq, kv, d, dout, TensorView(), dws);
+            }).find("paged_decode"),
+            std::string::npos);
+  // A valid merge state runs (the call above each failed before writing anything).
+  o = AttentionOptions();
+  Tensor prev = test::random_tensor(rng, {tokens, pr.hq, pr.dv}, pr.dtype);
+  Tensor prev_lse = test::random_tensor(rng, {tokens, pr.hq}, DType::f32);
+  o.merge_o = prev;
+  o.merge_lse = prev_lse;
+  EXPECT_EQ(error(o), "");
 }
 
 #if FLASHKV_WITH_CUDA

@@ -4,11 +4,75 @@
 // pairs straight from registers.
 #pragma once
 
+#include "common/ptx.cuh"
 #include "flashkv/ops/params.h"
 #include "prefill/mask.cuh"
 #include "prefill/tile_config.cuh"
 
 namespace flashkv::cuda::prefill_detail {
+
+// A final row block merged with p's merge state (p.merge_o / p.merge_lse, possibly the same
+// memory as the outputs) as it is stored. Under programmatic dependent launch the state comes
+// from the preceding kernel: wait for it here, the first read of it (and first write of O).
+template <typename Cfg>
+__device__ __forceinline__ void store_merged_block(const AttentionParams& p, const RowBlock& b,
+                                                   int kv_head, int group, int warp_row0,
+                                                   int lane,
+                                                   const float (&o)[Cfg::kMTiles][Cfg::kDv / 8][4],
+                                                   const float (&scale)[Cfg::kMTiles][2],
+                                                   const float (&lse)[Cfg::kMTiles][2]) {
+  using QT = typename Cfg::Q;
+  const float neg_inf = -__int_as_float(0x7f800000);
+  ptx::grid_dependency_wait();
+  // Every lane of a row's quad reads the row's previous LSE before any lane overwrites it.
+  float prev_lse[Cfg::kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int x = warp_row0 + mt * 16 + (lane >> 2) + h * 8;
+      prev_lse[mt][h] = neg_inf;
+      if (x >= b.rows) continue;
+      const int item_row = b.row0 + x;
+      const int tok = item_row / group;
+      const int head = kv_head * group + (item_row - tok * group);
+      prev_lse[mt][h] = p.merge_lse[(static_cast<int64_t>(b.q_begin) + tok) * p.num_qo_heads + head];
+    }
+  __syncwarp();
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int x = warp_row0 + mt * 16 + (lane >> 2) + h * 8;
+      if (x >= b.rows) continue;
+      const int item_row = b.row0 + x;
+      const int tok = item_row / group;
+      const int head = kv_head * group + (item_row - tok * group);
+      const int col0 = (lane & 3) * 2;
+      const float m = fmaxf(prev_lse[mt][h], lse[mt][h]);
+      // An empty state (LSE -inf) weighs 0, and its values (never written, maybe NaN) are unused.
+      const float w_prev = m == neg_inf ? 0.0f : exp2f(prev_lse[mt][h] - m);
+      const float w_cur = m == neg_inf ? 0.0f : exp2f(lse[mt][h] - m);
+      const float sum = w_prev + w_cur;
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float a = w_prev * inv, c = w_cur * inv * scale[mt][h];
+      const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
+      const QT* src = static_cast<const QT*>(p.merge_o) + row * p.merge_stride_n +
+                      head * p.merge_stride_h + col0;
+      QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h + col0;
+#pragma unroll
+      for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
+        float2 prev = make_float2(0.0f, 0.0f);
+        if (a > 0.0f) prev = Pack2<QT>::to_floats(*reinterpret_cast<const uint32_t*>(src + dt * 8));
+        const float lo = (a > 0.0f ? a * prev.x : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h] : 0.0f);
+        const float hi =
+            (a > 0.0f ? a * prev.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);
+        *reinterpret_cast<uint32_t*>(dst + dt * 8) = Pack2<QT>::from_floats(lo, hi);
+      }
+      if (p.lse && (lane & 3) == 0)
+        p.lse[row * p.num_qo_heads + head] = sum > 0.0f ? m + __log2f(sum) : neg_inf;
+    }
+}
 
 template <typename Cfg>
 __device__ __forceinline__ void store_block(const AttentionParams& p, const RowBlock& b,
@@ -17,12 +81,14 @@ __device__ __forceinline__ void store_block(const AttentionParams& p, const RowB
                                             const float (&scale)[Cfg::kMTiles][2],
                                             const float (&lse)[Cfg::kMTiles][2]) {
   using QT = typename Cfg::Q;
+  const bool merge = p.merge_o != nullptr && b.partial < 0;
+  if (merge) store_merged_block<Cfg>(p, b, kv_head, group, warp_row0, lane, o, scale, lse);
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int x = warp_row0 + mt * 16 + (lane >> 2) + h * 8;
-      if (x >= b.rows) continue;
+      if (merge || x >= b.rows) continue;
       const int item_row = b.row0 + x;
       const int tok = item_row / group;
       const int head = kv_head * group + (item_row - tok * group);

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/device_cc.h"
 #include "flashkv/core/error.h"
 #include "prefill/epilogue.cuh"
 #include "prefill/launch.h"
@@ -103,6 +104,9 @@ template <typename Cfg>
 __global__ void __launch_bounds__(kPrefillThreads, 2)
     prefill_kernel(const __grid_constant__ AttentionParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
+  // A dependent launched with programmatic stream serialization (a merged prefix pass after
+  // this one) may be scheduled as this grid's CTAs retire; it waits before reading our outputs.
+  ptx::launch_dependents();
   const int worker = blockIdx.x, kv_head = blockIdx.y;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int first = p.worker_indptr[worker], last = p.worker_indptr[worker + 1];
@@ -115,6 +119,10 @@ __global__ void __launch_bounds__(kPrefillThreads, 2)
       run_block<Cfg>(p, b, kv_head, group, smem);
     }
   }
+  // Launched early (programmatic dependent launch), the grid must not finish before the kernel
+  // it overlaps: the next launch in the stream (the split merge, which reads the merge state)
+  // waits only for this grid.
+  if (p.merge_o) ptx::grid_dependency_wait();
 }
 
 template <int DQK, int DV, typename QT, KvFormat KVF>
@@ -124,9 +132,19 @@ void launch_prefill(const AttentionParams& p, cudaStream_t stream) {
   check_cuda(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");
-  const dim3 grid(p.num_workers, p.num_kv_heads);
-  kernel<<<grid, kPrefillThreads, Cfg::kSmemBytes, stream>>>(p);
-  check_cuda(cudaGetLastError(), "prefill: kernel launch");
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(p.num_workers, p.num_kv_heads, 1);
+  config.blockDim = dim3(kPrefillThreads, 1, 1);
+  config.dynamicSmemBytes = Cfg::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  // Overlap with the kernel before only where the kernel waits for it (a merge state) and the
+  // architecture has programmatic dependent launch.
+  config.numAttrs = p.merge_o && p.overlap_previous && current_device_cc() >= 90 ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, p), "prefill: kernel launch");
 }
 
 }  // namespace flashkv::cuda::prefill_detail

@@ -20,17 +20,26 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
   for (int pair = warp; pair < mi.q_len * hq; pair += kMergeThreads / 32) {
     const int tok = pair / hq, head = pair - tok * hq;
     auto prow = [&](int c) { return static_cast<int64_t>(mi.partial) + c * mi.q_len + tok; };
-    float m = neg_inf;
-    for (int c = 0; c < mi.num_chunks; ++c) m = fmaxf(m, p.partial_lse[prow(c) * hq + head]);
     const int64_t row = static_cast<int64_t>(mi.q_begin) + tok;
+    // p's merge state (merge_o / merge_lse) is one more state, folded after the chunks; it may
+    // be the output row itself, so every lane reads it before any lane writes.
+    const float prev_lse = p.merge_o ? p.merge_lse[row * hq + head] : neg_inf;
+    const QT* prev = p.merge_o ? static_cast<const QT*>(p.merge_o) + row * p.merge_stride_n +
+                                     head * p.merge_stride_h
+                               : nullptr;
+    float m = prev_lse;
+    for (int c = 0; c < mi.num_chunks; ++c) m = fmaxf(m, p.partial_lse[prow(c) * hq + head]);
     QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h;
-    if (m == neg_inf) {  // no chunk saw a visible key
+    __syncwarp();
+    if (m == neg_inf) {  // no chunk saw a visible key (nor did the merge state)
       for (int d = lane; d < dv; d += 32) dst[d] = QT(0.0f);
       if (p.lse && lane == 0) p.lse[row * hq + head] = neg_inf;
       continue;
     }
     float sum = 0.0f;
     for (int c = 0; c < mi.num_chunks; ++c) sum += exp2f(p.partial_lse[prow(c) * hq + head] - m);
+    const float w_prev = prev_lse == neg_inf ? 0.0f : exp2f(prev_lse - m);
+    sum += w_prev;
     const float inv = 1.0f / sum;
     for (int d = lane; d < dv; d += 32) {
       float acc = 0.0f;
@@ -38,6 +47,7 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
         const float w = exp2f(p.partial_lse[prow(c) * hq + head] - m);
         acc += w * p.partial_o[(prow(c) * hq + head) * dv + d];
       }
+      if (w_prev > 0.0f) acc += w_prev * static_cast<float>(prev[d]);
       dst[d] = QT(acc * inv);
     }
     if (p.lse && lane == 0) p.lse[row * hq + head] = m + log2f(sum);

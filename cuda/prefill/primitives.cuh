@@ -25,12 +25,18 @@ struct Pack2<__nv_bfloat16> {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
   }
+  static __device__ __forceinline__ float2 to_floats(uint32_t bits) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+  }
 };
 template <>
 struct Pack2<__half> {
   static __device__ __forceinline__ uint32_t from_floats(float lo, float hi) {
     const __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float2 to_floats(uint32_t bits) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
   }
 };
 

@@ -35,6 +35,20 @@ struct AttentionOptions {
   // reference also accepts it absent (matrices packed back to back).
   TensorView custom_mask;
   TensorView mask_indptr;  // i32 [B + 1]
+  // ragged_prefill / paged_prefill only (paged_decode rejects them): merge each query row's
+  // result with the state (merge_o, merge_lse) over a disjoint KV set before writing it, as
+  // SEMANTICS.md "Merging partial states" (a state with LSE -inf contributes nothing); out gets
+  // the merged O and lse (when given) the merged LSE. Extend's prefix pass takes the new tokens'
+  // own causal state this way instead of a merge_state call. merge_o [Tq, Hq, D_v] in q's dtype,
+  // merge_lse [Tq, Hq] f32 contiguous, both required together; they may be the same tensors as
+  // out / lse (each row is read before it is written).
+  TensorView merge_o, merge_lse;
+  // With merge_o, CUDA sm_90 only (elsewhere ignored): the call may start while the kernel
+  // before it on the stream is still running, and waits for that kernel only before it reads
+  // merge_o / merge_lse or writes out / lse. Set it only when that kernel writes nothing else
+  // this call reads (q, the KV and index tensors, the mask, the workspace) and reads nothing it
+  // writes, as when it is the ragged_prefill that produced merge_o / merge_lse.
+  bool overlap_previous = false;
 };
 
 // Scratch memory an operator's plan needs: the uploaded plan and the partial states of split

@@ -17,6 +17,17 @@ struct AttentionParams {
   int64_t q_stride_n = 0, q_stride_h = 0;
   int64_t o_stride_n = 0, o_stride_h = 0;
   float* lse = nullptr;  // [num_qo_tokens, Hq] contiguous, base 2; null when not wanted
+  // Prefill only: a state over a disjoint KV set that each final output row is merged with
+  // before it is written (AttentionOptions::merge_o). merge_o has q's dtype and O's shape;
+  // merge_lse [num_qo_tokens, Hq] contiguous. Either may be the same memory as o / lse: a row is
+  // read before it is written, by the same thread. Null: no merge.
+  const void* merge_o = nullptr;
+  int64_t merge_stride_n = 0, merge_stride_h = 0;
+  const float* merge_lse = nullptr;
+  // CUDA sm_90: launched with programmatic stream serialization, the kernel waits for the
+  // preceding kernel only before it reads merge_o / merge_lse or writes o / lse
+  // (AttentionOptions::overlap_previous).
+  bool overlap_previous = false;
 
   // K [slots, Hkv, D_qk], V [slots, Hkv, D_v]: f32/f16/bf16 (the same as q) or fp8.
   const void* k = nullptr;
