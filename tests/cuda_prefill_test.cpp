@@ -598,6 +598,8 @@ void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
       po->max_batch_size = batch;
       po->max_num_tokens = static_cast<int32_t>(tokens);
     }
+    rpo.max_kv_len = *std::max_element(c.q_lens.begin(), c.q_lens.end());
+    ppo.max_kv_len = *std::max_element(c.prefix.begin(), c.prefix.end());
   }
   PrefillPlan plan_r = plan_for(e.fresh, e.rin, dev, rpo, true);
   PrefillPlan plan_p = plan_for(e.pre, e.pin, dev, ppo, false);

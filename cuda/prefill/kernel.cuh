@@ -96,7 +96,7 @@ __device__ __forceinline__ void run_block(const AttentionParams& p, const RowBlo
 
   float scale[Cfg::kMTiles][2], lse[Cfg::kMTiles][2];
   softmax.finish(c, scale, lse, Cfg::kFp8 ? p.v_scale : 1.0f);
-  store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, o, scale, lse);
+  store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, smem, o, scale, lse);
 }
 
 // grid (workers, Hkv), kPrefillThreads threads; CTA (w, h) runs worker w's items for KV head h.
