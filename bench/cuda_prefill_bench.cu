@@ -285,38 +285,37 @@ std::vector<Row> bench_extend(int batch, int prefix, int fresh, int iters) {
     const double us = us_r + us_p;
     rows.push_back({"extend " + shape + " ragged+paged (no cuda merge)", us, flops / us * 1e-6});
   }
+  // `base` merging with the state in o_new / lse_new as it writes.
+  auto merging = [&](AttentionOptions base, bool overlap) {
+    base.merge_o = o_new;
+    base.merge_lse = lse_new;
+    base.overlap_previous = overlap;
+    return base;
+  };
   // The serving path: the paged pass merges with the ragged state as it writes (in place), and
   // with overlap_previous starts on the SMs the ragged pass frees (programmatic dependent launch).
   for (bool overlap : {true, false}) {
-    AttentionOptions merged = full;
-    merged.merge_o = o_new;
-    merged.merge_lse = lse_new;
-    merged.overlap_previous = overlap;
+    const AttentionOptions merged = merging(full, overlap);
     const double us = median_us(
         [&] {
           ragged();
           paged_prefill(prefix_plan, q, qo_t, pre_kv, merged, o_new, TensorView(), ws_p);
         },
         iters);
-    rows.push_back({"extend " + shape + (overlap ? " ragged+merging paged" : " ... no overlap"),
-                    us, flops / us * 1e-6});
+    rows.push_back({"extend " + shape + (overlap ? " ragged+merging paged" : " ... no overlap"), us,
+                    flops / us * 1e-6});
   }
   // The other order: the prefix pass first, the ragged pass merging with its state (the short
   // ragged items then fill the SMs the paged pass's last wave leaves idle).
-  {
-    AttentionOptions merged = causal;
-    merged.merge_o = o_new;
-    merged.merge_lse = lse_new;
-    merged.overlap_previous = true;
-    const double us = median_us(
-        [&] {
-          paged_prefill(prefix_plan, q, qo_t, pre_kv, full, o_new, lse_new, ws_p);
-          ragged_prefill(ragged_plan, q, k_new, v_new, qo_t, qo_t, merged, o_new, TensorView(),
-                         ws_r);
-        },
-        iters);
-    rows.push_back({"extend " + shape + " paged+merging ragged", us, flops / us * 1e-6});
-  }
+  const AttentionOptions merged_causal = merging(causal, true);
+  const double us_o = median_us(
+      [&] {
+        paged_prefill(prefix_plan, q, qo_t, pre_kv, full, o_new, lse_new, ws_p);
+        ragged_prefill(ragged_plan, q, k_new, v_new, qo_t, qo_t, merged_causal, o_new, TensorView(),
+                       ws_r);
+      },
+      iters);
+  rows.push_back({"extend " + shape + " paged+merging ragged", us_o, flops / us_o * 1e-6});
   const double us_s =
       median_us([&] { paged_prefill(single_plan, q, qo_t, all_kv, causal, o, lse, ws_s); }, iters);
   rows.push_back({"extend " + shape + " one paged pass", us_s, flops / us_s * 1e-6});

@@ -137,8 +137,8 @@ void set_merge(AttentionParams& p, const AttentionOptions& opt, const TensorView
       .dim(0, q.shape[0], "num_qo_tokens")
       .dim(1, q.shape[1], "num_qo_heads");
   // In place is fine (a row is read before it is written); a shifted view of out is not.
-  FLASHKV_CHECK(opt.merge_o.data != out.data ||
-                    (opt.merge_o.stride[0] == out.stride[0] && opt.merge_o.stride[1] == out.stride[1]),
+  FLASHKV_CHECK(opt.merge_o.data != out.data || (opt.merge_o.stride[0] == out.stride[0] &&
+                                                 opt.merge_o.stride[1] == out.stride[1]),
                 "merge_o: the same memory as out needs out's strides (", out.stride[0], "/",
                 out.stride[1], "), got ", opt.merge_o.stride[0], "/", opt.merge_o.stride[1]);
   p.merge_o = opt.merge_o.data;

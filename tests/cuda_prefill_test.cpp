@@ -185,13 +185,10 @@ Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows) {
   return g;
 }
 
-// Runs the problem on the GPU and returns (out, lse) on the host.
-std::pair<Tensor, Tensor> run_on_gpu(const Problem& pr, const Inputs& in, PrefillPlan* plan_out) {
-  const Device gpu = Device::cuda();
-  const int batch = static_cast<int>(pr.q_lens.size());
-  const int group = pr.hq / pr.hkv;
+// The prefill plan of a problem on `dev` (q_tile 0: the CUDA kernel's full tile).
+PrefillPlan plan_for(const Problem& pr, const Inputs& in, Device dev, PlanOptions po, bool causal) {
   BatchShape bs;
-  bs.batch_size = batch;
+  bs.batch_size = static_cast<int32_t>(pr.q_lens.size());
   bs.qo_indptr = in.qo_indptr.data();
   bs.kv_len = pr.kv_lens.data();
   bs.num_qo_heads = pr.hq;
@@ -199,11 +196,16 @@ std::pair<Tensor, Tensor> run_on_gpu(const Problem& pr, const Inputs& in, Prefil
   bs.head_dim_qk = pr.dqk;
   bs.head_dim_v = pr.dv;
   bs.page_size = pr.paged ? pr.page_size : 1;
-  bs.causal = pr.causal && !pr.custom_mask;
+  bs.causal = causal;
   bs.window_left = pr.window_left;
-  PlanOptions po = pr.plan;
-  if (po.q_tile == 0) po.q_tile = std::max(1, cta_rows(pr.dqk, pr.dv) / group);
-  PrefillPlan plan = plan_prefill(bs, device_info(gpu), po);
+  if (po.q_tile == 0) po.q_tile = std::max(1, cta_rows(pr.dqk, pr.dv) / (pr.hq / pr.hkv));
+  return plan_prefill(bs, device_info(dev), po);
+}
+
+// Runs the problem on the GPU and returns (out, lse) on the host.
+std::pair<Tensor, Tensor> run_on_gpu(const Problem& pr, const Inputs& in, PrefillPlan* plan_out) {
+  const Device gpu = Device::cuda();
+  PrefillPlan plan = plan_for(pr, in, gpu, pr.plan, pr.causal && !pr.custom_mask);
   if (pr.expect_merges) EXPECT_FALSE(plan.merges.empty()) << "the case should split KV";
   Workspace ws(std::max<size_t>(plan.layout.total_bytes, 256), gpu);
   ws.upload(plan);
@@ -560,22 +562,6 @@ struct FusedExtendCase {
   bool graph = false;          // graph-mode plans, both passes replayed from a CUDA graph
 };
 
-PrefillPlan plan_for(const Problem& pr, const Inputs& in, Device dev, PlanOptions po,
-                     bool causal) {
-  BatchShape bs;
-  bs.batch_size = static_cast<int32_t>(pr.q_lens.size());
-  bs.qo_indptr = in.qo_indptr.data();
-  bs.kv_len = pr.kv_lens.data();
-  bs.num_qo_heads = pr.hq;
-  bs.num_kv_heads = pr.hkv;
-  bs.head_dim_qk = pr.dqk;
-  bs.head_dim_v = pr.dv;
-  bs.page_size = pr.paged ? pr.page_size : 1;
-  bs.causal = causal;
-  if (po.q_tile == 0) po.q_tile = std::max(1, cta_rows(pr.dqk, pr.dv) / (pr.hq / pr.hkv));
-  return plan_prefill(bs, device_info(dev), po);
-}
-
 // Runs ragged_prefill then paged_prefill merging with its state on `dev`; checks against one
 // causal paged pass of the float64 reference (the prefix alone for an empty state).
 void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
@@ -815,8 +801,9 @@ TEST(CpuPrefill, MergeStateOptionBadInputsThrow) {
   out_view.shape[2] = pr.dv;
   out_view.stride[1] = pr.dv;
   out_view.stride[0] = int64_t{pr.hq} * pr.dv;
-  EXPECT_NE(test::error_of([&] { paged_prefill(plan, in.q, qo, kv, o, out_view, lse, ws); })
-                .find("merge_o"),
+  EXPECT_NE(test::error_of([&] {
+              paged_prefill(plan, in.q, qo, kv, o, out_view, lse, ws);
+            }).find("merge_o"),
             std::string::npos);
   // Decode takes no merge state.
   o.merge_o = out;
