@@ -12,27 +12,28 @@
 namespace flashkv::cuda::prefill_detail {
 
 // A final row block merged with p's merge state (p.merge_o / p.merge_lse, possibly the same
-// memory as the outputs) as it is stored, in two steps: stage_merge_state copies the state in,
-// store_merged_block merges and stores.
+// memory as the outputs) as it is stored. Under programmatic dependent launch the state comes
+// from the preceding kernel: wait for it here, before the first read of it (and write of O).
 //
 // The warp's rows of the state are copied with cp.async into the warp's own Q rows of shared
-// memory (only this warp reads them), all in flight together, and early: run_block stages them
-// right after the last tile's Q.K^T, so the copies overlap that tile's softmax and P.V. Loads
-// into registers instead would either spill (O already holds 128 registers) or, issued between
-// stores that may overwrite the state, wait one round trip each. 16-byte chunk c of local row r
-// sits at chunk c ^ (r & 7), so the quads' 4-byte reads of eight rows hit 32 distinct banks. An
-// empty state's values are copied too and never used.
-//
-// Under programmatic dependent launch the state comes from the preceding kernel: staging waits
-// for it first (its first read of the state, before any write of O).
+// memory (only this warp reads them, and its KV loop is over), all in flight together: one
+// memory round trip a row block, where loads into registers would either spill (O already holds
+// 128 registers) or, issued between stores that may overwrite the state, wait one round trip
+// each. 16-byte chunk c of local row r sits at chunk c ^ (r & 7), so the quads' 4-byte reads of
+// eight rows hit 32 distinct banks. The LSEs come into registers alongside; an empty state's
+// values are loaded too and never used.
 template <typename Cfg>
-__device__ __forceinline__ void stage_merge_state(const AttentionParams& p, const RowBlock& b,
-                                                  int kv_head, int group, int warp_row0, int lane,
-                                                  unsigned char* smem) {
+__device__ __forceinline__ void store_merged_block(const AttentionParams& p, const RowBlock& b,
+                                                   int kv_head, int group, int warp_row0, int lane,
+                                                   unsigned char* smem,
+                                                   const float (&o)[Cfg::kMTiles][Cfg::kDv / 8][4],
+                                                   const float (&scale)[Cfg::kMTiles][2],
+                                                   const float (&lse)[Cfg::kMTiles][2]) {
   using QT = typename Cfg::Q;
   static_assert(Cfg::kDqk >= Cfg::kDv && Cfg::kVChunks % 8 == 0,
                 "the merge state's rows must fit the warp's Q rows, in 8k chunks");
   constexpr int kChunks = Cfg::kVChunks;
+  const float neg_inf = -__int_as_float(0x7f800000);
   QT* stage = reinterpret_cast<QT*>(smem + Cfg::kQOffset) + warp_row0 * Cfg::kDqk;
   ptx::grid_dependency_wait();
   __syncwarp();  // every lane of the warp is past its last read of its Q rows
@@ -51,18 +52,6 @@ __device__ __forceinline__ void stage_merge_state(const AttentionParams& p, cons
     cp_async_16(stage + r * Cfg::kDv + (c ^ (r & 7)) * 8, src, valid ? 16 : 0);
   }
   cp_async_commit();
-}
-
-template <typename Cfg>
-__device__ __forceinline__ void store_merged_block(const AttentionParams& p, const RowBlock& b,
-                                                   int kv_head, int group, int warp_row0, int lane,
-                                                   unsigned char* smem,
-                                                   const float (&o)[Cfg::kMTiles][Cfg::kDv / 8][4],
-                                                   const float (&scale)[Cfg::kMTiles][2],
-                                                   const float (&lse)[Cfg::kMTiles][2]) {
-  using QT = typename Cfg::Q;
-  const float neg_inf = -__int_as_float(0x7f800000);
-  const QT* stage = reinterpret_cast<const QT*>(smem + Cfg::kQOffset) + warp_row0 * Cfg::kDqk;
   float prev_lse[Cfg::kMTiles][2];
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt)
@@ -122,7 +111,6 @@ __device__ __forceinline__ void store_block(const AttentionParams& p, const RowB
                                             const float (&lse)[Cfg::kMTiles][2]) {
   using QT = typename Cfg::Q;
   const bool merge = p.merge_o != nullptr && b.partial < 0;
-  // Merged stores: run_block staged the merge state (stage_merge_state) before calling this.
   if (merge) store_merged_block<Cfg>(p, b, kv_head, group, warp_row0, lane, smem, o, scale, lse);
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt)

@@ -54,7 +54,6 @@ __device__ __forceinline__ void run_block(const AttentionParams& p, const RowBlo
 
   const int num_tiles =
       b.kv_hi > b.kv_lo ? (b.kv_hi - b.kv_lo + Cfg::kKvTile - 1) / Cfg::kKvTile : 0;
-  const bool merge = p.merge_o != nullptr && b.partial < 0;  // merged stores (epilogue.cuh)
   if (num_tiles > 0) {
     KvTileRows<Cfg> rows;
     rows.fetch(p, b, b.kv_lo, tid);
@@ -85,9 +84,6 @@ __device__ __forceinline__ void run_block(const AttentionParams& p, const RowBlo
 
       float s[Cfg::kMTiles][kNTiles][4];
       qk_product<Cfg>(fa, stage_off * Cfg::kKStageBytes, s);
-      // The warp's Q rows are now free: the merge state's copies overlap the last P.V.
-      if (merge && t + 1 == num_tiles)
-        stage_merge_state<Cfg>(p, b, kv_head, group, warp_row0, lane, smem);
       if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap);
       if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
         apply_mask<Cfg::kMTiles, kNTiles>(s, p, b, group, warp_row0, j0, lane);
@@ -98,7 +94,6 @@ __device__ __forceinline__ void run_block(const AttentionParams& p, const RowBlo
     }
   }
 
-  if (merge && num_tiles == 0) stage_merge_state<Cfg>(p, b, kv_head, group, warp_row0, lane, smem);
   float scale[Cfg::kMTiles][2], lse[Cfg::kMTiles][2];
   softmax.finish(c, scale, lse, Cfg::kFp8 ? p.v_scale : 1.0f);
   store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, smem, o, scale, lse);
