@@ -86,6 +86,7 @@ struct Scratch {
   std::vector<int32_t> chunks_per_tile;
   std::vector<uint32_t> order;
   std::vector<uint64_t> tree;  // see balance()
+  std::vector<uint64_t> load;  // per worker
   std::vector<int32_t> owner, cursor;
 };
 Scratch& scratch() {
@@ -424,6 +425,99 @@ void lpt_walk_for_depth(int depth, const LptState& st, uint32_t begin, uint32_t 
   lpt_walk_dispatch(depth, st, begin, end, std::make_index_sequence<kWorkerBits + 1>());
 }
 
+// LPT in rounds, for up to kMaxRankedWorkers workers. At the start of a round, with the workers
+// ranked by entry (load, then id) E_0 < E_1 < ..., LPT gives the round's next item to worker
+// rank 0, and the one after to rank 1 as long as rank 0's new entry is above E_1, and so on:
+// item t goes to rank t while the minimum of the new entries of ranks 0..t-1 is above E_t.
+// That holds for nearly every item of serving-like batches (one round is the next `workers`
+// items, of similar costs), so a round ranks the workers once (a branch-free all-pairs count,
+// four workers per vector compare) and then assigns item after item with no dependency chain
+// through a tree; the first item it cannot prove ends the round, and the next round re-ranks.
+// The result is exactly the tournament tree's (the same packed entries and ties).
+constexpr int32_t kMaxRankedWorkers = 64;
+using Int32x4 = int32_t __attribute__((vector_size(16)));
+
+// rank[w] = how many of entry[0, num) are below entry[w], for w < 4 * kChunks (entry is padded
+// to that length with INT32_MAX, above every entry).
+template <int kChunks>
+void rank_entries(const int32_t* entry, int32_t num, int32_t* rank) {
+  Int32x4 value[kChunks], below[kChunks];
+  for (int c = 0; c < kChunks; ++c) {
+    std::memcpy(&value[c], entry + 4 * c, sizeof(Int32x4));
+    below[c] = Int32x4{0, 0, 0, 0};
+  }
+  for (int32_t other = 0; other < num; ++other) {
+    const Int32x4 pivot = Int32x4{0, 0, 0, 0} + entry[other];
+    for (int c = 0; c < kChunks; ++c) below[c] -= (value[c] > pivot);  // true is -1
+  }
+  for (int c = 0; c < kChunks; ++c) std::memcpy(rank + 4 * c, &below[c], sizeof(Int32x4));
+}
+
+struct RoundsState {
+  const uint32_t* order;
+  const uint64_t* cost;
+  int shift;
+  int worker_bits;  // bits of a worker id in an entry
+  int32_t workers;
+  uint64_t* load;  // [workers], in units of cost >> shift
+  int32_t* owner;
+  int32_t* per_worker;
+};
+
+// Assigns the items order[begin, end) in rounds; returns where it stopped: `end`, or earlier
+// when rounds got too short to pay for their ranking (items much smaller than the spread of
+// the loads), leaving the rest to the tree. Entries are 32-bit, relative to the least load
+// (the spread of LPT's loads is at most the largest item; the caller checks that it fits).
+template <int kChunks>
+uint32_t lpt_rounds(const RoundsState& st, uint32_t begin, uint32_t end) {
+  const int32_t workers = st.workers;
+  const int bits = st.worker_bits;
+  const int32_t min_round = std::max(1, workers / 4);
+  uint64_t* const load = st.load;
+  alignas(16) int32_t entry[4 * kChunks];
+  int32_t rank[4 * kChunks], by_rank[4 * kChunks];
+  uint64_t base = load[0];
+  for (int32_t w = 1; w < workers; ++w) base = std::min(base, load[w]);
+  for (int32_t w = workers; w < 4 * kChunks; ++w) entry[w] = INT32_MAX;
+  uint32_t j = begin;
+  while (j < end) {
+    for (int32_t w = 0; w < workers; ++w)
+      entry[w] = static_cast<int32_t>(((load[w] - base) << bits) | static_cast<uint32_t>(w));
+    rank_entries<kChunks>(entry, workers, rank);
+    for (int32_t w = 0; w < workers; ++w) by_rank[rank[w]] = w;
+    const uint32_t round = std::min<uint32_t>(static_cast<uint32_t>(workers), end - j);
+    uint64_t least_new = UINT64_MAX;  // the least new entry of this round
+    uint32_t t = 0;
+    for (;;) {
+      const int32_t w = by_rank[t];
+      const uint32_t i = st.order[j + t];
+      const uint64_t c = std::max<uint64_t>(1, st.cost[i] >> st.shift);
+      st.owner[i] = w;
+      ++st.per_worker[w];
+      load[w] += c;
+      least_new = std::min(least_new, static_cast<uint64_t>(entry[w]) + (c << bits));
+      if (++t == round || least_new < static_cast<uint64_t>(entry[by_rank[t]])) break;
+    }
+    j += t;
+    // The least load now: the least new entry, or an untouched rank-t worker's.
+    const uint64_t least =
+        t < static_cast<uint32_t>(workers)
+            ? std::min(least_new, static_cast<uint64_t>(entry[by_rank[t]]))
+            : least_new;
+    base += least >> bits;
+    if (static_cast<int32_t>(t) < min_round) break;
+  }
+  return j;
+}
+
+template <size_t... kChunks>
+uint32_t lpt_rounds_dispatch(const RoundsState& st, uint32_t begin, uint32_t end,
+                             std::index_sequence<kChunks...>) {
+  using Rounds = uint32_t (*)(const RoundsState&, uint32_t, uint32_t);
+  static constexpr Rounds kRounds[] = {&lpt_rounds<static_cast<int>(kChunks) + 1>...};
+  return kRounds[(st.workers - 1) / 4](st, begin, end);
+}
+
 // LPT: items costliest first, each to the least-loaded worker (ties: the lowest id); writes
 // the items grouped by worker (each worker's in planning order) into p->items and
 // p->worker_indptr. Needs more items than workers.
@@ -463,28 +557,40 @@ void balance(const ItemList& items, int32_t num_workers, Scratch& s, Plan* p) {
   // one item's assignment is a short chain of branch-free minimums. Loads are scaled down when
   // they could overflow the packed entries.
   const int shift = std::max(0, bit_width(total) - kLoadBits + 1);
-  auto entry_of = [&](uint32_t i, uint64_t load) {
-    return load + (std::max<uint64_t>(1, cost[i] >> shift) << kWorkerBits);
-  };
-  int depth = 0;
-  while ((1 << depth) < num_workers) ++depth;
-  const int32_t leaves = 1 << depth;
-  // tree[leaves + w]: worker w's entry (padding leaves: never the minimum); tree[i] for
-  // 1 <= i < leaves: the minimum of its two children.
-  s.tree.assign(2 * static_cast<size_t>(leaves), UINT64_MAX);
-  uint64_t* tree = s.tree.data();
   // worker_indptr[w + 1] counts worker w's items first.
   p->worker_indptr.assign(num_workers + 1, 0);
   int32_t* per_worker = p->worker_indptr.data() + 1;
+  s.load.resize(num_workers);
+  uint64_t* load = s.load.data();
   // The costliest `num_workers` items: one to each worker, as LPT would (all loads are 0).
   for (int32_t w = 0; w < num_workers; ++w) {
     owner[order[w]] = w;
     per_worker[w] = 1;
-    tree[leaves + w] = entry_of(order[w], static_cast<uint64_t>(w));
+    load[w] = std::max<uint64_t>(1, cost[order[w]] >> shift);
   }
-  for (int32_t i = leaves - 1; i >= 1; --i) tree[i] = std::min(tree[2 * i], tree[2 * i + 1]);
-  const LptState state{order, cost, shift, tree, owner, per_worker};
-  lpt_walk_for_depth(depth, state, num_workers, n);
+  uint32_t done = static_cast<uint32_t>(num_workers);
+  // Rounds need entries (spread of the loads << worker bits | worker) below INT32_MAX; the
+  // spread is at most the largest item, below 2^(highest / 8 + 5) (see cost_key).
+  const int worker_bits = bit_width(static_cast<uint64_t>(num_workers - 1));
+  if (num_workers <= kMaxRankedWorkers && highest < 255 && highest / 8 + 6 + worker_bits <= 30) {
+    const RoundsState rounds{order, cost, shift, worker_bits, num_workers, load, owner, per_worker};
+    done = lpt_rounds_dispatch(rounds, done, n,
+                               std::make_index_sequence<kMaxRankedWorkers / 4>());
+  }
+  if (done < n) {
+    int depth = 0;
+    while ((1 << depth) < num_workers) ++depth;
+    const int32_t leaves = 1 << depth;
+    // tree[leaves + w]: worker w's entry (padding leaves: never the minimum); tree[i] for
+    // 1 <= i < leaves: the minimum of its two children.
+    s.tree.assign(2 * static_cast<size_t>(leaves), UINT64_MAX);
+    uint64_t* tree = s.tree.data();
+    for (int32_t w = 0; w < num_workers; ++w)
+      tree[leaves + w] = (load[w] << kWorkerBits) | static_cast<uint64_t>(w);
+    for (int32_t i = leaves - 1; i >= 1; --i) tree[i] = std::min(tree[2 * i], tree[2 * i + 1]);
+    const LptState state{order, cost, shift, tree, owner, per_worker};
+    lpt_walk_for_depth(depth, state, done, n);
+  }
 
   // 3. Group by worker.
   int32_t* indptr = p->worker_indptr.data();
