@@ -500,10 +500,9 @@ uint32_t lpt_rounds(const RoundsState& st, uint32_t begin, uint32_t end) {
     }
     j += t;
     // The least load now: the least new entry, or an untouched rank-t worker's.
-    const uint64_t least =
-        t < static_cast<uint32_t>(workers)
-            ? std::min(least_new, static_cast<uint64_t>(entry[by_rank[t]]))
-            : least_new;
+    const uint64_t least = t < static_cast<uint32_t>(workers)
+                               ? std::min(least_new, static_cast<uint64_t>(entry[by_rank[t]]))
+                               : least_new;
     base += least >> bits;
     if (static_cast<int32_t>(t) < min_round) break;
   }
@@ -574,8 +573,7 @@ void balance(const ItemList& items, int32_t num_workers, Scratch& s, Plan* p) {
   const int worker_bits = bit_width(static_cast<uint64_t>(num_workers - 1));
   if (num_workers <= kMaxRankedWorkers && highest < 255 && highest / 8 + 6 + worker_bits <= 30) {
     const RoundsState rounds{order, cost, shift, worker_bits, num_workers, load, owner, per_worker};
-    done = lpt_rounds_dispatch(rounds, done, n,
-                               std::make_index_sequence<kMaxRankedWorkers / 4>());
+    done = lpt_rounds_dispatch(rounds, done, n, std::make_index_sequence<kMaxRankedWorkers / 4>());
   }
   if (done < n) {
     int depth = 0;
