@@ -435,23 +435,49 @@ void lpt_walk_for_depth(int depth, const LptState& st, uint32_t begin, uint32_t 
 // through a tree; the first item it cannot prove ends the round, and the next round re-ranks.
 // The result is exactly the tournament tree's (the same packed entries and ties).
 constexpr int32_t kMaxRankedWorkers = 64;
-using Int32x4 = int32_t __attribute__((vector_size(16)));
 
-// rank[w] = how many of entry[0, num) are below entry[w], for w < 4 * kChunks (entry is padded
-// to that length with INT32_MAX, above every entry).
-template <int kChunks>
-void rank_entries(const int32_t* entry, int32_t num, int32_t* rank) {
-  Int32x4 value[kChunks], below[kChunks];
+// rank[w] = how many of entry[0, num) are below entry[w], for w < kLanes * kChunks (entry is
+// padded to that length with INT32_MAX, above every entry). Vec: kLanes int32 lanes.
+template <typename Vec, int kLanes, int kChunks>
+__attribute__((always_inline)) inline void rank_entries(const int32_t* entry, int32_t num,
+                                                        int32_t* rank) {
+  Vec value[kChunks], below[kChunks];
   for (int c = 0; c < kChunks; ++c) {
-    std::memcpy(&value[c], entry + 4 * c, sizeof(Int32x4));
-    below[c] = Int32x4{0, 0, 0, 0};
+    std::memcpy(&value[c], entry + kLanes * c, sizeof(Vec));
+    below[c] = Vec{} + 0;
   }
   for (int32_t other = 0; other < num; ++other) {
-    const Int32x4 pivot = Int32x4{0, 0, 0, 0} + entry[other];
+    const Vec pivot = Vec{} + entry[other];
     for (int c = 0; c < kChunks; ++c) below[c] -= (value[c] > pivot);  // true is -1
   }
-  for (int c = 0; c < kChunks; ++c) std::memcpy(rank + 4 * c, &below[c], sizeof(Int32x4));
+  for (int c = 0; c < kChunks; ++c) std::memcpy(rank + kLanes * c, &below[c], sizeof(Vec));
 }
+
+// The same, 4 or 8 lanes at a time: SSE2 (every x86-64) or AVX2 where the host has it.
+// kChunks8: groups of 8 entries (the padding covers both).
+using Int32x4 = int32_t __attribute__((vector_size(16)));
+template <int kChunks8>
+void rank_entries_sse2(const int32_t* entry, int32_t num, int32_t* rank) {
+  rank_entries<Int32x4, 4, 2 * kChunks8>(entry, num, rank);
+}
+#if defined(__x86_64__) || defined(__i386__)
+template <int kChunks8>
+__attribute__((target("avx2"))) void rank_entries_avx2(const int32_t* entry, int32_t num,
+                                                       int32_t* rank) {
+  using Int32x8 = int32_t __attribute__((vector_size(32)));
+  rank_entries<Int32x8, 8, kChunks8>(entry, num, rank);
+}
+bool host_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#else
+template <int kChunks8>
+void rank_entries_avx2(const int32_t* entry, int32_t num, int32_t* rank) {
+  rank_entries_sse2<kChunks8>(entry, num, rank);
+}
+bool host_has_avx2() { return false; }
+#endif
 
 struct RoundsState {
   const uint32_t* order;
@@ -468,22 +494,27 @@ struct RoundsState {
 // when rounds got too short to pay for their ranking (items much smaller than the spread of
 // the loads), leaving the rest to the tree. Entries are 32-bit, relative to the least load
 // (the spread of LPT's loads is at most the largest item; the caller checks that it fits).
-template <int kChunks>
+template <int kChunks8>
 uint32_t lpt_rounds(const RoundsState& st, uint32_t begin, uint32_t end) {
+  constexpr int kPadded = 8 * kChunks8;
+  const bool avx2 = host_has_avx2();
   const int32_t workers = st.workers;
   const int bits = st.worker_bits;
   const int32_t min_round = std::max(1, workers / 4);
   uint64_t* const load = st.load;
-  alignas(16) int32_t entry[4 * kChunks];
-  int32_t rank[4 * kChunks], by_rank[4 * kChunks];
+  alignas(32) int32_t entry[kPadded];
+  int32_t rank[kPadded], by_rank[kPadded];
   uint64_t base = load[0];
   for (int32_t w = 1; w < workers; ++w) base = std::min(base, load[w]);
-  for (int32_t w = workers; w < 4 * kChunks; ++w) entry[w] = INT32_MAX;
+  for (int32_t w = workers; w < kPadded; ++w) entry[w] = INT32_MAX;
   uint32_t j = begin;
   while (j < end) {
     for (int32_t w = 0; w < workers; ++w)
       entry[w] = static_cast<int32_t>(((load[w] - base) << bits) | static_cast<uint32_t>(w));
-    rank_entries<kChunks>(entry, workers, rank);
+    if (avx2)
+      rank_entries_avx2<kChunks8>(entry, workers, rank);
+    else
+      rank_entries_sse2<kChunks8>(entry, workers, rank);
     for (int32_t w = 0; w < workers; ++w) by_rank[rank[w]] = w;
     const uint32_t round = std::min<uint32_t>(static_cast<uint32_t>(workers), end - j);
     uint64_t least_new = UINT64_MAX;  // the least new entry of this round
@@ -509,12 +540,12 @@ uint32_t lpt_rounds(const RoundsState& st, uint32_t begin, uint32_t end) {
   return j;
 }
 
-template <size_t... kChunks>
+template <size_t... kChunks8>
 uint32_t lpt_rounds_dispatch(const RoundsState& st, uint32_t begin, uint32_t end,
-                             std::index_sequence<kChunks...>) {
+                             std::index_sequence<kChunks8...>) {
   using Rounds = uint32_t (*)(const RoundsState&, uint32_t, uint32_t);
-  static constexpr Rounds kRounds[] = {&lpt_rounds<static_cast<int>(kChunks) + 1>...};
-  return kRounds[(st.workers - 1) / 4](st, begin, end);
+  static constexpr Rounds kRounds[] = {&lpt_rounds<static_cast<int>(kChunks8) + 1>...};
+  return kRounds[(st.workers - 1) / 8](st, begin, end);
 }
 
 // LPT: items costliest first, each to the least-loaded worker (ties: the lowest id); writes
@@ -573,7 +604,7 @@ void balance(const ItemList& items, int32_t num_workers, Scratch& s, Plan* p) {
   const int worker_bits = bit_width(static_cast<uint64_t>(num_workers - 1));
   if (num_workers <= kMaxRankedWorkers && highest < 255 && highest / 8 + 6 + worker_bits <= 30) {
     const RoundsState rounds{order, cost, shift, worker_bits, num_workers, load, owner, per_worker};
-    done = lpt_rounds_dispatch(rounds, done, n, std::make_index_sequence<kMaxRankedWorkers / 4>());
+    done = lpt_rounds_dispatch(rounds, done, n, std::make_index_sequence<kMaxRankedWorkers / 8>());
   }
   if (done < n) {
     int depth = 0;
