@@ -566,13 +566,16 @@ void balance(const ItemList& items, int32_t num_workers, Scratch& s, Plan* p) {
   // between two counter sets, so that runs of equal keys (the tiles of one request) do not
   // serialize on one counter; within a key, even-numbered items come first, then odd ones, each
   // in item order.
-  uint32_t count[256][2] = {};
+  // The key range first, in its own loop: it vectorizes there, while next to the counting it
+  // would be two chains of one dependent minimum per item.
   uint8_t lowest = 255, highest = 0;
   for (uint32_t i = 0; i < n; ++i) {
-    ++count[key[i]][i & 1];
     lowest = std::min(lowest, key[i]);
     highest = std::max(highest, key[i]);
   }
+  uint32_t count[256][2];
+  std::memset(count + lowest, 0, std::max(0, highest - lowest + 1) * sizeof(count[0]));
+  for (uint32_t i = 0; i < n; ++i) ++count[key[i]][i & 1];
   uint32_t next = 0;
   for (int k = highest; k >= lowest; --k) {
     const uint32_t even = count[k][0], odd = count[k][1];
