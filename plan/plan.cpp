@@ -434,6 +434,8 @@ void lpt_walk_for_depth(int depth, const LptState& st, uint32_t begin, uint32_t 
 // four workers per vector compare) and then assigns item after item with no dependency chain
 // through a tree; the first item it cannot prove ends the round, and the next round re-ranks.
 // The result is exactly the tournament tree's (the same packed entries and ties).
+// Up to 8 workers the tree is three levels deep and at least as fast as rounds (measured).
+constexpr int32_t kMinRankedWorkers = 9;
 constexpr int32_t kMaxRankedWorkers = 64;
 
 // rank[w] = how many of entry[0, num) are below entry[w], for w < kLanes * kChunks (entry is
@@ -605,7 +607,8 @@ void balance(const ItemList& items, int32_t num_workers, Scratch& s, Plan* p) {
   // Rounds need entries (spread of the loads << worker bits | worker) below INT32_MAX; the
   // spread is at most the largest item, below 2^(highest / 8 + 5) (see cost_key).
   const int worker_bits = bit_width(static_cast<uint64_t>(num_workers - 1));
-  if (num_workers <= kMaxRankedWorkers && highest < 255 && highest / 8 + 6 + worker_bits <= 30) {
+  if (num_workers >= kMinRankedWorkers && num_workers <= kMaxRankedWorkers && highest < 255 &&
+      highest / 8 + 6 + worker_bits <= 30) {
     const RoundsState rounds{order, cost, shift, worker_bits, num_workers, load, owner, per_worker};
     done = lpt_rounds_dispatch(rounds, done, n, std::make_index_sequence<kMaxRankedWorkers / 8>());
   }
