@@ -483,11 +483,9 @@ bool host_has_avx2() { return false; }
 
 struct RoundsState {
   const uint32_t* order;
-  const uint64_t* cost;
-  int shift;
-  int worker_bits;  // bits of a worker id in an entry
+  const uint64_t* cost;  // unscaled (rounds run only where the tree's shift is 0)
   int32_t workers;
-  uint64_t* load;  // [workers], in units of cost >> shift
+  uint64_t* load;  // [workers]
   int32_t* owner;
   int32_t* per_worker;
 };
@@ -501,7 +499,8 @@ uint32_t lpt_rounds(const RoundsState& st, uint32_t begin, uint32_t end) {
   constexpr int kPadded = 8 * kChunks8;
   const bool avx2 = host_has_avx2();
   const int32_t workers = st.workers;
-  const int bits = st.worker_bits;
+  // Bits of a worker id in an entry: those of 8 * kChunks8 - 1, the same as of workers - 1.
+  constexpr int bits = kChunks8 <= 2 ? 4 : kChunks8 <= 4 ? 5 : 6;
   const int32_t min_round = std::max(1, workers / 4);
   uint64_t* const load = st.load;
   alignas(32) int32_t entry[kPadded];
@@ -524,7 +523,7 @@ uint32_t lpt_rounds(const RoundsState& st, uint32_t begin, uint32_t end) {
     for (;;) {
       const int32_t w = by_rank[t];
       const uint32_t i = st.order[j + t];
-      const uint64_t c = std::max<uint64_t>(1, st.cost[i] >> st.shift);
+      const uint64_t c = st.cost[i];
       st.owner[i] = w;
       ++st.per_worker[w];
       load[w] += c;
@@ -605,11 +604,12 @@ void balance(const ItemList& items, int32_t num_workers, Scratch& s, Plan* p) {
   }
   uint32_t done = static_cast<uint32_t>(num_workers);
   // Rounds need entries (spread of the loads << worker bits | worker) below INT32_MAX; the
-  // spread is at most the largest item, below 2^(highest / 8 + 5) (see cost_key).
-  const int worker_bits = bit_width(static_cast<uint64_t>(num_workers - 1));
-  if (num_workers >= kMinRankedWorkers && num_workers <= kMaxRankedWorkers && highest < 255 &&
-      highest / 8 + 6 + worker_bits <= 30) {
-    const RoundsState rounds{order, cost, shift, worker_bits, num_workers, load, owner, per_worker};
+  // spread is at most the largest item, below 2^(highest / 8 + 5) (see cost_key). They use
+  // the costs unscaled, as the tree does below 2^42 in all.
+  const int worker_bits = bit_width(static_cast<uint64_t>(num_workers - 1));  // <= 6
+  if (num_workers >= kMinRankedWorkers && num_workers <= kMaxRankedWorkers && shift == 0 &&
+      highest < 255 && highest / 8 + 6 + worker_bits <= 30) {
+    const RoundsState rounds{order, cost, num_workers, load, owner, per_worker};
     done = lpt_rounds_dispatch(rounds, done, n, std::make_index_sequence<kMaxRankedWorkers / 8>());
   }
   if (done < n) {
