@@ -607,8 +607,10 @@ void balance(const ItemList& items, int32_t num_workers, Scratch& s, Plan* p) {
   // spread is at most the largest item, below 2^(highest / 8 + 5) (see cost_key). They use
   // the costs unscaled, as the tree does below 2^42 in all.
   const int worker_bits = bit_width(static_cast<uint64_t>(num_workers - 1));  // <= 6
-  if (num_workers >= kMinRankedWorkers && num_workers <= kMaxRankedWorkers && shift == 0 &&
-      highest < 255 && highest / 8 + 6 + worker_bits <= 30) {
+  // (A round must assign a quarter of the workers' worth of items to pay for its ranking.)
+  if (num_workers >= kMinRankedWorkers && num_workers <= kMaxRankedWorkers &&
+      n - done >= static_cast<uint32_t>(num_workers / 4) && shift == 0 && highest < 255 &&
+      highest / 8 + 6 + worker_bits <= 30) {
     const RoundsState rounds{order, cost, num_workers, load, owner, per_worker};
     done = lpt_rounds_dispatch(rounds, done, n, std::make_index_sequence<kMaxRankedWorkers / 8>());
   }
