@@ -209,6 +209,34 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
     PLAN_CHECK(makespan <= total / W + largest + 1, "makespan ", makespan, " > total/W ", total / W,
                " + largest ", largest);
   }
+  // LPT (costliest first, each to a least-loaded worker): when a worker got its last item, its
+  // load was the least, so at most the least final load. Items go in descending order of a
+  // cost class finer than the power of two, so the last item is among the worker's items of
+  // its lowest power of two: load - the costliest of those <= the least load.
+  {
+    std::vector<int64_t> load(W, 0);
+    for (int32_t w = 0; w < W; ++w)
+      for (int32_t i = p.worker_indptr[w]; i < p.worker_indptr[w + 1]; ++i)
+        load[w] += cost_of(p.items[i]);
+    const int64_t least = *std::min_element(load.begin(), load.end());
+    for (int32_t w = 0; w < W; ++w) {
+      int lowest_class = 64;
+      int64_t last_bound = 0;  // the costliest item of the lowest class
+      for (int32_t i = p.worker_indptr[w]; i < p.worker_indptr[w + 1]; ++i) {
+        const int64_t c = cost_of(p.items[i]);
+        const int cls = 64 - __builtin_clzll(static_cast<uint64_t>(c));
+        if (cls < lowest_class) {
+          lowest_class = cls;
+          last_bound = c;
+        } else if (cls == lowest_class) {
+          last_bound = std::max(last_bound, c);
+        }
+      }
+      PLAN_CHECK(load[w] - last_bound <= least, "worker ", w, ": load ", load[w],
+                 " minus its last item (<= ", last_bound, ") exceeds the least load ", least,
+                 ": not least-loaded first");
+    }
+  }
 
   // Items one by one.
   for (int32_t i = 0; i < n; ++i) {
