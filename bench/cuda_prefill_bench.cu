@@ -140,7 +140,21 @@ double attention_flops(const std::vector<int>& fresh, const std::vector<int>& pr
 struct Row {
   std::string name;
   double us, tflops;
+  double gbps = 0;  // memory-bound rows (merge_state): minimum bytes / time
 };
+
+// Device-to-device copy of 1 GiB: bytes read + written per second (GB/s), the ceiling of the
+// memory-bound rows.
+double copy_gbps(int iters) {
+  const int64_t bytes = int64_t{1} << 30;
+  Tensor a = Tensor::empty({bytes}, DType::u8, Device::cuda());
+  Tensor b = Tensor::empty({bytes}, DType::u8, Device::cuda());
+  check(cudaMemset(a.data(), 1, bytes), "memset");
+  const double us = median_us(
+      [&] { check(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice), "copy"); },
+      iters);
+  return 2.0 * bytes / us * 1e-3;
+}
 
 PrefillPlan make_plan(const std::vector<int32_t>& qo, const std::vector<int32_t>& kv_len,
                       bool causal, int page_size) {
@@ -262,6 +276,11 @@ std::vector<Row> bench_extend(int batch, int prefix, int fresh, int iters) {
         },
         iters);
     rows.push_back({"extend " + shape + " ragged+paged+merge", us, flops / us * 1e-6});
+    // merge_state alone: reads two [tokens, Hq, D] bf16 states and their f32 LSEs, writes one.
+    const double us_m =
+        median_us([&] { merge_state(o_new, lse_new, o_pre, lse_pre, o, lse); }, iters);
+    const double bytes = 3.0 * tokens * kHq * (kD * 2 + 4);
+    rows.push_back({"extend " + shape + " merge_state alone", us_m, 0, bytes / us_m * 1e-3});
   } else {
     const double us = us_r + us_p;
     rows.push_back({"extend " + shape + " ragged+paged (no cuda merge)", us, flops / us * 1e-6});
@@ -298,16 +317,24 @@ int main(int argc, char** argv) {
       auto r = bench_extend(b, pre, fresh, iters);
       rows.insert(rows.end(), r.begin(), r.end());
     }
+    const double copy = copy_gbps(iters);
+    std::printf("ceiling: device-to-device copy 1 GiB %.0f GB/s (read + write)\n", copy);
     std::printf("%-46s %10s %9s %7s %7s\n", "case", "us", "TFLOP/s", "%GEMM", "%mma");
-    for (const Row& r : rows)
-      std::printf("%-46s %10.1f %9.1f %6.1f%% %6.1f%%\n", r.name.c_str(), r.us, r.tflops,
-                  100 * r.tflops / gemm, 100 * r.tflops / mma);
+    for (const Row& r : rows) {
+      if (r.gbps > 0)
+        std::printf("%-46s %10.1f %7.0f GB/s %5.1f%% of copy\n", r.name.c_str(), r.us, r.gbps,
+                    100 * r.gbps / copy);
+      else
+        std::printf("%-46s %10.1f %9.1f %6.1f%% %6.1f%%\n", r.name.c_str(), r.us, r.tflops,
+                    100 * r.tflops / gemm, 100 * r.tflops / mma);
+    }
     if (csv) {
       FILE* f = std::fopen(csv, "w");
       if (f) {
-        std::fprintf(f, "case,us,tflops,gemm_tflops,mma_tflops\n");
+        std::fprintf(f, "case,us,tflops,gbps,gemm_tflops,mma_tflops,copy_gbps\n");
         for (const Row& r : rows)
-          std::fprintf(f, "%s,%.2f,%.2f,%.1f,%.1f\n", r.name.c_str(), r.us, r.tflops, gemm, mma);
+          std::fprintf(f, "%s,%.2f,%.2f,%.1f,%.1f,%.1f,%.1f\n", r.name.c_str(), r.us, r.tflops,
+                       r.gbps, gemm, mma, copy);
         std::fclose(f);
       }
     }

@@ -356,7 +356,7 @@ void split_tiles(const ItemList& tiles, int32_t chunk, ItemList* out,
                static_cast<int32_t>(hi),
                base + c * t.q_len,
                c,
-               0};
+               static_cast<int32_t>(m - merges->data())};
       const int64_t chunk_cost = t.q_len * (hi - lo + kItemOverhead);
       *cost++ = static_cast<uint64_t>(chunk_cost);
       *key++ = cost_key(static_cast<uint64_t>(chunk_cost));
@@ -541,7 +541,8 @@ void set_layout(const BatchShape& b, Plan* p) {
   l.items = align_up(sizeof(PlanHeader));
   l.worker_indptr = l.items + align_up(l.max_items * sizeof(WorkItem));
   l.merges = l.worker_indptr + align_up((int64_t{p->num_workers} + 1) * sizeof(int32_t));
-  l.plan_bytes = l.merges + align_up(l.max_merges * sizeof(MergeItem));
+  l.merge_counters = l.merges + align_up(l.max_merges * sizeof(MergeItem));
+  l.plan_bytes = l.merge_counters + align_up(l.max_merges * b.num_qo_heads * sizeof(int32_t));
   const size_t rows = static_cast<size_t>(l.max_partial_rows) * b.num_qo_heads;
   l.partial_o = l.plan_bytes;
   l.partial_lse = l.partial_o + align_up(rows * b.head_dim_v * sizeof(float));
@@ -658,6 +659,7 @@ void serialize_plan(const Plan& plan, void* dst) {
   const size_t used = plan.merges.size() * sizeof(MergeItem);
   std::memset(base + l.merges + used, 0,
               static_cast<size_t>(l.max_merges) * sizeof(MergeItem) - used);
+  std::memset(base + l.merge_counters, 0, l.plan_bytes - l.merge_counters);
 }
 
 }  // namespace flashkv

@@ -140,6 +140,8 @@ AssertionResult check_layout(const Plan& p) {
       {"items", l.items, static_cast<size_t>(l.max_items) * sizeof(WorkItem)},
       {"worker_indptr", l.worker_indptr, (p.worker_indptr.size()) * sizeof(int32_t)},
       {"merges", l.merges, static_cast<size_t>(l.max_merges) * sizeof(MergeItem)},
+      {"merge_counters", l.merge_counters,
+       static_cast<size_t>(l.max_merges * p.num_qo_heads) * sizeof(int32_t)},
       {"partial_o", l.partial_o, static_cast<size_t>(rows * p.head_dim_v) * sizeof(float)},
       {"partial_lse", l.partial_lse, static_cast<size_t>(rows) * sizeof(float)},
   };
@@ -150,9 +152,9 @@ AssertionResult check_layout(const Plan& p) {
                end, ")");
     end = r.offset + r.bytes;
     PLAN_CHECK(end <= l.total_bytes, r.name, " ends at ", end, " past total_bytes ", l.total_bytes);
-    if (std::string(r.name) == "merges")
+    if (std::string(r.name) == "merge_counters")
       PLAN_CHECK(end <= l.plan_bytes && l.plan_bytes <= l.partial_o, "plan_bytes ", l.plan_bytes,
-                 " does not end the plan part (merges end at ", end, ")");
+                 " does not end the plan part (merge counters end at ", end, ")");
   }
   return AssertionSuccess();
 }
@@ -271,6 +273,10 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
         const WorkItem& it = *chunks[c];
         PLAN_CHECK(it.partial == m.partial + c * m.q_len, "chunk ", c, " of row ", q_begin,
                    ": partial ", it.partial, ", merge says ", m.partial + c * m.q_len);
+        PLAN_CHECK(it.merge >= 0 && it.merge < static_cast<int32_t>(p.merges.size()) &&
+                       &p.merges[it.merge] == &m,
+                   "chunk ", c, " of row ", q_begin, ": merge index ", it.merge,
+                   " is not its tile's merge");
         PLAN_CHECK(it.partial >= 0 && it.partial + it.q_len <= p.num_partial_rows,
                    "partial rows outside [0, ", p.num_partial_rows, ")");
         for (int32_t x = it.partial; x < it.partial + it.q_len; ++x) {
@@ -586,6 +592,7 @@ std::vector<WorkItem> items_of(const Plan& p, int32_t request, int32_t first_row
     it.request = 0;
     it.q_begin -= first_row;
     it.partial = it.partial < 0 ? -1 : 0;  // where partials go depends on the batch
+    it.merge = 0;                          // and so does the merge's place in the list
     out.push_back(it);
   }
   std::sort(out.begin(), out.end(), [](const WorkItem& a, const WorkItem& b) {
@@ -663,6 +670,7 @@ void expect_same_layout(const Plan& a, const Plan& b) {
   EXPECT_EQ(x.items, y.items);
   EXPECT_EQ(x.worker_indptr, y.worker_indptr);
   EXPECT_EQ(x.merges, y.merges);
+  EXPECT_EQ(x.merge_counters, y.merge_counters);
   EXPECT_EQ(x.partial_o, y.partial_o);
   EXPECT_EQ(x.partial_lse, y.partial_lse);
   EXPECT_EQ(x.plan_bytes, y.plan_bytes);
@@ -800,6 +808,9 @@ TEST(Plan, SerializeWritesHeaderItemsAndZeroPaddedMerges) {
     ASSERT_EQ(pad.q_len, 0) << "merge slot " << m;
     ASSERT_EQ(pad.num_chunks, 0) << "merge slot " << m;
   }
+  // The merge counters start at zero in every upload (the buffer was filled with 0xcd).
+  for (size_t x = p.layout.merge_counters; x < p.layout.plan_bytes; ++x)
+    ASSERT_EQ(buf[x], 0) << "counter byte " << x - p.layout.merge_counters;
   EXPECT_THROW(serialize_plan(Plan{}, buf.data()), Error);
 }
 

@@ -12,6 +12,13 @@
 // waits on the other; the query rows of an item ride in the stage of its first tile. The ring
 // has kStages + 1 slots: the prologue issues two tiles' copies with no barrier in between.
 //
+// Split requests: a CTA that finishes a chunk of a split tile stores its partial state, then
+// counts the chunk's arrival in the workspace's merge counter of (tile, head group); the CTA
+// that brings the count to the tile's chunk count merges all chunks into the output, reading
+// them back in chunk order (so the result has the same bits whichever CTA comes last, and in
+// deterministic mode whatever the rest of the batch), and sets the counter back to zero for the
+// next run (a CUDA graph replays with no upload in between). No second kernel, no second launch.
+//
 // Math (per warp, per 16-token block; the CTA's warps take blocks round-robin and merge their
 // softmax states at the end of an item): tokens are the M side of the mma and query heads the N
 // side, so G <= 8 heads waste no more than the N padding:
@@ -30,6 +37,7 @@
 #include <type_traits>
 
 #include "common/convert.cuh"
+#include "common/merge_state.cuh"
 #include "common/ptx.cuh"
 #include "decode/traits.h"
 #include "flashkv/core/cuda_runtime.h"
@@ -45,6 +53,7 @@ struct ItemView {
   int32_t partial;     // -1: write the output; else the partial row
   int32_t lo, hi;      // KV positions to attend, [lo, hi); empty when lo >= hi
   int32_t entry_base;  // kv_indptr[request]: first kv_indices entry of the request
+  int32_t merge;       // split items: index of the tile's MergeItem
 };
 
 __device__ __forceinline__ int32_t kv_len_of(const AttentionParams& p, int32_t r) {
@@ -59,6 +68,7 @@ __device__ __forceinline__ ItemView load_item(const AttentionParams& p, int32_t 
   ItemView v;
   v.row = it.q_begin;
   v.partial = it.partial;
+  v.merge = it.merge;
   v.entry_base = p.kv_indptr[it.request];
   v.lo = max(it.kv_begin, 0);
   v.hi = min(it.kv_end, kv_len);
@@ -447,6 +457,51 @@ struct DecodeCta {
         p.partial_lse[int64_t{v.partial} * p.num_qo_heads + qh0 + tid] = value;
       }
     }
+    if (v.partial >= 0) merge_if_last(v);
+  }
+
+  // A split item's partial state is stored: counts its arrival and, in the CTA that completes
+  // the tile, merges the chunks (see the top of the file). Called by every thread of the CTA.
+  __device__ void merge_if_last(const ItemView& v) {
+    int32_t* last_flag = reinterpret_cast<int32_t*>(red());
+    __threadfence();  // this thread's partial stores are visible to the GPU before the count
+    __syncthreads();  // (and every thread is done reading red() in store)
+    if (tid == 0) {
+      int32_t* counter = p.merge_counters + int64_t{v.merge} * p.num_qo_heads + qh0;
+      const bool last = atomicAdd(counter, 1) == p.merges[v.merge].num_chunks - 1;
+      if (last) *counter = 0;  // no other CTA touches it again in this run
+      *last_flag = last;
+    }
+    __syncthreads();
+    if (*last_flag == 0) return;  // (the flag is rewritten only after another barrier)
+    __threadfence();              // the other chunks' stores, fenced before their counts
+    const MergeItem m = p.merges[v.merge];
+    constexpr int kVecs = D / 4;
+    for (int i = tid; i < heads * kVecs; i += Tr::kThreads) {
+      const int h = i / kVecs, d = (i % kVecs) * 4;
+      MergeState st;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+      for (int32_t ch = 0; ch < m.num_chunks; ++ch) {  // chunk order: deterministic
+        // Chunk ch of the tile's (only) row; L2 reads, these were written by other SMs.
+        const int64_t row = (int64_t{m.partial} + int64_t{ch} * m.q_len) * p.num_qo_heads + qh0 + h;
+        float rescale, weight;
+        st.add(__ldcg(p.partial_lse + row), rescale, weight);
+        if (weight == 0.0f) continue;  // an empty chunk, or one too small to register
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(p.partial_o + row * D + d));
+        acc.x = acc.x * rescale + weight * x.x;
+        acc.y = acc.y * rescale + weight * x.y;
+        acc.z = acc.z * rescale + weight * x.z;
+        acc.w = acc.w * rescale + weight * x.w;
+      }
+      const float inv = st.inv_sum();
+      uint2 packed;
+      packed.x = pack2<QT>(acc.x * inv, acc.y * inv);
+      packed.y = pack2<QT>(acc.z * inv, acc.w * inv);
+      *reinterpret_cast<uint2*>(static_cast<QT*>(p.o) + int64_t{v.row} * p.o_stride_n +
+                                int64_t{qh0 + h} * p.o_stride_h + d) = packed;
+      if (d == 0 && p.lse) p.lse[int64_t{v.row} * p.num_qo_heads + qh0 + h] = st.lse();
+    }
   }
 
   // Merges the warps' states of the finished item (in warp order: deterministic) and stores it.
@@ -564,9 +619,16 @@ template <class Tr, typename QT, KvKind kKv>
 __global__ void __launch_bounds__(Tr::kThreads, 2)
     decode_kernel(const __grid_constant__ AttentionParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  // Every CTA of the persistent grid is resident: dependents (the merge) may be scheduled now
-  // and wait in griddepcontrol.wait.
+  // Every CTA of the persistent grid is resident: a dependent kernel launched with programmatic
+  // stream serialization may be scheduled now (it waits in griddepcontrol.wait).
   ptx::launch_dependents();
+  // Under programmatic dependent launch this grid may start while the previous kernel of the
+  // stream still runs. Only the plan's worker ranges are read before waiting for it: no kernel
+  // writes them (an upload is a copy, which a kernel never overlaps); Q, the KV and its indices,
+  // the counters and the outputs may all be another kernel's.
+  const int32_t first_item = p.worker_indptr[blockIdx.x];
+  const int32_t last_item = p.worker_indptr[blockIdx.x + 1];
+  ptx::grid_dependency_wait();
   DecodeCta<Tr, QT, kKv> cta{p, smem};
   cta.tid = threadIdx.x;
   cta.warp = threadIdx.x / 32;
@@ -582,11 +644,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   cta.score_scale = qk_scale * kLog2e;
   cta.softcap_in = p.logits_soft_cap > 0.0f ? qk_scale / p.logits_soft_cap : 0.0f;
   cta.softcap_out = p.logits_soft_cap * kLog2e;
-  cta.run(p.worker_indptr[blockIdx.x], p.worker_indptr[blockIdx.x + 1]);
+  cta.run(first_item, last_item);
 }
 
 template <int D, typename QT, KvKind kKv, int kNTiles>
-void launch_decode(const AttentionParams& p, cudaStream_t stream) {
+void launch_decode(const AttentionParams& p, cudaStream_t stream, bool programmatic) {
   using Tr = Traits<D, kKv, kNTiles>;
   auto kernel = decode_kernel<Tr, QT, kKv>;
   // Raising the dynamic shared-memory limit is per device and idempotent; it is cheap, and not
@@ -600,9 +662,17 @@ void launch_decode(const AttentionParams& p, cudaStream_t stream) {
                                           cudaSharedmemCarveoutMaxShared),
                      "paged_decode: cudaFuncSetAttribute");
   const int group = p.num_qo_heads / p.num_kv_heads;
-  const dim3 grid(p.num_workers, p.num_kv_heads, (group + Tr::kHeads - 1) / Tr::kHeads);
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
-  detail::cuda_check(cudaGetLastError(), "paged_decode: kernel launch");
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(p.num_workers, p.num_kv_heads, (group + Tr::kHeads - 1) / Tr::kHeads);
+  config.blockDim = dim3(Tr::kThreads, 1, 1);
+  config.dynamicSmemBytes = Tr::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = programmatic ? 1 : 0;
+  detail::cuda_check(cudaLaunchKernelEx(&config, kernel, p), "paged_decode: kernel launch");
 }
 
 }  // namespace flashkv::cuda::decode

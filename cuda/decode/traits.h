@@ -55,21 +55,21 @@ struct Traits {
   static_assert(kSmemBytes <= kSmemBudget, "shared memory budget");
 };
 
-// Launches the decode kernel for p (grid: p.num_workers x Hkv x head groups).
+// Launches the decode kernel for p (grid: p.num_workers x Hkv x head groups); `programmatic`:
+// with programmatic stream serialization (sm_90: may start before the previous kernel ends).
 template <int D, typename QT, KvKind kKv, int kNTiles>
-void launch_decode(const AttentionParams& p, cudaStream_t stream);
+void launch_decode(const AttentionParams& p, cudaStream_t stream, bool programmatic);
 
 // Explicit instantiations of one head dim and head-tile count for every query / KV type pair
 // (used by cuda/inst/decode_d*.cu, one file per head dim so the builds run in parallel).
-#define FLASHKV_DECODE_INSTANTIATE(D, NT)                                                         \
-  template void launch_decode<D, __nv_bfloat16, KvKind::same16, NT>(const AttentionParams&,       \
-                                                                    cudaStream_t);                \
-  template void launch_decode<D, __nv_bfloat16, KvKind::e4m3, NT>(const AttentionParams&,         \
-                                                                  cudaStream_t);                  \
-  template void launch_decode<D, __nv_bfloat16, KvKind::e5m2, NT>(const AttentionParams&,         \
-                                                                  cudaStream_t);                  \
-  template void launch_decode<D, half, KvKind::same16, NT>(const AttentionParams&, cudaStream_t); \
-  template void launch_decode<D, half, KvKind::e4m3, NT>(const AttentionParams&, cudaStream_t);   \
-  template void launch_decode<D, half, KvKind::e5m2, NT>(const AttentionParams&, cudaStream_t);
+#define FLASHKV_DECODE_INSTANTIATE_ONE(D, QT, KV, NT) \
+  template void launch_decode<D, QT, KvKind::KV, NT>(const AttentionParams&, cudaStream_t, bool);
+#define FLASHKV_DECODE_INSTANTIATE(D, NT)                      \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, same16, NT) \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, e4m3, NT)   \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, e5m2, NT)   \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, same16, NT)          \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, e4m3, NT)            \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, e5m2, NT)
 
 }  // namespace flashkv::cuda::decode

@@ -30,7 +30,9 @@ struct WorkItem {
   // buffers (partial O [rows, Hq, D_v] f32, partial LSE [rows, Hq] f32).
   int32_t partial;
   int32_t chunk;
-  int32_t reserved;
+  // Split items (partial >= 0): the index in `merges` of the tile's MergeItem (its chunk count
+  // and first partial row; the CUDA decode kernel merges the chunks itself). 0 otherwise.
+  int32_t merge;
 };
 static_assert(sizeof(WorkItem) == 32, "WorkItem is uploaded as raw bytes");
 
@@ -61,20 +63,25 @@ struct PlanHeader {
 static_assert(sizeof(PlanHeader) == 32, "PlanHeader is uploaded as raw bytes");
 constexpr uint32_t kPlanMagic = 0x504b5646;  // "FVKP" in little-endian bytes
 // Bumped whenever PlanHeader, WorkItem, MergeItem or the order of the workspace pieces changes.
-constexpr uint32_t kPlanFormatVersion = 1;
+constexpr uint32_t kPlanFormatVersion = 2;
 
 // Where each piece of a plan lives inside the workspace (byte offsets, 256-byte aligned), in
-// this order: header, items, worker_indptr, merges (together the uploaded plan part, plan_bytes
-// long), then partial O and partial LSE. Sized for the capacities below: in graph mode those
-// come from PlanOptions only, so every plan of a captured graph has the same layout.
+// this order: header, items, worker_indptr, merges, merge counters (together the uploaded plan
+// part, plan_bytes long), then partial O and partial LSE. Sized for the capacities below: in
+// graph mode those come from PlanOptions only, so every plan of a captured graph has the same
+// layout.
 struct WorkspaceLayout {
   size_t header = 0;         // PlanHeader
   size_t items = 0;          // WorkItem[max_items]
   size_t worker_indptr = 0;  // int32[num_workers + 1]
   size_t merges = 0;         // MergeItem[max_merges]
-  size_t partial_o = 0;      // float[max_partial_rows, Hq, D_v]
-  size_t partial_lse = 0;    // float[max_partial_rows, Hq]
-  size_t plan_bytes = 0;     // bytes of the plan part (header .. merges), uploaded
+  // int32[max_merges, Hq]: arrival counts of a merge's chunks, per CTA head group (indexed by
+  // the group's first query head); zero in every upload, and a kernel that counts leaves them
+  // zero again when it ends (so a CUDA graph replays without an upload in between).
+  size_t merge_counters = 0;
+  size_t partial_o = 0;    // float[max_partial_rows, Hq, D_v]
+  size_t partial_lse = 0;  // float[max_partial_rows, Hq]
+  size_t plan_bytes = 0;   // bytes of the plan part (header .. merge counters), uploaded
   size_t total_bytes = 0;
   int64_t max_items = 0;         // graph mode: the capacity; otherwise this plan's count
   int64_t max_merges = 0;        // likewise
