@@ -25,9 +25,11 @@ namespace flashkv::cuda {
 namespace {
 
 constexpr int kMergeThreads = 256;
-constexpr int kMergeBlocksPerSm = 5;
+constexpr int kMergeBlocksPerSm = 4;
 constexpr int kStatesInFlight = 2;  // state vectors loaded before the first is accumulated
-// 1280 threads an SM (registers capped at 48): 40 KB of loads in flight per SM with 2 states.
+// 1024 threads an SM (registers capped at 64, none spilled): with two states, 32 KB of state
+// vectors and the LSEs in flight per SM, about what the copy bandwidth times the memory latency
+// asks of one SM (4.2 TB/s x ~1 us / 132).
 
 // kVec elements of T as floats: one 16-byte access when kVec * sizeof(T) == 16, else kVec == 1.
 template <typename T, int kVec>
@@ -92,7 +94,8 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
     const T* base = static_cast<const T*>(p.stacked ? p.o_in[0] : p.o_in[s]);
     return base + r * p.in_stride_n + (p.stacked ? s * p.in_stride_s : 0) + h * p.in_stride_h;
   };
-  // A state with LSE -inf contributes nothing (and may hold anything): weight 0, never read.
+  // A state with LSE -inf contributes nothing (and may hold anything): weight 0, and its values,
+  // read anyway (so no load waits for an LSE), are never used.
   auto weight = [](float l, float mx) { return l == -INFINITY ? 0.0f : exp2f(l - mx); };
   float mx = -INFINITY, sum = 0.0f;
   if (active) {
@@ -100,22 +103,27 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
     const int step = 1 << lanes_log2;
     T* out = static_cast<T*>(p.o_out) + r * p.out_stride_n + int64_t{h} * p.out_stride_h;
     if constexpr (kPair) {
+      // The first vectors' loads are issued before the LSEs are used (a stall at the first use
+      // of an LSE would otherwise hold them back), and each next pair before the current one is
+      // stored.
+      const T* s0 = state_of(0);
+      const T* s1 = state_of(1);
+      int v = sub;
+      Raw x0{}, x1{};
+      if (v < vecs) x0 = Io::load(s0 + v * kVec), x1 = Io::load(s1 + v * kVec);
       const float l0 = lse_of(0), l1 = lse_of(1);
       mx = fmaxf(l0, l1);
       const float w0 = weight(l0, mx), w1 = weight(l1, mx);
       sum = w0 + w1;
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      const T* s0 = state_of(0);
-      const T* s1 = state_of(1);
-      for (int v = sub; v < vecs; v += step) {
-        Raw x0{}, x1{};
-        if (w0 != 0.0f) x0 = Io::load(s0 + v * kVec);
-        if (w1 != 0.0f) x1 = Io::load(s1 + v * kVec);
+      for (; v < vecs; v += step) {
         float acc[kVec];
 #pragma unroll
         for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
         if (w0 != 0.0f) Io::add(acc, w0, x0);
         if (w1 != 0.0f) Io::add(acc, w1, x1);
+        if (v + step < vecs)
+          x0 = Io::load(s0 + (v + step) * kVec), x1 = Io::load(s1 + (v + step) * kVec);
         Io::store(out + v * kVec, acc, inv);
       }
     } else {
@@ -133,7 +141,7 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
           for (int j = 0; j < kStatesInFlight; ++j) {
             const int s = s0 + j;
             w[j] = s < p.num_states ? weight(lse_of(s), mx) : 0.0f;
-            x[j] = w[j] != 0.0f ? Io::load(state_of(s) + v * kVec) : Raw{};
+            x[j] = Io::load(state_of(min(s, p.num_states - 1)) + v * kVec);
           }
 #pragma unroll
           for (int j = 0; j < kStatesInFlight; ++j)

@@ -462,37 +462,51 @@ struct DecodeCta {
 
   // A split item's partial state is stored: counts its arrival and, in the CTA that completes
   // the tile, merges the chunks (see the top of the file). Called by every thread of the CTA.
+  // One thread counts, with acquire-release semantics at GPU scope after a CTA barrier (the
+  // barrier orders the CTA's partial stores before its release; its acquire orders the other
+  // chunks' stores before the merge's reads, which go to L2).
   __device__ void merge_if_last(const ItemView& v) {
     int32_t* last_flag = reinterpret_cast<int32_t*>(red());
-    __threadfence();  // this thread's partial stores are visible to the GPU before the count
-    __syncthreads();  // (and every thread is done reading red() in store)
+    __syncthreads();  // the partial stores of every thread (and store's reads of red()) are done
     if (tid == 0) {
       int32_t* counter = p.merge_counters + int64_t{v.merge} * p.num_qo_heads + qh0;
-      const bool last = atomicAdd(counter, 1) == p.merges[v.merge].num_chunks - 1;
+      const bool last = ptx::atomic_add_acq_rel_gpu(counter, 1) == p.merges[v.merge].num_chunks - 1;
       if (last) *counter = 0;  // no other CTA touches it again in this run
       *last_flag = last;
     }
     __syncthreads();
     if (*last_flag == 0) return;  // (the flag is rewritten only after another barrier)
-    __threadfence();              // the other chunks' stores, fenced before their counts
     const MergeItem m = p.merges[v.merge];
     constexpr int kVecs = D / 4;
+    constexpr int kBatch = 8;  // chunks whose loads are in flight together
     for (int i = tid; i < heads * kVecs; i += Tr::kThreads) {
       const int h = i / kVecs, d = (i % kVecs) * 4;
       MergeState st;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-      for (int32_t ch = 0; ch < m.num_chunks; ++ch) {  // chunk order: deterministic
-        // Chunk ch of the tile's (only) row; L2 reads, these were written by other SMs.
-        const int64_t row = (int64_t{m.partial} + int64_t{ch} * m.q_len) * p.num_qo_heads + qh0 + h;
-        float rescale, weight;
-        st.add(__ldcg(p.partial_lse + row), rescale, weight);
-        if (weight == 0.0f) continue;  // an empty chunk, or one too small to register
-        const float4 x = __ldcg(reinterpret_cast<const float4*>(p.partial_o + row * D + d));
-        acc.x = acc.x * rescale + weight * x.x;
-        acc.y = acc.y * rescale + weight * x.y;
-        acc.z = acc.z * rescale + weight * x.z;
-        acc.w = acc.w * rescale + weight * x.w;
+      for (int32_t c0 = 0; c0 < m.num_chunks; c0 += kBatch) {
+        // Chunk c of the tile's (only) row; L2 reads (other SMs wrote them). Every load of the
+        // batch is issued before the first is used (clamped to a real chunk past the end).
+        float lse[kBatch];
+        float4 x[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const int32_t c = min(c0 + j, m.num_chunks - 1);
+          const int64_t row =
+              (int64_t{m.partial} + int64_t{c} * m.q_len) * p.num_qo_heads + qh0 + h;
+          lse[j] = __ldcg(p.partial_lse + row);
+          x[j] = __ldcg(reinterpret_cast<const float4*>(p.partial_o + row * D + d));
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {  // folded in chunk order: deterministic
+          if (c0 + j >= m.num_chunks) break;
+          float rescale, weight;
+          st.add(lse[j], rescale, weight);
+          if (weight == 0.0f) continue;  // an empty chunk (rescale is 1 then)
+          acc.x = acc.x * rescale + weight * x[j].x;
+          acc.y = acc.y * rescale + weight * x[j].y;
+          acc.z = acc.z * rescale + weight * x[j].z;
+          acc.w = acc.w * rescale + weight * x[j].w;
+        }
       }
       const float inv = st.inv_sum();
       uint2 packed;
