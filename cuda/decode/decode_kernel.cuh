@@ -12,12 +12,12 @@
 // waits on the other; the query rows of an item ride in the stage of its first tile. The ring
 // has kStages + 1 slots: the prologue issues two tiles' copies with no barrier in between.
 //
-// Split requests: a CTA that finishes a chunk of a split tile stores its partial state, then
-// counts the chunk's arrival in the workspace's merge counter of (tile, head group); the CTA
-// that brings the count to the tile's chunk count merges all chunks into the output, reading
-// them back in chunk order (so the result has the same bits whichever CTA comes last, and in
-// deterministic mode whatever the rest of the batch), and sets the counter back to zero for the
-// next run (a CUDA graph replays with no upload in between). No second kernel, no second launch.
+// Split requests: a CTA stores the partial state of each chunk of a split tile it runs; after
+// its last item it counts those chunks' arrivals in the workspace's merge counters of (tile,
+// head group); the CTA that brings a count to the tile's chunk count merges all chunks into the
+// output, reading them back in chunk order (so the result has the same bits whichever CTA comes
+// last, and in deterministic mode whatever the rest of the batch), and sets the counter back to
+// zero for the next run (a CUDA graph replays with no upload in between). No second kernel.
 //
 // Math (per warp, per 16-token block; the CTA's warps take blocks round-robin and merge their
 // softmax states at the end of an item): tokens are the M side of the mma and query heads the N
@@ -53,7 +53,6 @@ struct ItemView {
   int32_t partial;     // -1: write the output; else the partial row
   int32_t lo, hi;      // KV positions to attend, [lo, hi); empty when lo >= hi
   int32_t entry_base;  // kv_indptr[request]: first kv_indices entry of the request
-  int32_t merge;       // split items: index of the tile's MergeItem
 };
 
 __device__ __forceinline__ int32_t kv_len_of(const AttentionParams& p, int32_t r) {
@@ -68,7 +67,6 @@ __device__ __forceinline__ ItemView load_item(const AttentionParams& p, int32_t 
   ItemView v;
   v.row = it.q_begin;
   v.partial = it.partial;
-  v.merge = it.merge;
   v.entry_base = p.kv_indptr[it.request];
   v.lo = max(it.kv_begin, 0);
   v.hi = min(it.kv_end, kv_len);
@@ -457,26 +455,43 @@ struct DecodeCta {
         p.partial_lse[int64_t{v.partial} * p.num_qo_heads + qh0 + tid] = value;
       }
     }
-    if (v.partial >= 0) merge_if_last(v);
   }
 
-  // A split item's partial state is stored: counts its arrival and, in the CTA that completes
-  // the tile, merges the chunks (see the top of the file). Called by every thread of the CTA.
-  // One thread counts, with acquire-release semantics at GPU scope after a CTA barrier (the
-  // barrier orders the CTA's partial stores before its release; its acquire orders the other
-  // chunks' stores before the merge's reads, which go to L2).
-  __device__ void merge_if_last(const ItemView& v) {
-    int32_t* last_flag = reinterpret_cast<int32_t*>(red());
-    __syncthreads();  // the partial stores of every thread (and store's reads of red()) are done
-    if (tid == 0) {
-      int32_t* counter = p.merge_counters + int64_t{v.merge} * p.num_qo_heads + qh0;
-      const bool last = ptx::atomic_add_acq_rel_gpu(counter, 1) == p.merges[v.merge].num_chunks - 1;
-      if (last) *counter = 0;  // no other CTA touches it again in this run
-      *last_flag = last;
+  // After the CTA's last item: counts the arrival of each of its split items (items
+  // [first, last), 32 per round, one lane each) and merges the tiles whose count it completes
+  // (see the top of the file). Counting once at the end, not after each item, keeps the copy
+  // pipeline running across items: a count costs a release fence and an atomic round trip.
+  // Release and acquire at GPU scope by the counting lanes, after / before CTA barriers: the
+  // barrier orders every thread's partial stores before the release; the acquire orders the other
+  // chunks' stores before the merge's reads (which go to L2).
+  __device__ void merge_finished_tiles(int32_t first, int32_t last) {
+    uint32_t* last_mask = reinterpret_cast<uint32_t*>(red());
+    for (int32_t base = first; base < last; base += 32) {
+      __syncthreads();  // partial stores done (and the previous round's mask read)
+      if (warp == 0) {
+        const int32_t i = base + lane;
+        bool completes = false;
+        if (i < last) {
+          const WorkItem it = p.items[i];
+          if (it.partial >= 0) {
+            int32_t* counter = p.merge_counters + int64_t{it.merge} * p.num_qo_heads + qh0;
+            completes =
+                ptx::atomic_add_acq_rel_gpu(counter, 1) == p.merges[it.merge].num_chunks - 1;
+            if (completes) *counter = 0;  // no other CTA touches it again in this run
+          }
+        }
+        const uint32_t mask = __ballot_sync(0xffffffffu, completes);
+        if (lane == 0) *last_mask = mask;
+      }
+      __syncthreads();
+      for (uint32_t mask = *last_mask; mask != 0; mask &= mask - 1)
+        merge_tile(p.items[base + __ffs(mask) - 1]);
     }
-    __syncthreads();
-    if (*last_flag == 0) return;  // (the flag is rewritten only after another barrier)
-    const MergeItem m = p.merges[v.merge];
+  }
+
+  // Folds the partial states of split tile `it` (all its chunks) into its output row.
+  __device__ void merge_tile(const WorkItem& it) {
+    const MergeItem m = p.merges[it.merge];
     constexpr int kVecs = D / 4;
     constexpr int kBatch = 8;  // chunks whose loads are in flight together
     for (int i = tid; i < heads * kVecs; i += Tr::kThreads) {
@@ -512,9 +527,9 @@ struct DecodeCta {
       uint2 packed;
       packed.x = pack2<QT>(acc.x * inv, acc.y * inv);
       packed.y = pack2<QT>(acc.z * inv, acc.w * inv);
-      *reinterpret_cast<uint2*>(static_cast<QT*>(p.o) + int64_t{v.row} * p.o_stride_n +
+      *reinterpret_cast<uint2*>(static_cast<QT*>(p.o) + int64_t{it.q_begin} * p.o_stride_n +
                                 int64_t{qh0 + h} * p.o_stride_h + d) = packed;
-      if (d == 0 && p.lse) p.lse[int64_t{v.row} * p.num_qo_heads + qh0 + h] = st.lse();
+      if (d == 0 && p.lse) p.lse[int64_t{it.q_begin} * p.num_qo_heads + qh0 + h] = st.lse();
     }
   }
 
@@ -626,6 +641,7 @@ struct DecodeCta {
       }
     }
     ptx::cp_async_wait<0>();
+    merge_finished_tiles(first_item, last_item);
   }
 };
 
