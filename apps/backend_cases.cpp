@@ -108,7 +108,10 @@ class Scenario {
     result.checked += p.checked;
     result.failures += p.failures;
     result.worst_rel = std::max(result.worst_rel, p.worst_rel);
-    result.nan = result.nan || p.nan;
+    if (p.nonfinite && !result.nonfinite) {
+      result.nonfinite = true;
+      if (result.error.empty()) result.error = "NaN or Inf: " + p.nonfinite_where;
+    }
     if (p.failures > 0 && result.error.empty()) result.error = p.failure;
   }
 
@@ -129,6 +132,7 @@ class Scenario {
   void draft_steps(const std::vector<Sequence*>& seqs, int topk, int steps) {
     model_.enable_multi_step_draft(topk, steps);
     std::vector<int32_t> lens;
+    lens.reserve(seqs.size());
     for (const Sequence* s : seqs) lens.push_back(s->seq_len());
     const std::vector<int32_t> slots = take(static_cast<int>(seqs.size()) * topk * steps);
     tally(model_.forward_draft_steps(seqs, lens, slots, req_to_token_, check_));
@@ -203,8 +207,7 @@ BackendResult run_backend_case(const BackendCase& c, Device device) {
       }
     }
     r = s.result;
-    r.passed = r.failures == 0 && !r.nan && r.checked > 0;
-    if (r.nan && r.error.empty()) r.error = "NaN in a layer output";
+    r.passed = r.failures == 0 && !r.nonfinite && r.checked > 0;
   } catch (const Error& e) {
     r.error = e.what();
     r.passed = false;

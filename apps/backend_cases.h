@@ -38,7 +38,7 @@ struct BackendCase {
 struct BackendResult {
   int passes = 0, checked = 0, failures = 0;
   double worst_rel = 0;
-  bool nan = false;
+  bool nonfinite = false;  // a NaN or Inf in a layer output
   bool passed = false;
   std::string error;  // a thrown flashkv::Error, or the first failure
 };

@@ -2,20 +2,24 @@
 
 #include "args.h"
 #include "commands.h"
+#include "flashkv/core/cpu_features.h"
 #include "flashkv/core/device.h"
 
 namespace flashkv::app {
 namespace {
 
 void print_cpu_features() {
+  // The same detection the CPU kernels are chosen by (cpuid + xgetbv, not compiler builtins).
+  const CpuFeatures& f = cpu_features();
   std::printf("cpu features:");
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2")) std::printf(" avx2");
-  if (__builtin_cpu_supports("fma")) std::printf(" fma");
-  if (__builtin_cpu_supports("f16c")) std::printf(" f16c");
-  if (__builtin_cpu_supports("avx512f")) std::printf(" avx512f");
-  if (__builtin_cpu_supports("avx512bw")) std::printf(" avx512bw");
-  if (__builtin_cpu_supports("avx512bf16")) std::printf(" avx512bf16");
+  if (f.avx2) std::printf(" avx2");
+  if (f.fma) std::printf(" fma");
+  if (f.f16c) std::printf(" f16c");
+  if (f.avx512f) std::printf(" avx512f");
+  if (f.avx512dq) std::printf(" avx512dq");
+  if (f.avx512bw) std::printf(" avx512bw");
+  if (f.avx512vl) std::printf(" avx512vl");
+  if (f.avx512bf16) std::printf(" avx512bf16");
   std::printf("\n");
 }
 

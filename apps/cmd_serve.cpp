@@ -11,6 +11,7 @@
 #include "args.h"
 #include "commands.h"
 #include "flashkv/core/thread_pool.h"
+#include "model_flags.h"
 #include "report.h"
 #include "scheduler.h"
 #include "serve_report.h"
@@ -39,6 +40,22 @@ int64_t auto_kv_slots(const Workload& w, int max_running, int64_t max_slots) {
 }  // namespace
 
 int cmd_serve(int argc, char** argv) {
+  const ModelDefaults cpu_model{4, 8, 2, 64}, gpu_model{32, 32, 8, 128};
+  std::vector<FlagSpec> flags = {
+      {"--device", "auto|cpu|cuda[:N]", "device to serve on", "auto"},
+      {"--workload", "chat|long|spec|FILE", "built-in workload or a workload file (JSON)", "chat"},
+      {"--requests", "N", "number of requests (auto: the workload's own count)", "auto"},
+      {"--check", "", "compare sampled layer outputs with the float64 reference", ""},
+      {"--json", "FILE", "write the report's figures as JSON", ""},
+      {"--save-workload", "FILE", "write the workload as a file that reads back identically", ""},
+      {"--seed", "N", "random seed (workload, activations, draft trees)", "1"}};
+  for (FlagSpec& f : model_flags(cpu_model, gpu_model, "-1")) flags.push_back(std::move(f));
+  flags.insert(
+      flags.end(),
+      {{"--kv-slots", "N", "KV pool size in tokens (auto: from the workload)", "auto"},
+       {"--token-budget", "N", "new prompt tokens per extend pass (auto: 512 / 8192)", "auto"},
+       {"--max-running", "N", "requests in flight (auto: 16 / 256)", "auto"},
+       {"--quiet", "", "no progress line", ""}});
   Args args(
       argc, argv, 2, "serve",
       "Serves a workload through FlashKVBackend: requests arrive over time with shared prompt\n"
@@ -47,49 +64,14 @@ int cmd_serve(int argc, char** argv) {
       "request generates tokens until its output length. Sizes default to a small model on a\n"
       "CPU and a Llama-3-8B-shaped one on a GPU. Exit code 1 when a check or an end-of-run\n"
       "invariant fails.",
-      {{"--device", "auto|cpu|cuda[:N]", "device to serve on", "auto"},
-       {"--workload", "chat|long|spec|FILE", "built-in workload or a workload file (JSON)", "chat"},
-       {"--requests", "N", "number of requests (auto: the workload's own count)", "auto"},
-       {"--check", "", "compare sampled layer outputs with the float64 reference", ""},
-       {"--json", "FILE", "write the report's figures as JSON", ""},
-       {"--seed", "N", "random seed (workload, activations, draft trees)", "1"},
-       {"--layers", "N", "attention layers (auto: 4 on a CPU, 32 on a GPU)", "auto"},
-       {"--heads", "N", "query heads (auto: 8 / 32)", "auto"},
-       {"--kv-heads", "N", "KV heads (auto: 2 / 8)", "auto"},
-       {"--head-dim", "N", "head dim: 64, 80, 96, 128 or 256 (auto: 64 / 128)", "auto"},
-       {"--dtype", "bf16|f16|f32", "activation dtype", "bf16"},
-       {"--kv-dtype", "bf16|f16|f32|fp8_e4m3|fp8_e5m2", "KV cache dtype (auto: --dtype)", "auto"},
-       {"--window", "N", "sliding window of the even layers in tokens (-1: none)", "-1"},
-       {"--kv-slots", "N", "KV pool size in tokens (auto: from the workload)", "auto"},
-       {"--token-budget", "N", "new prompt tokens per extend pass (auto: 512 / 8192)", "auto"},
-       {"--max-running", "N", "requests in flight (auto: 16 / 256)", "auto"},
-       {"--quiet", "", "no progress line", ""}});
+      std::move(flags));
   const Device device = args.device();
   const bool gpu = device.is_cuda();
   const uint64_t seed = static_cast<uint64_t>(args.get_int("--seed"));
   args.require_writable("--json");
+  args.require_writable("--save-workload");
 
-  ModelConfig model;
-  model.num_layers = args.get_int("--layers", 1, 256, gpu ? 32 : 4);
-  model.num_qo_heads = args.get_int("--heads", 1, 256, gpu ? 32 : 8);
-  model.num_kv_heads = args.get_int("--kv-heads", 1, 256, gpu ? 8 : 2);
-  model.head_dim = args.get_int("--head-dim", 1, 256, gpu ? 128 : 64);
-  const std::vector<int> dims =
-      gpu ? std::vector<int>{64, 128, 256} : std::vector<int>{64, 80, 96, 128, 256};
-  if (std::find(dims.begin(), dims.end(), model.head_dim) == dims.end())
-    args.fail(str_cat("--head-dim ", model.head_dim, ": expected ",
-                      gpu ? "64, 128 or 256 on a GPU" : "64, 80, 96, 128 or 256"));
-  if (model.num_qo_heads % model.num_kv_heads != 0)
-    args.fail(str_cat("--heads ", model.num_qo_heads, " must be a multiple of --kv-heads ",
-                      model.num_kv_heads));
-  model.dtype = args.get_dtype("--dtype", {DType::bf16, DType::f16, DType::f32}, DType::bf16);
-  model.kv_dtype = args.get_dtype(
-      "--kv-dtype", {DType::bf16, DType::f16, DType::f32, DType::fp8_e4m3, DType::fp8_e5m2},
-      model.dtype);
-  if (!is_fp8(model.kv_dtype) && model.kv_dtype != model.dtype)
-    args.fail(str_cat("--kv-dtype ", dtype_name(model.kv_dtype),
-                      ": a non-fp8 KV cache has the activation dtype ", dtype_name(model.dtype)));
-  model.sliding_window = args.get_int("--window", -1, 1 << 24, -1);
+  const ModelConfig model = model_from_flags(args, gpu, cpu_model, gpu_model);
 
   const std::string& which = args.get("--workload");
   const int requests = args.get_int("--requests", 1, kMaxWorkloadRequests, 0);
@@ -102,6 +84,10 @@ int cmd_serve(int argc, char** argv) {
     // file)".
     args.fail(str_cat("--workload ", e.what()));
   }
+
+  // Saved before the run, so that a run that fails can be replayed from it.
+  if (!args.get("--save-workload").empty())
+    bench::write_text_file(args.get("--save-workload"), workload_to_json(workload));
 
   SchedulerOptions so;
   so.seed = seed;

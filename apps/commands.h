@@ -8,5 +8,6 @@ int cmd_info(int argc, char** argv);
 int cmd_check(int argc, char** argv);
 int cmd_serve(int argc, char** argv);
 int cmd_bench(int argc, char** argv);
+int cmd_soak(int argc, char** argv);
 
 }  // namespace flashkv::app

@@ -1,5 +1,6 @@
-// flashkv: serve a workload through the attention backend, benchmark the kernels, check every
-// operator against the float64 reference, or describe the build and its devices.
+// flashkv: serve a workload through the attention backend, soak-test the serving path, benchmark
+// the kernels, check every operator against the float64 reference, or describe the build and its
+// devices.
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -20,6 +21,8 @@ struct Command {
 const Command kCommands[] = {
     {"serve", "run a serving workload through the attention backend and report on it",
      flashkv::app::cmd_serve},
+    {"soak", "a long random serving run with the serving invariants checked every step",
+     flashkv::app::cmd_soak},
     {"bench", "time the attention kernels against the machine's measured roofline",
      flashkv::app::cmd_bench},
     {"check", "compare every operator with the float64 reference on random inputs",

@@ -7,6 +7,7 @@
 
 #include "flashkv/backend/layer_reference.h"
 #include "flashkv/ops/compare.h"
+#include "invariants.h"
 
 namespace flashkv::app {
 
@@ -82,21 +83,6 @@ void copy_rows(const TensorView& src, int64_t begin, int64_t n, char* dst) {
              n * row_bytes);
 }
 
-// Reads the bits: a prefill's output on a GPU is tens of millions of elements.
-bool host_has_nan(const TensorView& t) {
-  const int64_t n = t.numel();
-  if (t.dtype == DType::bf16 || t.dtype == DType::f16) {
-    const uint16_t inf = t.dtype == DType::bf16 ? 0x7F80 : 0x7C00;
-    const auto* p = static_cast<const uint16_t*>(t.data);
-    bool nan = false;
-    for (int64_t i = 0; i < n; ++i) nan |= (p[i] & 0x7FFF) > inf;
-    return nan;
-  }
-  for (int64_t i = 0; i < n; ++i)
-    if (std::isnan(load_as_double(t.data, t.dtype, i))) return true;
-  return false;
-}
-
 }  // namespace
 
 PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
@@ -131,6 +117,7 @@ PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
   }
   std::vector<TensorView> check_q(check_layers.size());
 
+  PassResult r;
   synchronize(device_);
   const auto t0 = std::chrono::steady_clock::now();
   backend_->init_forward_metadata(b);
@@ -151,23 +138,39 @@ PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
       check_q[at - check_layers.begin()] = q;
     }
     last_out = backend_->forward(q, k, v, spec, b, /*save_kv_cache=*/true, out);
+    if (check.scan_every_layer && l + 1 < c.num_layers)
+      scan_between_layers(last_out, T, str_cat("layer ", l), r);
   }
   synchronize(device_);
-  PassResult r;
   const auto t1 = std::chrono::steady_clock::now();
-  r.ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+  r.ms = std::chrono::duration<double, std::milli>(t1 - t0).count() - r.check_ms;
   verify_pass(step, check, check_layers, check_entries, check_q, check_out, last_out, r);
-  r.check_ms =
+  r.check_ms +=
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
   return r;
 }
 
-void Model::scan_for_nan(const TensorView& out, int64_t rows, PassResult& r) {
-  if (rows == 0 || !out.defined()) return;
-  Tensor host =
-      Tensor::empty({rows, int64_t{config_.num_qo_heads} * config_.head_dim}, config_.dtype);
+void Model::scan_for_nonfinite(const TensorView& out, int64_t rows, const std::string& what,
+                               PassResult& r) {
+  if (rows == 0 || !out.defined() || r.nonfinite) return;
+  const int64_t width = int64_t{config_.num_qo_heads} * config_.head_dim;
+  Tensor host = Tensor::empty({rows, width}, config_.dtype);
   copy_rows(out, 0, rows, static_cast<char*>(host.data()));
-  r.nan = r.nan || host_has_nan(host);
+  const int64_t at = first_nonfinite(host);
+  if (at < 0) return;
+  r.nonfinite = true;
+  r.nonfinite_where =
+      str_cat(what, ", output row ", at / width, ", head ", at % width / config_.head_dim, ": ",
+              load_as_double(host.data(), config_.dtype, at));
+}
+
+void Model::scan_between_layers(const TensorView& out, int64_t rows, const std::string& what,
+                                PassResult& r) {
+  synchronize(device_);
+  const auto t0 = std::chrono::steady_clock::now();
+  scan_for_nonfinite(out, rows, what, r);
+  r.check_ms +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void Model::compare_layer(const LayerSpec& layer, const CheckedRows& rows, const TensorView& q_all,
@@ -189,7 +192,10 @@ void Model::compare_layer(const LayerSpec& layer, const CheckedRows& rows, const
   const Tolerance tol = tolerance_for(c.dtype, is_fp8(c.kv_dtype));
   ++r.checked;
   r.worst_rel = std::max(r.worst_rel, err.rel);
-  r.nan = r.nan || err.nan;
+  if (err.nan && !r.nonfinite) {
+    r.nonfinite = true;
+    r.nonfinite_where = str_cat(what, ", layer ", layer.layer_id, ": NaN in a checked output");
+  }
   if (!err.within(tol) && r.failures++ == 0)
     r.failure = str_cat(what, ", layer ", layer.layer_id, ": errors ", err.str(), " past rel ",
                         tol.rel, ", max_abs ", tol.max_abs);
@@ -203,7 +209,7 @@ void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
                         PassResult& r) {
   const ModelConfig& c = config_;
   const ForwardBatch& b = step.batch();
-  scan_for_nan(last_out, step.num_tokens(), r);
+  scan_for_nonfinite(last_out, step.num_tokens(), str_cat("layer ", c.num_layers - 1), r);
   if (check_layers.empty() || check_entries.empty()) return;
 
   // The checked rows: the last `rows` new tokens of each sampled request. The float64 reference
@@ -259,6 +265,7 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
   batch.token_to_kv_pool = pool_.get();
   batch.seq_lens_cpu = seq_lens;
   std::vector<int32_t> seq_rows;
+  seq_rows.reserve(seqs.size());
   for (const Sequence* s : seqs) seq_rows.push_back(s->row);
   const Tensor req_pool_indices = Tensor::from_i32(seq_rows, device_);
   batch.req_pool_indices = req_pool_indices;
@@ -295,6 +302,7 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
   std::vector<TensorView> check_q(checks.size());
   TensorView last_out;
 
+  PassResult r;
   synchronize(device_);
   const auto t0 = std::chrono::steady_clock::now();
   multi_step_->init_forward_metadata(batch, loc3);
@@ -310,13 +318,14 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
         check_q[at - checks.begin()] = q;
       }
       last_out = multi_step_->forward(st, q, k, v, c.layer(l), true, out);
+      if (check.scan_every_layer && (st + 1 < steps || l + 1 < c.num_layers))
+        scan_between_layers(last_out, rows, str_cat("step ", st, ", layer ", l), r);
     }
   synchronize(device_);
-  PassResult r;
   const auto t1 = std::chrono::steady_clock::now();
-  r.ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+  r.ms = std::chrono::duration<double, std::milli>(t1 - t0).count() - r.check_ms;
 
-  scan_for_nan(last_out, rows, r);
+  scan_for_nonfinite(last_out, rows, str_cat("step ", steps - 1, ", layer ", c.num_layers - 1), r);
   for (size_t k = 0; k < checks.size(); ++k) {
     const int step = checks[k].first;
     // Row (request i, branch b) sees the request's cached tokens, then its branch's draft tokens
@@ -342,7 +351,7 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
         str_cat("draft step ", step, " of ", bs, " requests x ", topk, " branches");
     compare_layer(c.layer(checks[k].second), checked, check_q[k], check_out[k], what.c_str(), r);
   }
-  r.check_ms =
+  r.check_ms +=
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
   return r;
 }

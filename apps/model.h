@@ -34,21 +34,25 @@ struct ModelConfig {
 // Which layer outputs a pass compares with the reference: `layers` random layers, and in each
 // up to `requests` random requests, the last `rows` query rows of each (rows 0: all; with
 // rows > 0, fewer on long contexts, which bounds the float64 reference's work per check).
+// Independently of `enabled`, the last layer's output of every pass is scanned for NaN and Inf;
+// scan_every_layer scans every layer's (the soak test's setting).
 struct CheckOptions {
   bool enabled = false;
   int layers = 1;
   int requests = 2;
   int rows = 8;
+  bool scan_every_layer = false;
 };
 
 struct PassResult {
-  double ms = 0;         // init_forward_metadata + every layer's forward, device synchronized
-  int checked = 0;       // layer outputs compared with the reference
-  int failures = 0;      // ... outside the tolerance of SEMANTICS.md
-  double worst_rel = 0;  // largest relative error seen
-  bool nan = false;      // a NaN in the last layer's output or a checked one
-  std::string failure;   // the first failure, described
-  double check_ms = 0;   // time spent after the pass on the NaN scan and the reference
+  double ms = 0;           // init_forward_metadata + every layer's forward, device synchronized
+  int checked = 0;         // layer outputs compared with the reference
+  int failures = 0;        // ... outside the tolerance of SEMANTICS.md
+  double worst_rel = 0;    // largest relative error seen
+  bool nonfinite = false;  // a NaN or Inf in a scanned or checked output
+  std::string nonfinite_where;  // the first one: layer, row and value
+  std::string failure;          // the first failure, described
+  double check_ms = 0;          // time spent after the pass on the NaN scan and the reference
 };
 
 class Model {
@@ -87,8 +91,13 @@ class Model {
   // Compares one checked layer's output rows with the reference; scans `last_out` for NaN.
   void compare_layer(const LayerSpec& layer, const CheckedRows& rows, const TensorView& q,
                      const TensorView& out, const char* what, PassResult& r);
-  void scan_for_nan(const TensorView& out, int64_t rows, PassResult& r);
-  // After a pass: scans the last output for NaN and compares the checked layers' outputs.
+  // Copies `rows` rows of a layer's output to the host and notes its first NaN or Inf in `r`.
+  void scan_for_nonfinite(const TensorView& out, int64_t rows, const std::string& what,
+                          PassResult& r);
+  // The same within a pass (scan_every_layer): synchronizes, and counts as check time.
+  void scan_between_layers(const TensorView& out, int64_t rows, const std::string& what,
+                           PassResult& r);
+  // After a pass: scans the last output for NaN / Inf and compares the checked layers' outputs.
   void verify_pass(const StepBatch& step, const CheckOptions& check,
                    const std::vector<int>& check_layers, const std::vector<size_t>& check_entries,
                    const std::vector<TensorView>& check_q, const std::vector<Tensor>& check_out,

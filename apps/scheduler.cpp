@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 
 #include "flashkv/core/error.h"
+#include "invariants.h"
 
 namespace flashkv::app {
 
@@ -18,7 +20,8 @@ double ServeStats::pass_ms_percentile(double p) const {
 
 // A request from admission to its end.
 struct Scheduler::Active {
-  const RequestSpec* spec = nullptr;
+  int64_t id = 0;
+  RequestSpec request;
   Sequence seq;
   std::vector<int32_t> chain;  // prefix-cache nodes it references: its leading prompt blocks
   int32_t generated = 0;       // output tokens so far (the prefill makes the first)
@@ -42,7 +45,7 @@ int64_t Scheduler::slots_needed(const RequestSpec& r, const SpeculativeConfig& s
 
 Scheduler::Scheduler(const Workload& workload, const ModelConfig& model, Device device,
                      const SchedulerOptions& options)
-    : workload_(workload),
+    : spec_(workload.spec),
       options_(options),
       device_(device),
       cache_(options.block_size),
@@ -51,14 +54,24 @@ Scheduler::Scheduler(const Workload& workload, const ModelConfig& model, Device 
                 options.token_budget);
   FLASHKV_CHECK(options.max_running >= 1, "max running requests: expected >= 1, got ",
                 options.max_running);
-  FLASHKV_CHECK(!workload.requests.empty(), "workload ", workload.name, ": no requests");
-  int64_t max_context = 1;
+  FLASHKV_CHECK(options.check_every >= 1, "check every: expected >= 1 steps, got ",
+                options.check_every);
+  FLASHKV_CHECK(options.max_context >= 0, "max context: expected >= 0 (0: the workload's), got ",
+                options.max_context);
+  FLASHKV_CHECK(!workload.requests.empty() || options.max_context > 0, "workload ", workload.name,
+                ": no requests");
+  int64_t max_context = std::max<int64_t>(options.max_context, 1);
+  if (options.max_context == 0)
+    for (const RequestSpec& r : workload.requests)
+      max_context = std::max(max_context, slots_needed(r, workload.spec));
+  options_.max_context = max_context;
   for (size_t i = 0; i < workload.requests.size(); ++i) {
     const int64_t need = slots_needed(workload.requests[i], workload.spec);
     FLASHKV_CHECK(need <= options.kv_slots, "workload request ", i, " needs ", need,
                   " KV slots (prompt + output", workload.spec.enabled ? " + draft tree" : "",
                   "), more than the pool's ", options.kv_slots, " (--kv-slots)");
-    max_context = std::max(max_context, need);
+    FLASHKV_CHECK(need <= max_context, "workload request ", i, " needs ", need,
+                  " tokens, more than the max context of ", max_context);
   }
   req_to_token_ = std::make_unique<ReqToTokenPool>(options.max_running, max_context, device);
   allocator_ = std::make_unique<TokenAllocator>(options.kv_slots);
@@ -68,8 +81,8 @@ Scheduler::Scheduler(const Workload& workload, const ModelConfig& model, Device 
         std::make_unique<Model>(draft_config(model), device, options.kv_slots, options.seed + 1);
     draft_->enable_multi_step_draft(workload.spec.topk, workload.spec.num_steps);
   }
-  stats_.requests = static_cast<int64_t>(workload.requests.size());
   stats_.kv_slots = options.kv_slots;
+  for (const RequestSpec& r : workload.requests) submit(r);
 }
 
 Scheduler::~Scheduler() = default;
@@ -77,8 +90,7 @@ Scheduler::~Scheduler() = default;
 int64_t Scheduler::reserve_of(const Active& a) const {
   // Slots the request may still take: one per output token to come, plus a draft tree's worth
   // during a speculative step.
-  return (a.spec->output_len - a.generated) +
-         (workload_.spec.enabled ? workload_.spec.draft_tokens() : 0);
+  return (a.request.output_len - a.generated) + (spec_.enabled ? spec_.draft_tokens() : 0);
 }
 
 void Scheduler::note_kv_use() {
@@ -114,7 +126,8 @@ void Scheduler::record(const char* what, const PassResult& r) {
   stats_.worst_rel_error = std::max(stats_.worst_rel_error, r.worst_rel);
   if (r.failures > 0 && stats_.first_failure.empty())
     stats_.first_failure = std::string(what) + ": " + r.failure;
-  if (r.nan) ++stats_.nan_passes;
+  if (r.nonfinite && stats_.nonfinite_passes++ == 0)
+    stats_.first_nonfinite = std::string(what) + ": " + r.nonfinite_where;
 }
 
 std::vector<Scheduler::Active*> Scheduler::admit() {
@@ -125,7 +138,7 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
   const int B = cache_.block_size();
   while (!waiting_.empty() &&
          static_cast<int>(running_.size() + admitted.size()) < options_.max_running) {
-    const RequestSpec& spec = workload_.requests[waiting_.front()];
+    const RequestSpec& spec = waiting_.front().request;
     const int32_t prompt_len = static_cast<int32_t>(spec.prompt.size());
     std::vector<int32_t> chain = cache_.match(spec.prompt);
     // At least one prompt token is computed (its output is the first generated token).
@@ -134,15 +147,13 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
     const int32_t new_tokens = prompt_len - matched;
     if (!admitted.empty() && batch_tokens + new_tokens > options_.token_budget) break;
     cache_.acquire(chain);  // before counting: its blocks are no longer evictable
-    const int64_t future =
-        (spec.output_len - 1) + (workload_.spec.enabled ? workload_.spec.draft_tokens() : 0);
+    const int64_t future = (spec.output_len - 1) + (spec_.enabled ? spec_.draft_tokens() : 0);
     if (allocator_->num_free() + cache_.evictable_slots() < reserved + new_tokens + future) {
       cache_.release(chain);
       ++stats_.admission_waits;
       break;
     }
     auto a = std::make_unique<Active>();
-    a->spec = &spec;
     auto row = req_to_token_->alloc(1);
     FLASHKV_CHECK(row.has_value(), "scheduler: no free req_to_token row");
     a->seq.row = (*row)[0];
@@ -156,6 +167,8 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
     stats_.cached_prompt_tokens += matched;
     reserved += new_tokens + future;
     batch_tokens += new_tokens;
+    a->id = waiting_.front().id;
+    a->request = std::move(waiting_.front().request);  // `spec` is gone from here on
     waiting_.pop_front();
     admitted.push_back(a.get());
     active_.push_back(std::move(a));
@@ -168,10 +181,11 @@ void Scheduler::finish(Active* a) {
   const size_t shared = static_cast<size_t>(a->chain.size()) * cache_.block_size();
   allocator_->free(std::vector<int32_t>(a->seq.slots.begin() + shared, a->seq.slots.end()));
   req_to_token_->free({a->seq.row});
-  a->seq.slots.clear();
-  a->chain.clear();
   running_.erase(std::find(running_.begin(), running_.end(), a));
   ++stats_.requests_done;
+  // Last use of `a`: a long run keeps only the requests in flight.
+  active_.erase(std::find_if(active_.begin(), active_.end(),
+                             [a](const std::unique_ptr<Active>& p) { return p.get() == a; }));
 }
 
 void Scheduler::run_extend(const std::vector<Active*>& admitted) {
@@ -184,14 +198,14 @@ void Scheduler::run_extend(const std::vector<Active*>& admitted) {
     entries.push_back(e);
   }
   StepBatch step(ForwardMode::EXTEND, entries, *req_to_token_, device_);
-  record("EXTEND", model_->forward(step, options_.check));
-  if (draft_) record("draft EXTEND", draft_->forward(step, options_.check));
+  record("EXTEND", model_->forward(step, step_check_));
+  if (draft_) record("draft EXTEND", draft_->forward(step, step_check_));
   for (Active* a : admitted) {
     // Cache the prompt's whole blocks; blocks another request cached meanwhile are shared.
     std::vector<int32_t> prompt_slots(a->seq.slots.begin(),
-                                      a->seq.slots.begin() + a->spec->prompt.size());
+                                      a->seq.slots.begin() + a->request.prompt.size());
     std::vector<int32_t> released;
-    cache_.insert(a->spec->prompt, prompt_slots, a->chain, released);
+    cache_.insert(a->request.prompt, prompt_slots, a->chain, released);
     if (!released.empty()) {
       rewrite_tokens(a->seq, 0, prompt_slots, *req_to_token_);
       allocator_->free(released);
@@ -199,7 +213,7 @@ void Scheduler::run_extend(const std::vector<Active*>& admitted) {
     a->generated = 1;
     ++stats_.generated_tokens;
     running_.push_back(a);
-    if (a->generated >= a->spec->output_len) finish(a);
+    if (a->generated >= a->request.output_len) finish(a);
   }
 }
 
@@ -212,17 +226,17 @@ void Scheduler::run_decode() {
     entries.push_back({&a->seq, a->seq.seq_len(), 1, {}});
   }
   StepBatch step(ForwardMode::DECODE, entries, *req_to_token_, device_);
-  record("DECODE", model_->forward(step, options_.check));
+  record("DECODE", model_->forward(step, step_check_));
   const std::vector<Active*> batch = running_;
   for (Active* a : batch) {
     ++a->generated;
     ++stats_.generated_tokens;
-    if (a->generated >= a->spec->output_len) finish(a);
+    if (a->generated >= a->request.output_len) finish(a);
   }
 }
 
 void Scheduler::run_speculative() {
-  const SpeculativeConfig& sc = workload_.spec;
+  const SpeculativeConfig& sc = spec_;
   const int K = sc.topk, S = sc.num_steps, D = sc.draft_tokens();
   const std::vector<Active*> batch = running_;
   const size_t R = batch.size();
@@ -246,10 +260,10 @@ void Scheduler::run_speculative() {
     std::vector<BatchEntry> entries;
     for (size_t i = 0; i < R; ++i) entries.push_back({seqs[i], root_seq_lens[i], 1, {}});
     StepBatch root(ForwardMode::DECODE, entries, *req_to_token_, device_);
-    record("draft DECODE", draft_->forward(root, options_.check));
+    record("draft DECODE", draft_->forward(root, step_check_));
   }
   record("draft multi-step", draft_->forward_draft_steps(seqs, root_seq_lens, draft_slots,
-                                                         *req_to_token_, options_.check));
+                                                         *req_to_token_, step_check_));
   // Verify the tree with the target model: each branch is a chain hanging off the root.
   std::vector<BatchEntry> entries;
   std::vector<std::vector<int32_t>> parents(R);
@@ -261,12 +275,12 @@ void Scheduler::run_speculative() {
   }
   {
     StepBatch verify(ForwardMode::TARGET_VERIFY, entries, *req_to_token_, device_);
-    record("TARGET_VERIFY", model_->forward(verify, options_.check));
+    record("TARGET_VERIFY", model_->forward(verify, step_check_));
   }
   // Accept a root-to-node path: from each node the walk continues to a random child with
   // probability accept_rate. The accepted tokens move to the positions after the prefix; the
   // other tree slots are freed.
-  std::bernoulli_distribution go_on(workload_.spec.accept_rate);
+  std::bernoulli_distribution go_on(sc.accept_rate);
   std::vector<BatchEntry> accepted_entries;
   std::vector<int32_t> freed;
   for (size_t i = 0; i < R; ++i) {
@@ -279,7 +293,7 @@ void Scheduler::run_speculative() {
       if (children.empty() || !go_on(rng_)) break;
       path.push_back(children[std::uniform_int_distribution<size_t>(0, children.size() - 1)(rng_)]);
     }
-    const int32_t remaining = a->spec->output_len - a->generated;
+    const int32_t remaining = a->request.output_len - a->generated;
     if (static_cast<int32_t>(path.size()) > remaining) path.resize(remaining);
     const int32_t first = a->seq.encoder_len + base[i];
     const std::vector<int32_t> tree(a->seq.slots.begin() + first, a->seq.slots.begin() + first + D);
@@ -299,7 +313,7 @@ void Scheduler::run_speculative() {
   allocator_->free(freed);
   {
     StepBatch extend(ForwardMode::DRAFT_EXTEND, accepted_entries, *req_to_token_, device_);
-    record("DRAFT_EXTEND", draft_->forward(extend, options_.check));
+    record("DRAFT_EXTEND", draft_->forward(extend, step_check_));
   }
   ++stats_.spec_steps;
   stats_.spec_request_steps += static_cast<int64_t>(R);
@@ -307,74 +321,138 @@ void Scheduler::run_speculative() {
     Active* a = batch[i];
     a->generated += accepted_entries[i].num_new;
     stats_.generated_tokens += accepted_entries[i].num_new;
-    if (a->generated >= a->spec->output_len) finish(a);
+    if (a->generated >= a->request.output_len) finish(a);
   }
 }
 
-void Scheduler::check_invariants() {
+void Scheduler::submit(const RequestSpec& r) {
+  const int64_t need = slots_needed(r, spec_);
+  FLASHKV_CHECK(!r.prompt.empty() && r.output_len >= 1, "request ", stats_.requests,
+                ": expected a prompt of >= 1 tokens and output >= 1, got ", r.prompt.size(),
+                " and ", r.output_len);
+  FLASHKV_CHECK(need <= options_.kv_slots, "request ", stats_.requests, " needs ", need,
+                " KV slots, more than the pool's ", options_.kv_slots);
+  FLASHKV_CHECK(need <= options_.max_context, "request ", stats_.requests, " needs ", need,
+                " tokens, more than the max context of ", options_.max_context);
+  const int64_t last = pending_.empty() ? 0 : pending_.back().request.arrival;
+  FLASHKV_CHECK(r.arrival >= last, "request ", stats_.requests, ": arrival ", r.arrival,
+                " before the previous request's ", last);
+  pending_.push_back({stats_.requests++, r});
+}
+
+bool Scheduler::step() {
+  auto arrive = [this] {
+    while (!pending_.empty() && pending_.front().request.arrival <= clock_) {
+      waiting_.push_back(std::move(pending_.front()));
+      pending_.pop_front();
+    }
+  };
+  arrive();
+  if (idle()) {
+    if (pending_.empty()) return false;
+    clock_ = pending_.front().request.arrival;  // nothing to run until the next arrival
+    arrive();
+  }
+  step_check_ = options_.check;
+  step_check_.enabled = options_.check.enabled && stats_.steps % options_.check_every == 0;
+  const std::vector<Active*> admitted = admit();
+  if (!admitted.empty()) {
+    run_extend(admitted);
+  } else if (!running_.empty()) {
+    if (draft_)
+      run_speculative();
+    else
+      run_decode();
+  } else {
+    // Cannot happen: with nothing running every cached block is evictable and each request
+    // fits the pool alone (checked by submit).
+    throw Error(str_cat("scheduler: request ", waiting_.front().id,
+                        " cannot be admitted into an idle pool"));
+  }
+  ++stats_.steps;
+  ++clock_;
+  stats_.evicted_blocks = cache_.evicted_nodes();
+  return true;
+}
+
+int64_t Scheduler::flush_prefix_cache() {
+  const std::vector<int32_t> freed = cache_.evict(std::numeric_limits<int64_t>::max());
+  allocator_->free(freed);
+  stats_.evicted_blocks = cache_.evicted_nodes();
+  return static_cast<int64_t>(freed.size());
+}
+
+std::string Scheduler::check_step_invariants() const {
+  const int B = cache_.block_size();
+  std::vector<SlotOwner> owners;
+  owners.push_back({"the prefix cache", cache_.all_slots()});
+  for (const Active* a : running_) {
+    // The request's first chain blocks' slots are the cache's; the rest are its own.
+    const size_t shared = a->chain.size() * static_cast<size_t>(B);
+    if (a->seq.slots.size() < shared)
+      return str_cat("request ", a->id, " holds ", a->seq.slots.size(), " slots, fewer than its ",
+                     a->chain.size(), " prefix blocks");
+    for (size_t b = 0; b < a->chain.size(); ++b) {
+      const std::vector<int32_t>& block = cache_.slots(a->chain[b]);
+      if (!std::equal(block.begin(), block.end(), a->seq.slots.begin() + b * B))
+        return str_cat("request ", a->id, ": its prefix block ", b,
+                       " does not list the prefix cache's slots of that block");
+    }
+    owners.push_back({str_cat("request ", a->id),
+                      std::vector<int32_t>(a->seq.slots.begin() + shared, a->seq.slots.end())});
+  }
+  std::string bad = check_slot_ownership(*allocator_, owners);
+  if (!bad.empty()) return "slot ownership: " + bad;
+
+  std::vector<RequestRow> rows;
+  for (const Active* a : running_)
+    rows.push_back({str_cat("request ", a->id), a->seq.row, &a->seq.slots});
+  bad = check_request_rows(*req_to_token_, rows);
+  if (!bad.empty()) return "request rows: " + bad;
+
+  try {
+    cache_.check_invariants();
+  } catch (const Error& e) {
+    return std::string("prefix cache: ") + e.what();
+  }
+  return "";
+}
+
+void Scheduler::check_end_invariants() {
   auto fail = [&](const std::string& what) { stats_.invariant_failures.push_back(what); };
   if (stats_.requests_done != stats_.requests)
     fail(str_cat(stats_.requests_done, " of ", stats_.requests, " requests finished"));
   if (!running_.empty() || !waiting_.empty())
     fail(str_cat(running_.size(), " requests still running, ", waiting_.size(), " waiting"));
-  try {
-    cache_.check_invariants();
-  } catch (const Error& e) {
-    fail(e.what());
-  }
-  const std::vector<int32_t> held = cache_.all_slots();
-  int64_t not_live = 0;
-  for (int32_t s : held) not_live += allocator_->is_live(s) ? 0 : 1;
-  if (not_live > 0) fail(str_cat(not_live, " prefix-cache slots are not allocated"));
-  const int64_t in_use = allocator_->capacity() - allocator_->num_free();
-  if (in_use != static_cast<int64_t>(held.size()))
-    fail(str_cat(in_use, " KV slots in use at the end, but the prefix cache holds ", held.size(),
-                 " (the rest leaked)"));
-  if (req_to_token_->num_used() != 0)
-    fail(str_cat(req_to_token_->num_used(), " req_to_token rows still in use"));
-  if (stats_.nan_passes > 0) fail(str_cat(stats_.nan_passes, " passes produced NaN outputs"));
+  // With nothing running, ownership says: every allocated slot is the prefix cache's.
+  const std::string bad = check_step_invariants();
+  if (!bad.empty()) fail(bad);
+  if (stats_.nonfinite_passes > 0)
+    fail(str_cat(stats_.nonfinite_passes,
+                 " passes produced NaN or Inf outputs (first: ", stats_.first_nonfinite, ")"));
+}
+
+Progress Scheduler::progress() const {
+  Progress p;
+  p.done = stats_.requests_done;
+  p.total = stats_.requests;
+  p.generated_tokens = stats_.generated_tokens;
+  p.kv_used = kv_in_use();
+  p.kv_slots = allocator_->capacity();
+  p.running = static_cast<int64_t>(running_.size());
+  p.waiting = static_cast<int64_t>(waiting_.size());
+  return p;
 }
 
 ServeStats Scheduler::run(const std::function<void(const Progress&)>& on_progress) {
-  const auto& reqs = workload_.requests;
-  size_t next = 0;
-  int64_t clock = 0;
   const auto t0 = std::chrono::steady_clock::now();
   auto elapsed = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
-  while (stats_.requests_done < stats_.requests) {
-    while (next < reqs.size() && reqs[next].arrival <= clock) waiting_.push_back(next++);
-    if (waiting_.empty() && running_.empty()) {
-      clock = reqs[next].arrival;  // nothing to run until the next arrival
-      continue;
-    }
-    const std::vector<Active*> admitted = admit();
-    if (!admitted.empty()) {
-      run_extend(admitted);
-    } else if (!running_.empty()) {
-      if (draft_)
-        run_speculative();
-      else
-        run_decode();
-    } else {
-      // Cannot happen: with nothing running every cached block is evictable and each request
-      // fits the pool alone (checked at construction).
-      throw Error(str_cat("scheduler: request ", waiting_.front(),
-                          " cannot be admitted into an idle pool"));
-    }
-    ++stats_.steps;
-    ++clock;
+  while (step()) {
     if (on_progress) {
-      Progress p;
-      p.done = stats_.requests_done;
-      p.total = stats_.requests;
-      p.generated_tokens = stats_.generated_tokens;
+      Progress p = progress();
       p.serve_s = elapsed() - stats_.check_s;
-      p.kv_used = allocator_->capacity() - allocator_->num_free();
-      p.kv_slots = allocator_->capacity();
-      p.running = static_cast<int64_t>(running_.size());
-      p.waiting = static_cast<int64_t>(waiting_.size());
       on_progress(p);
     }
   }
@@ -383,7 +461,7 @@ ServeStats Scheduler::run(const std::function<void(const Progress&)>& on_progres
   stats_.evicted_blocks = cache_.evicted_nodes();
   stats_.cached_blocks_end = cache_.num_nodes();
   stats_.cached_slots_end = cache_.cached_slots();
-  check_invariants();
+  check_end_invariants();
   return stats_;
 }
 

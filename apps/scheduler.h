@@ -15,6 +15,9 @@
 // unreferenced prefix-cache blocks, least recently used first. A finished request returns its
 // slots except the prompt blocks the cache holds, which stay until evicted.
 // Steps with nothing to run skip ahead to the next arrival.
+//
+// run() serves a whole workload. A long-running driver (the soak test) instead calls submit()
+// and step() itself and checks the per-step invariants (check_step_invariants) in between.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +41,11 @@ struct SchedulerOptions {
   int token_budget = 512;   // new prompt tokens per EXTEND pass (a longer prompt runs alone)
   int max_running = 16;     // requests in flight
   int block_size = 16;      // prefix-cache granularity in tokens
+  // Longest request (prompt + output + draft tree) in tokens: the width of the req_to_token
+  // rows. 0: the longest request of the constructor's workload.
+  int64_t max_context = 0;
   CheckOptions check;
+  int check_every = 1;  // with check.enabled: check the passes of every check_every-th step
   uint64_t seed = 1;
 };
 
@@ -66,7 +73,8 @@ struct ServeStats {
   int64_t checked = 0, check_failures = 0;
   double worst_rel_error = 0;
   std::string first_failure;
-  int64_t nan_passes = 0;
+  int64_t nonfinite_passes = 0;                 // passes with a NaN or Inf in a scanned output
+  std::string first_nonfinite;                  // the first such pass, described
   std::vector<std::string> invariant_failures;  // empty: every end-of-run invariant holds
 
   double tokens_per_s() const { return serve_s > 0 ? generated_tokens / serve_s : 0; }
@@ -78,6 +86,7 @@ struct ServeStats {
 
 // What the progress line shows, after every step.
 struct Progress {
+  int64_t step = 0, steps = 0;  // the soak test: step of steps (0 of 0 for serve)
   int64_t done = 0, total = 0;
   int64_t generated_tokens = 0;
   double serve_s = 0;
@@ -87,18 +96,60 @@ struct Progress {
 
 class Scheduler {
  public:
-  // Throws flashkv::Error when a request can never fit the pool (it needs more than kv_slots).
+  // Takes the workload's requests (it may be empty when options.max_context is set: submit()
+  // adds requests later) and its speculative setting. Throws flashkv::Error when a request can
+  // never fit the pool (it needs more than kv_slots).
   Scheduler(const Workload& workload, const ModelConfig& model, Device device,
             const SchedulerOptions& options);
   ~Scheduler();
 
+  // Steps until every request finished, then checks the end-of-run invariants (into
+  // ServeStats::invariant_failures).
   ServeStats run(const std::function<void(const Progress&)>& on_progress = {});
 
   // Slots one request needs at its end (prompt, output and a draft tree): the pool must hold it.
   static int64_t slots_needed(const RequestSpec& r, const SpeculativeConfig& spec);
 
+  // --- driving the scheduler step by step ---
+  // Queues a request arriving at r.arrival (arrivals must not decrease). Throws flashkv::Error
+  // when it can never fit the pool or the req_to_token rows.
+  void submit(const RequestSpec& r);
+  // Runs one step (one EXTEND, DECODE or speculative step), first skipping ahead to the next
+  // arrival when nothing is waiting or running. Returns false, doing nothing, when no request
+  // is left at all.
+  bool step();
+  // Every request submitted so far has finished.
+  bool idle() const { return running_.empty() && waiting_.empty(); }
+  int64_t clock() const { return clock_; }  // the current step's time (arrivals count in it)
+  int64_t num_pending() const { return static_cast<int64_t>(pending_.size()); }
+  int64_t kv_in_use() const { return allocator_->capacity() - allocator_->num_free(); }
+  int64_t prefix_cache_slots() const { return cache_.cached_slots(); }
+  // Evicts every unreferenced prefix-cache block, handing its slots back to the allocator;
+  // returns how many slots that freed. With nothing running, the pool is then empty.
+  int64_t flush_prefix_cache();
+  // The invariants that hold between any two steps; "" when they do, else the first violation:
+  //   slot ownership   every allocated KV slot is held by exactly one owner: a running request
+  //                    (the slots after its shared prefix blocks) or the prefix cache, and
+  //                    every slot an owner holds is allocated (check_slot_ownership);
+  //   request rows     each running request's req_to_token row lists its slots (its prefix
+  //                    blocks' slots first), and no other row is in use;
+  //   prefix cache     the cache's own bookkeeping (PrefixCache::check_invariants).
+  std::string check_step_invariants() const;
+  // Figures so far (run() returns the final ones).
+  const ServeStats& stats() const { return stats_; }
+  // The progress line's figures now (serve_s, step and steps are the caller's to fill).
+  Progress progress() const;
+  // The allocator and the target model, for tools and tests that inspect (or deliberately
+  // break) the state the invariants watch.
+  TokenAllocator& allocator() { return *allocator_; }
+  Model& model() { return *model_; }
+
  private:
   struct Active;
+  struct Pending {
+    int64_t id;  // submission order
+    RequestSpec request;
+  };
   std::vector<Active*> admit();
   void run_extend(const std::vector<Active*>& admitted);
   void run_decode();
@@ -108,18 +159,21 @@ class Scheduler {
   int64_t reserve_of(const Active& a) const;
   void record(const char* what, const PassResult& r);
   void note_kv_use();
-  void check_invariants();
+  void check_end_invariants();
 
-  const Workload& workload_;
+  SpeculativeConfig spec_;
   SchedulerOptions options_;
   Device device_;
   std::unique_ptr<ReqToTokenPool> req_to_token_;
   std::unique_ptr<TokenAllocator> allocator_;
   std::unique_ptr<Model> model_, draft_;
   PrefixCache cache_;
-  std::vector<std::unique_ptr<Active>> active_;  // every admitted request
-  std::deque<size_t> waiting_;                   // indices into workload_.requests
+  std::vector<std::unique_ptr<Active>> active_;  // admitted and not finished
+  std::deque<Pending> pending_;                  // not arrived yet, by arrival
+  std::deque<Pending> waiting_;                  // arrived, not admitted
   std::vector<Active*> running_;
+  int64_t clock_ = 0;
+  CheckOptions step_check_;  // options.check, enabled on every check_every-th step
   ServeStats stats_;
   std::mt19937_64 rng_;  // draft trees and accepted paths
 };

@@ -13,15 +13,24 @@ ProgressLine::ProgressLine(FILE* out, bool in_place, bool enabled)
     : out_(out), in_place_(in_place), enabled_(enabled) {}
 
 std::string ProgressLine::format(const Progress& p) {
-  char buf[200];
+  char buf[240];
   const double tps = p.serve_s > 0 ? p.generated_tokens / p.serve_s : 0;
+  const double kv = p.kv_slots ? 100.0 * p.kv_used / p.kv_slots : 0.0;
+  if (p.steps > 0) {  // the soak test
+    std::snprintf(buf, sizeof buf,
+                  "soak: step %lld/%lld, %lld requests done | %.1f tokens/s | KV %lld/%lld slots "
+                  "(%.0f%%) | invariants ok",
+                  static_cast<long long>(p.step), static_cast<long long>(p.steps),
+                  static_cast<long long>(p.done), tps, static_cast<long long>(p.kv_used),
+                  static_cast<long long>(p.kv_slots), kv);
+    return buf;
+  }
   std::snprintf(buf, sizeof buf,
                 "serve: %lld/%lld requests done, %lld running, %lld waiting | %.1f tokens/s | "
                 "KV %lld/%lld slots (%.0f%%)",
                 static_cast<long long>(p.done), static_cast<long long>(p.total),
                 static_cast<long long>(p.running), static_cast<long long>(p.waiting), tps,
-                static_cast<long long>(p.kv_used), static_cast<long long>(p.kv_slots),
-                p.kv_slots ? 100.0 * p.kv_used / p.kv_slots : 0.0);
+                static_cast<long long>(p.kv_used), static_cast<long long>(p.kv_slots), kv);
   return buf;
 }
 
@@ -35,7 +44,8 @@ void ProgressLine::update(const Progress& p) {
     started_ = true;
     last_ = now;
     if (!in_place_) return;
-  } else if (now - last_ < period && !(in_place_ && p.done == p.total)) {
+  } else if (now - last_ < period &&
+             !(in_place_ && (p.steps > 0 ? p.step == p.steps : p.done == p.total))) {
     return;
   }
   last_ = now;

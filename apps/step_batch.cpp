@@ -18,8 +18,8 @@ void rewrite_tokens(Sequence& seq, int32_t start, const std::vector<int32_t>& sl
                 "rewrite_tokens: positions [", start, ", ", start + slots.size(),
                 ") outside the sequence of ", seq.seq_len(), " tokens");
   if (slots.empty()) return;
-  const size_t at = static_cast<size_t>(seq.encoder_len + start);
-  pool.write(seq.row, static_cast<int64_t>(at), slots);
+  const int64_t at = int64_t{seq.encoder_len} + start;
+  pool.write(seq.row, at, slots);
   std::copy(slots.begin(), slots.end(), seq.slots.begin() + at);
 }
 

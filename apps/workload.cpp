@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <random>
 
 #include "flashkv/core/error.h"
 #include "json.h"
+#include "report.h"
 
 namespace flashkv::app {
 
@@ -111,10 +113,12 @@ Workload builtin_workload(const std::string& name, int num_requests, bool large,
   w.num_prefixes = g.num_prefixes;
   w.spec.enabled = g.speculative;
   std::vector<std::vector<int32_t>> prefixes;
+  prefixes.reserve(g.num_prefixes);
   for (int p = 0; p < g.num_prefixes; ++p)
     prefixes.push_back(random_tokens(gen, g.prefix_len.draw(gen)));
   // Popular prefixes first: prefix p is chosen with weight 1 / (p + 1).
   std::vector<double> weights;
+  weights.reserve(g.num_prefixes);
   for (int p = 0; p < g.num_prefixes; ++p) weights.push_back(1.0 / (p + 1));
   std::discrete_distribution<int> pick_prefix(weights.begin(), weights.end());
   std::exponential_distribution<double> gap(1.0 / g.mean_gap);
@@ -284,6 +288,61 @@ class FileReader {
 Workload load_workload_file(const std::string& path, int num_requests, uint64_t seed) {
   const JsonValue doc = read_json_file(path);
   return FileReader(path, seed).read(doc, num_requests);
+}
+
+Workload parse_workload(const std::string& text, const std::string& source, int num_requests,
+                        uint64_t seed) {
+  JsonValue doc;
+  try {
+    doc = parse_json(text);
+  } catch (const Error& e) {
+    throw Error(str_cat(source, ": ", e.what()));
+  }
+  return FileReader(source, seed).read(doc, num_requests);
+}
+
+namespace {
+
+std::string token_list(std::vector<int32_t>::const_iterator begin,
+                       std::vector<int32_t>::const_iterator end) {
+  std::string s = "[";
+  for (auto it = begin; it != end; ++it) s += str_cat(it == begin ? "" : ", ", *it);
+  return s + "]";
+}
+
+}  // namespace
+
+std::string workload_to_json(const Workload& w) {
+  std::map<std::vector<int32_t>, int> prefix_ids;  // prefix tokens -> index, in first use order
+  std::string prefixes, requests;
+  for (const RequestSpec& r : w.requests) {
+    std::string req = str_cat("    {\"arrival\": ", r.arrival);
+    if (r.prefix_len > 0) {
+      const std::vector<int32_t> prefix(r.prompt.begin(), r.prompt.begin() + r.prefix_len);
+      auto it = prefix_ids.find(prefix);
+      if (it == prefix_ids.end()) {
+        it = prefix_ids.emplace(prefix, static_cast<int>(prefix_ids.size())).first;
+        prefixes += str_cat(prefixes.empty() ? "" : ",\n", "    \"p", it->second,
+                            "\": ", token_list(prefix.begin(), prefix.end()));
+      }
+      req += str_cat(", \"prefix\": \"p", it->second, "\"");
+    }
+    if (r.prompt.size() > static_cast<size_t>(r.prefix_len))
+      req += ", \"prompt\": " + token_list(r.prompt.begin() + r.prefix_len, r.prompt.end());
+    req += str_cat(", \"output\": ", r.output_len, "}");
+    requests += (requests.empty() ? "" : ",\n") + req;
+  }
+  std::string out = "{\n";
+  if (!w.name.empty()) out += "  \"name\": " + bench::json_string(w.name) + ",\n";
+  if (!prefixes.empty()) out += "  \"prefixes\": {\n" + prefixes + "\n  },\n";
+  if (w.spec.enabled) {
+    // 17 significant digits: the rate reads back as the same double.
+    char rate[32];
+    std::snprintf(rate, sizeof rate, "%.17g", w.spec.accept_rate);
+    out += str_cat("  \"speculative\": {\"topk\": ", w.spec.topk, ", \"steps\": ", w.spec.num_steps,
+                   ", \"accept_rate\": ", rate, "},\n");
+  }
+  return out + "  \"requests\": [\n" + requests + "\n  ]\n}\n";
 }
 
 }  // namespace flashkv::app

@@ -54,5 +54,13 @@ Workload builtin_workload(const std::string& name, int num_requests, bool large,
 // bad value, its position and JSON path ("requests[2].output: expected an integer >= 1, got 0").
 // num_requests > 0 keeps only the first num_requests requests (in arrival order).
 Workload load_workload_file(const std::string& path, int num_requests, uint64_t seed);
+// The same from the file's text; errors read "<source>: line L, column C: ...", and a file
+// without "name" is named `source`.
+Workload parse_workload(const std::string& text, const std::string& source, int num_requests,
+                        uint64_t seed);
+// A workload file describing `w` exactly: token ids written out, each distinct shared prefix
+// once under "prefixes" (named p0, p1, ...). Reading it back gives the same requests, name and
+// speculative setting (`serve --save-workload`).
+std::string workload_to_json(const Workload& w);
 
 }  // namespace flashkv::app

@@ -1,13 +1,21 @@
 #include "flashkv/backend/flashkv_backend.h"
 
 #include <algorithm>
+#include <optional>
+#include <utility>
 
 #include "flashkv/kvcache/kv_pool.h"
 #include "flashkv/kvcache/req_to_token_pool.h"
 #include "flashkv/kvcache/swa_allocator.h"
 #include "flashkv/ops/kv_ops.h"
+#include "index_buffer.h"
 
 namespace flashkv {
+
+using backend_detail::check_index_room;
+using backend_detail::upload_indices;
+using backend_detail::with_index_room;
+
 namespace {
 
 // What a wrapper's KV index set covers for each request.
@@ -16,26 +24,6 @@ enum class WrapperKind {
   window,  // the sliding window's tokens
   cross,   // the encoder's tokens (cross attention)
 };
-
-// A grow-only i32 device buffer; in graph mode it must not move.
-void ensure_i32(Tensor& t, int64_t n, Device d, bool fixed, const char* what) {
-  n = std::max<int64_t>(n, 1);
-  if (t.defined() && t.numel() >= n) return;
-  FLASHKV_CHECK(!fixed, what, ": the batch needs ", n, " entries, past the CUDA-graph capacity ",
-                t.defined() ? t.numel() : 0, " (init_cuda_graph_state)");
-  t = Tensor::empty({n}, DType::i32, d);
-}
-
-void upload_i32(const Tensor& dst, const std::vector<int32_t>& src, Stream stream) {
-  copy_bytes(dst.data(), dst.device(), src.data(), Device::cpu(), src.size() * sizeof(int32_t),
-             stream);
-}
-
-std::vector<int32_t> prefix_sums(const std::vector<int32_t>& lens) {
-  std::vector<int32_t> p(lens.size() + 1, 0);
-  for (size_t i = 0; i < lens.size(); ++i) p[i + 1] = p[i] + lens[i];
-  return p;
-}
 
 // A 3-D view [rows, heads, dim] of a [rows, heads * dim] or [rows, heads, dim] tensor.
 TensorView as_heads(const TensorView& t, int64_t heads, int64_t dim, const char* name) {
@@ -57,32 +45,87 @@ TensorView as_heads(const TensorView& t, int64_t heads, int64_t dim, const char*
 
 }  // namespace
 
-struct FlashKVBackend::State {
+// The host half of a planned batch: everything init_forward_metadata decides before it touches a
+// device buffer. prepare() builds it without changing what forward runs; commit() installs it.
+struct FlashKVBackend::HostPlan {
   struct Wrapper {
     WrapperKind kind = WrapperKind::full;
     std::vector<int32_t> kv_len, kv_start, kv_indptr;
-    Tensor d_kv_len, d_kv_start, d_kv_indptr, d_kv_indices, d_last_page_len;
-    TensorView indptr, indices;  // what the kernels read: the buffers above, or the caller's
-    DecodePlan decode;
-    PrefillPlan paged;
-    Workspace ws_decode, ws_paged;
+    DecodePlan decode;  // DECODE through the decode operator
+    PrefillPlan paged;  // every other paged pass (DECODE through the prefill kernel included)
     bool paged_causal = true;
   };
   std::vector<Wrapper> wrappers;
-  // Batch-level: query rows, the ragged passes, the tree mask, scratch and output buffers.
   ForwardMode mode = ForwardMode::IDLE;
   int32_t batch_size = 0;
   int64_t num_tokens = 0;
-  bool use_ragged = false, extend_no_prefix = false, planned = false;
+  bool use_ragged = false, extend_no_prefix = false;
+  bool decode_via_prefill = false;  // DECODE through paged_prefill (use_tensor_cores)
+  bool external_indices = false;    // DECODE over the caller's spec.kv_indptr / kv_indices
+  bool plan_ragged_causal = false, plan_ragged_full = false;
   std::vector<int32_t> qo_len, qo_indptr, mask_indptr;
-  Tensor d_qo_indptr, d_mask_indptr, d_swa_out_cache_loc;
   PrefillPlan ragged_causal, ragged_full;
+};
+
+struct FlashKVBackend::State {
+  struct WrapperBuffers {
+    Tensor d_kv_len, d_kv_start, d_kv_indptr, d_kv_indices, d_last_page_len;
+    TensorView indptr, indices;  // what the kernels read: the buffers above, or the caller's
+    Workspace ws_decode, ws_paged;
+  };
+  HostPlan plan;  // what forward runs (when planned)
+  HostPlan next;  // prepare's output, swapped in by commit (so planning reuses its vectors)
+  bool planned = false;
+  std::vector<WrapperBuffers> wrappers;
+  // Batch-level: query rows, the ragged passes, the tree mask, scratch and output buffers.
+  Tensor d_qo_indptr, d_mask_indptr, d_swa_out_cache_loc;
   Workspace ws_ragged_causal, ws_ragged_full;
   Tensor out, tmp_o, lse_a, lse_b;  // [T, Hq, Dv], [T, Hq, Dv], [T, Hq] x2
   // CUDA graphs.
   bool graph_ready = false, in_graph = false;
   int graph_max_bs = 0, graph_max_tokens = 0;
 };
+
+namespace {
+
+// A pool the backend reads and writes must match the model it was built for.
+void check_pool(const KVPool& pool, const BackendOptions& o, const char* name) {
+  FLASHKV_CHECK(pool.device() == o.device, name, ": expected device ", o.device.str(), ", got ",
+                pool.device().str());
+  FLASHKV_CHECK(pool.num_kv_heads() == o.num_kv_heads && pool.head_dim_qk() == o.head_dim_qk &&
+                    pool.head_dim_v() == o.head_dim_v,
+                name, ": num_kv_heads/head_dim_qk/head_dim_v ", pool.num_kv_heads(), "/",
+                pool.head_dim_qk(), "/", pool.head_dim_v(), " differ from the backend's ",
+                o.num_kv_heads, "/", o.head_dim_qk, "/", o.head_dim_v);
+  FLASHKV_CHECK(pool.dtype() == o.q_dtype || is_fp8(pool.dtype()), name, ": KV dtype ",
+                dtype_name(pool.dtype()), ": expected q_dtype (", dtype_name(o.q_dtype),
+                ") or an fp8 type");
+}
+
+// Prefix sums that must fit the i32 index arrays the kernels read.
+void prefix_sums_into(const std::vector<int32_t>& lens, const char* what,
+                      std::vector<int32_t>* out) {
+  out->assign(lens.size() + 1, 0);
+  int64_t sum = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    sum += lens[i];
+    FLASHKV_CHECK(sum <= INT32_MAX, what, ": the batch's total (", sum, " after request ", i,
+                  ") exceeds int32");
+    (*out)[i + 1] = static_cast<int32_t>(sum);
+  }
+}
+
+// Host index tensors are read before anything is planned: each entry must lie in [0, limit).
+void check_host_entries(const TensorView& t, int64_t limit, const char* name, const char* what) {
+  if (!t.device.is_cpu()) return;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const int64_t v = index_at(t, i);
+    FLASHKV_CHECK(v >= 0 && v < limit, name, "[", i, "] = ", v, ": expected ", what, " in [0, ",
+                  limit, ")");
+  }
+}
+
+}  // namespace
 
 FlashKVBackend::FlashKVBackend(const BackendOptions& options)
     : options_(options), eager_(std::make_unique<State>()), graph_(std::make_unique<State>()) {
@@ -100,17 +143,21 @@ FlashKVBackend::FlashKVBackend(const BackendOptions& options)
                 "BackendOptions: swa_kv_pool and swa_allocator go together");
   FLASHKV_CHECK(o.swa_kv_pool == nullptr || o.sliding_window_size >= 0,
                 "BackendOptions: an SWA pool needs sliding_window_size >= 0");
+  if (o.swa_kv_pool) check_pool(*o.swa_kv_pool, o, "BackendOptions.swa_kv_pool");
   FLASHKV_CHECK(o.decode_split_size > 0 && o.prefill_split_size > 0,
                 "BackendOptions: split sizes must be > 0");
   if (o.device.is_cuda()) device_info(o.device);  // fails clearly without a GPU
   for (State* st : {eager_.get(), graph_.get()}) {
     st->wrappers.resize(num_wrappers());
-    if (o.sliding_window_size >= 0) {
-      st->wrappers[0].kind = WrapperKind::window;
-      st->wrappers[1].kind = WrapperKind::full;
-    } else if (o.is_encoder_decoder) {
-      st->wrappers[0].kind = WrapperKind::full;
-      st->wrappers[1].kind = WrapperKind::cross;
+    for (HostPlan* hp : {&st->plan, &st->next}) {
+      hp->wrappers.resize(num_wrappers());
+      if (o.sliding_window_size >= 0) {
+        hp->wrappers[0].kind = WrapperKind::window;
+        hp->wrappers[1].kind = WrapperKind::full;
+      } else if (o.is_encoder_decoder) {
+        hp->wrappers[0].kind = WrapperKind::full;
+        hp->wrappers[1].kind = WrapperKind::cross;
+      }
     }
   }
 }
@@ -121,13 +168,10 @@ int FlashKVBackend::num_wrappers() const {
   return (options_.sliding_window_size >= 0 || options_.is_encoder_decoder) ? 2 : 1;
 }
 
-bool FlashKVBackend::decode_uses_tensor_cores(DType kv_dtype) const {
-  if (options_.use_tensor_cores >= 0) return options_.use_tensor_cores == 1;
-  return options_.num_qo_heads / options_.num_kv_heads >= 4 || is_fp8(kv_dtype);
+bool FlashKVBackend::uses_ragged() const { return active_ && active_->plan.use_ragged; }
+bool FlashKVBackend::extend_without_prefix() const {
+  return active_ && active_->plan.extend_no_prefix;
 }
-
-bool FlashKVBackend::uses_ragged() const { return active_ && active_->use_ragged; }
-bool FlashKVBackend::extend_without_prefix() const { return active_ && active_->extend_no_prefix; }
 
 void FlashKVBackend::init_forward_metadata(const ForwardBatch& batch) {
   plan_batch(batch, /*graph=*/false);
@@ -159,37 +203,44 @@ void FlashKVBackend::init_forward_metadata_replay_cuda_graph(const ForwardBatch&
 }
 
 void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
-  State& s = graph ? *graph_ : *eager_;
-  active_ = &s;
+  prepare(b, graph);
+  commit(b, graph);
+}
+
+void FlashKVBackend::prepare(const ForwardBatch& b, bool graph, bool check_index_contents) {
+  State& s = state(graph);
+  HostPlan& n = s.next;
   const BackendOptions& o = options_;
   const Device dev = o.device;
-  s.planned = false;
-  s.mode = b.mode;
-  // --- validation (nothing is written before it passes) ---
   FLASHKV_CHECK(b.batch_size >= 0, "batch.batch_size: expected >= 0, got ", b.batch_size);
-  if (b.mode == ForwardMode::IDLE) {
-    s.batch_size = 0;
-    s.num_tokens = 0;
-    s.planned = true;
-    return;
-  }
+  n.mode = b.mode;
+  n.batch_size = 0;
+  n.num_tokens = 0;
+  n.use_ragged = n.extend_no_prefix = n.decode_via_prefill = n.external_indices = false;
+  n.plan_ragged_causal = n.plan_ragged_full = false;
+  if (b.mode == ForwardMode::IDLE) return;
+
+  // --- the batch against its mode, the pools and the capacities ---
   const int32_t B = b.batch_size;
   FLASHKV_CHECK(b.req_to_token_pool != nullptr,
                 "batch.req_to_token_pool: expected a pool, got null");
   FLASHKV_CHECK(b.token_to_kv_pool != nullptr, "batch.token_to_kv_pool: expected a pool, got null");
-  FLASHKV_CHECK(
-      b.token_to_kv_pool->page_size() == 1,
-      "batch.token_to_kv_pool: the backend indexes KV by token (page_size 1), got page_size ",
-      b.token_to_kv_pool->page_size());
-  FLASHKV_CHECK(b.req_to_token_pool->device() == dev && b.token_to_kv_pool->device() == dev,
-                "batch pools: expected device ", dev.str());
+  FLASHKV_CHECK(b.req_to_token_pool->device() == dev, "batch.req_to_token_pool: expected device ",
+                dev.str(), ", got ", b.req_to_token_pool->device().str());
+  // Any page size: the backend indexes KV by token slot (rows of the pool), as the seed does.
+  check_pool(*b.token_to_kv_pool, o, "batch.token_to_kv_pool");
   FLASHKV_CHECK_EQ("batch.seq_lens_cpu size", static_cast<int64_t>(b.seq_lens_cpu.size()),
                    int64_t{B});
   Expect(b.req_pool_indices, "batch.req_pool_indices")
       .ndim(1)
       .device(dev)
       .dtype(DType::i32)
+      .contiguous()
       .dim(0, B, "batch_size");
+  const int64_t max_reqs = b.req_to_token_pool->max_reqs();
+  if (check_index_contents)
+    check_host_entries(b.req_pool_indices, max_reqs, "batch.req_pool_indices",
+                       "a row of req_to_token");
   const bool decode = b.mode == ForwardMode::DECODE;
   const bool extend = b.mode == ForwardMode::EXTEND || b.mode == ForwardMode::MIXED;
   if (extend) {
@@ -206,11 +257,21 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
   if (b.mode == ForwardMode::DRAFT_EXTEND)
     FLASHKV_CHECK_EQ("batch.spec.accept_length_cpu size",
                      static_cast<int64_t>(b.spec.accept_length_cpu.size()), int64_t{B});
-  if (o.is_encoder_decoder)
+  if (o.is_encoder_decoder) {
     FLASHKV_CHECK_EQ("batch.encoder_lens_cpu size", static_cast<int64_t>(b.encoder_lens_cpu.size()),
                      int64_t{B});
+    if (b.encoder_out_cache_loc.defined()) {
+      Expect(b.encoder_out_cache_loc, "batch.encoder_out_cache_loc")
+          .ndim(1)
+          .device(dev)
+          .dtype(DType::i32)
+          .contiguous();
+      check_host_entries(b.encoder_out_cache_loc, b.token_to_kv_pool->num_rows(),
+                         "batch.encoder_out_cache_loc", "a slot of the pool");
+    }
+  }
   const int64_t max_ctx = b.req_to_token_pool->max_context_len();
-  s.qo_len.assign(B, 0);
+  n.qo_len.assign(B, 0);
   for (int32_t i = 0; i < B; ++i) {
     const int32_t seq = b.seq_lens_cpu[i];
     const int32_t enc = o.is_encoder_decoder ? b.encoder_lens_cpu[i] : 0;
@@ -218,36 +279,55 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
     FLASHKV_CHECK(seq >= 0 && int64_t{seq} + enc <= max_ctx, "batch.seq_lens_cpu[", i, "] = ", seq,
                   (enc ? " (after the encoder's tokens)" : ""), ": expected 0..", max_ctx - enc,
                   " (the pool's max_context_len)");
-    s.qo_len[i] = b.extend_len(i);
-    FLASHKV_CHECK(s.qo_len[i] >= 0 && s.qo_len[i] <= seq, "request ", i, ": ", s.qo_len[i],
+    n.qo_len[i] = b.extend_len(i);
+    FLASHKV_CHECK(n.qo_len[i] >= 0 && n.qo_len[i] <= seq, "request ", i, ": ", n.qo_len[i],
                   " new tokens but seq_len ", seq, " (", mode_name(b.mode), ")");
     if (extend)
-      FLASHKV_CHECK(b.extend_prefix_lens_cpu[i] + b.extend_seq_lens_cpu[i] == seq, "request ", i,
-                    ": extend_prefix_len ", b.extend_prefix_lens_cpu[i], " + extend_seq_len ",
-                    b.extend_seq_lens_cpu[i], " != seq_len ", seq);
+      FLASHKV_CHECK(int64_t{b.extend_prefix_lens_cpu[i]} + b.extend_seq_lens_cpu[i] == seq,
+                    "request ", i, ": extend_prefix_len ", b.extend_prefix_lens_cpu[i],
+                    " + extend_seq_len ", b.extend_seq_lens_cpu[i], " != seq_len ", seq);
   }
-  s.qo_indptr = prefix_sums(s.qo_len);
-  s.num_tokens = s.qo_indptr.back();
+  prefix_sums_into(n.qo_len, "query rows", &n.qo_indptr);
+  n.num_tokens = n.qo_indptr.back();
   Expect(b.out_cache_loc, "batch.out_cache_loc")
       .ndim(1)
       .device(dev)
       .dtype(DType::i32)
-      .dim(0, s.num_tokens, "num_tokens");
-  if (graph) {
-    FLASHKV_CHECK(B <= s.graph_max_bs && s.num_tokens <= s.graph_max_tokens, "CUDA-graph batch of ",
-                  B, " requests / ", s.num_tokens, " tokens exceeds the capacity ", s.graph_max_bs,
-                  " / ", s.graph_max_tokens);
+      .contiguous()
+      .dim(0, n.num_tokens, "num_tokens");
+  const int64_t swa_table_size = o.swa_allocator ? o.swa_allocator->host_table().numel() : 0;
+  if (check_index_contents) {
+    check_host_entries(b.out_cache_loc, b.token_to_kv_pool->num_rows(), "batch.out_cache_loc",
+                       "a slot of the pool");
+    if (o.swa_allocator)
+      check_host_entries(b.out_cache_loc, swa_table_size, "batch.out_cache_loc",
+                         "a slot of the SWA allocator's table");
   }
-  s.batch_size = B;
-  s.use_ragged = extend && !o.is_multimodal && !o.deterministic;
-  s.extend_no_prefix = extend;
+  if (graph)
+    FLASHKV_CHECK(B <= s.graph_max_bs && n.num_tokens <= s.graph_max_tokens, "CUDA-graph batch of ",
+                  B, " requests / ", n.num_tokens, " tokens exceeds the capacity ", s.graph_max_bs,
+                  " / ", s.graph_max_tokens, " (init_cuda_graph_state)");
+  n.batch_size = B;
+  n.use_ragged = extend && !o.is_multimodal && !o.deterministic;
+  n.extend_no_prefix = n.use_ragged;
   if (extend)
     for (int32_t i = 0; i < B; ++i)
-      if (b.extend_prefix_lens_cpu[i] > 0) s.extend_no_prefix = false;
-  if (!s.use_ragged) s.extend_no_prefix = false;
+      if (b.extend_prefix_lens_cpu[i] > 0) n.extend_no_prefix = false;
+  n.decode_via_prefill = decode && decode_uses_prefill_kernel();
+  if (b.mode == ForwardMode::TARGET_VERIFY) {
+    n.mask_indptr.assign(B + 1, 0);
+    int64_t total = 0;
+    for (int32_t i = 0; i < B; ++i) {
+      total += int64_t{n.qo_len[i]} * b.seq_lens_cpu[i];
+      FLASHKV_CHECK(total <= INT32_MAX, "batch.spec.custom_mask: more than 2^31 - 1 entries");
+      n.mask_indptr[i + 1] = static_cast<int32_t>(total);
+    }
+    FLASHKV_CHECK(b.spec.custom_mask.numel() >= total, "batch.spec.custom_mask: expected ", total,
+                  " entries (draft_token_num x seq_len per request), got ",
+                  b.spec.custom_mask.numel());
+  }
 
-  // --- plans and index sets ---
-  // In graph mode buffers are sized for the capacities at the first capture and never move.
+  // --- plans, and room in the buffers a captured graph fixed ---
   const bool fixed = graph && s.in_graph;
   const int64_t cap_b = graph ? s.graph_max_bs : B;
   const DeviceInfo info = device_info(dev);
@@ -262,31 +342,37 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
   }
   BatchShape shape;
   shape.batch_size = B;
-  shape.qo_indptr = s.qo_indptr.data();
+  shape.qo_indptr = n.qo_indptr.data();
   shape.num_qo_heads = o.num_qo_heads;
   shape.num_kv_heads = o.num_kv_heads;
   shape.head_dim_qk = o.head_dim_qk;
   shape.head_dim_v = o.head_dim_v;
   shape.page_size = 1;
-  auto upload_plan = [&](const Plan& plan, Workspace& ws) {
-    FLASHKV_CHECK(!fixed || ws.bytes() >= plan.layout.total_bytes, "workspace moved in graph mode");
-    ws.reserve(std::max<size_t>(plan.layout.total_bytes, 1), dev);
-    ws.upload(plan, o.stream);
+  // Buffers a captured graph may read must not move; one never allocated is in no graph yet.
+  auto check_workspace = [&](const Plan& plan, const Workspace& ws, const char* what) {
+    FLASHKV_CHECK(!fixed || ws.bytes() == 0 || ws.bytes() >= plan.layout.total_bytes, what,
+                  ": the plan needs ", plan.layout.total_bytes,
+                  " bytes of workspace, past the CUDA-graph workspace ", ws.bytes());
   };
 
   const int w = o.sliding_window_size;
-  const bool external = decode && b.spec.kv_indices.defined();
-  if (external) {
-    FLASHKV_CHECK(s.wrappers.size() == 1, "batch.spec.kv_indices: precomputed indices need a model",
-                  " without sliding-window or cross-attention layers");
+  n.external_indices = decode && b.spec.kv_indices.defined();
+  if (n.external_indices) {
+    FLASHKV_CHECK(n.wrappers.size() == 1, "batch.spec.kv_indices: precomputed indices need a",
+                  " model without sliding-window or cross-attention layers");
     FLASHKV_CHECK_EQ("batch.spec.kv_indptr_cpu size",
                      static_cast<int64_t>(b.spec.kv_indptr_cpu.size()), int64_t{B} + 1);
     Expect(b.spec.kv_indptr, "batch.spec.kv_indptr")
         .ndim(1)
         .device(dev)
         .dtype(DType::i32)
+        .contiguous()
         .dim(0, B + 1, "batch + 1");
-    Expect(b.spec.kv_indices, "batch.spec.kv_indices").ndim(1).device(dev).dtype(DType::i32);
+    Expect(b.spec.kv_indices, "batch.spec.kv_indices")
+        .ndim(1)
+        .device(dev)
+        .dtype(DType::i32)
+        .contiguous();
     for (int32_t i = 0; i < B; ++i)
       FLASHKV_CHECK(b.spec.kv_indptr_cpu[i + 1] - b.spec.kv_indptr_cpu[i] == b.seq_lens_cpu[i],
                     "batch.spec.kv_indptr_cpu: row ", i, " spans ",
@@ -297,131 +383,186 @@ void FlashKVBackend::plan_batch(const ForwardBatch& b, bool graph) {
         "batch.spec.kv_indices: expected at least ", b.spec.kv_indptr_cpu[B], " entries, got ",
         b.spec.kv_indices.numel());
   }
-  for (State::Wrapper& wr : s.wrappers) {
-    if (external) {
-      // The caller built the index set; only plan over it.
+  for (size_t wi = 0; wi < n.wrappers.size(); ++wi) {
+    HostPlan::Wrapper& wr = n.wrappers[wi];
+    const State::WrapperBuffers& buf = s.wrappers[wi];
+    if (n.external_indices) {
       wr.kv_len = b.seq_lens_cpu;
-      wr.indptr = b.spec.kv_indptr;
-      wr.indices = b.spec.kv_indices;
-      if (!wr.d_last_page_len.defined() ||
-          wr.d_last_page_len.numel() < std::max<int64_t>(cap_b, 1)) {
-        FLASHKV_CHECK(!fixed, "last_page_len: past the CUDA-graph capacity");
-        wr.d_last_page_len =
-            Tensor::from_i32(std::vector<int32_t>(std::max<int64_t>(cap_b, 1), 1), dev);
-      }
-      shape.kv_len = wr.kv_len.data();
-      shape.window_left = -1;
-      shape.causal = false;
-      plan_decode(shape, info, po, &wr.decode);
-      upload_plan(wr.decode, wr.ws_decode);
-      continue;
-    }
-    wr.kv_len.assign(B, 0);
-    wr.kv_start.assign(B, 0);
-    for (int32_t i = 0; i < B; ++i) {
-      const int32_t seq = b.seq_lens_cpu[i], qo = s.qo_len[i];
-      const int32_t enc = o.is_encoder_decoder ? b.encoder_lens_cpu[i] : 0;
-      switch (wr.kind) {
-        case WrapperKind::full:
-          wr.kv_len[i] = (s.use_ragged) ? seq - qo : seq;
-          wr.kv_start[i] = enc;
-          break;
-        case WrapperKind::window: {
-          // Decode sees the last w + 1 tokens, extend the last w + new ones; a tree-mask verify
-          // keeps the whole sequence so the mask's columns line up (the kernel applies the window).
-          const int64_t keep = decode                                 ? int64_t{w} + 1
-                               : b.mode == ForwardMode::TARGET_VERIFY ? int64_t{seq}
-                                                                      : int64_t{w} + qo;
-          wr.kv_len[i] = static_cast<int32_t>(std::min<int64_t>(seq, keep));
-          wr.kv_start[i] = seq - wr.kv_len[i];
-          break;
+      wr.kv_start.assign(B, 0);
+      wr.kv_indptr = b.spec.kv_indptr_cpu;
+    } else {
+      wr.kv_len.assign(B, 0);
+      wr.kv_start.assign(B, 0);
+      for (int32_t i = 0; i < B; ++i) {
+        const int32_t seq = b.seq_lens_cpu[i], qo = n.qo_len[i];
+        const int32_t enc = o.is_encoder_decoder ? b.encoder_lens_cpu[i] : 0;
+        switch (wr.kind) {
+          case WrapperKind::full:
+            wr.kv_len[i] = n.use_ragged ? seq - qo : seq;
+            wr.kv_start[i] = enc;
+            break;
+          case WrapperKind::window: {
+            // Decode sees the last w + 1 tokens, extend the last w + new ones; a tree-mask verify
+            // keeps the whole sequence so the mask's columns line up (the kernel applies the
+            // window).
+            const int64_t keep = decode                                 ? int64_t{w} + 1
+                                 : b.mode == ForwardMode::TARGET_VERIFY ? int64_t{seq}
+                                                                        : int64_t{w} + qo;
+            wr.kv_len[i] = static_cast<int32_t>(std::min<int64_t>(seq, keep));
+            wr.kv_start[i] = seq - wr.kv_len[i];
+            break;
+          }
+          case WrapperKind::cross:
+            wr.kv_len[i] = enc;
+            wr.kv_start[i] = 0;
+            break;
         }
-        case WrapperKind::cross:
-          wr.kv_len[i] = enc;
-          wr.kv_start[i] = 0;
-          break;
       }
+      prefix_sums_into(wr.kv_len, "KV entries", &wr.kv_indptr);
+      check_index_room(buf.d_kv_len, cap_b, fixed, "kv_len");
+      check_index_room(buf.d_kv_start, cap_b, fixed, "kv_start");
+      check_index_room(buf.d_kv_indptr, cap_b + 1, fixed, "kv_indptr");
+      check_index_room(buf.d_kv_indices,
+                       graph ? int64_t{s.graph_max_bs} * max_ctx : wr.kv_indptr.back(), fixed,
+                       "kv_indices");
+      // The window's slots go through the SWA table: host entries must lie inside it.
+      const TensorView& r2t = b.req_to_token_pool->req_to_token();
+      if (check_index_contents && wr.kind == WrapperKind::window && o.swa_allocator &&
+          r2t.device.is_cpu())
+        for (int32_t i = 0; i < B; ++i) {
+          const int32_t* row = r2t.ptr<int32_t>() + index_at(b.req_pool_indices, i) * r2t.stride[0];
+          for (int32_t j = wr.kv_start[i]; j < wr.kv_start[i] + wr.kv_len[i]; ++j)
+            FLASHKV_CHECK(row[j] >= 0 && row[j] < swa_table_size, "req_to_token[",
+                          index_at(b.req_pool_indices, i), ", ", j, "] = ", row[j],
+                          ": expected a slot of the SWA allocator's table, [0, ", swa_table_size,
+                          ")");
+        }
     }
-    wr.kv_indptr = prefix_sums(wr.kv_len);
-    const int64_t entries = wr.kv_indptr.back();
-    ensure_i32(wr.d_kv_len, cap_b, dev, fixed, "kv_len");
-    ensure_i32(wr.d_kv_start, cap_b, dev, fixed, "kv_start");
-    ensure_i32(wr.d_kv_indptr, cap_b + 1, dev, fixed, "kv_indptr");
-    ensure_i32(wr.d_kv_indices, graph ? int64_t{s.graph_max_bs} * max_ctx : entries, dev, fixed,
-               "kv_indices");
-    if (!wr.d_last_page_len.defined() || wr.d_last_page_len.numel() < std::max<int64_t>(cap_b, 1)) {
-      FLASHKV_CHECK(!fixed, "last_page_len: past the CUDA-graph capacity");
-      wr.d_last_page_len =
-          Tensor::from_i32(std::vector<int32_t>(std::max<int64_t>(cap_b, 1), 1), dev);
-    }
-    upload_i32(wr.d_kv_len, wr.kv_len, o.stream);
-    upload_i32(wr.d_kv_start, wr.kv_start, o.stream);
-    upload_i32(wr.d_kv_indptr, wr.kv_indptr, o.stream);
-    TensorView lens = wr.d_kv_len.view().rows(0, B), starts = wr.d_kv_start.view().rows(0, B);
-    TensorView indptr = wr.d_kv_indptr.view().rows(0, B + 1);
-    wr.indptr = indptr;
-    wr.indices = wr.d_kv_indices;
-    build_kv_indices(b.req_to_token_pool->req_to_token(), b.req_pool_indices, lens, starts, indptr,
-                     wr.d_kv_indices, o.stream);
-    if (wr.kind == WrapperKind::window && o.swa_allocator) {
-      TensorView idx = wr.d_kv_indices.view().rows(0, std::max<int64_t>(entries, 0));
-      if (entries > 0)
-        translate_slots(idx, o.swa_allocator->full_to_swa_table(o.stream), idx, o.stream);
-    }
-    // Plans.
+    check_index_room(buf.d_last_page_len, cap_b, fixed, "last_page_len");
     shape.kv_len = wr.kv_len.data();
     shape.window_left = wr.kind == WrapperKind::window ? w : -1;
-    if (decode) {
+    if (decode && !n.decode_via_prefill) {
       shape.causal = false;
       plan_decode(shape, info, po, &wr.decode);
-      upload_plan(wr.decode, wr.ws_decode);
+      check_workspace(wr.decode, buf.ws_decode, "decode workspace");
     } else {
       // The prefix-only pass of a ragged extend sees the whole prefix; everything else is
-      // causal, except cross attention and a tree-masked verify.
-      wr.paged_causal = !(s.use_ragged && wr.kind == WrapperKind::full) &&
+      // causal, except cross attention and a tree-masked verify. (A decode row is the last
+      // position of its request: causal hides nothing from it.)
+      wr.paged_causal = !(n.use_ragged && wr.kind == WrapperKind::full) &&
                         wr.kind != WrapperKind::cross && b.mode != ForwardMode::TARGET_VERIFY;
       shape.causal = wr.paged_causal;
       plan_prefill(shape, info, po, &wr.paged);
-      upload_plan(wr.paged, wr.ws_paged);
+      check_workspace(wr.paged, buf.ws_paged, "paged workspace");
     }
   }
+  if (!decode || n.decode_via_prefill)
+    check_index_room(s.d_qo_indptr, cap_b + 1, fixed, "qo_indptr");
   if (!decode) {
-    ensure_i32(s.d_qo_indptr, cap_b + 1, dev, fixed, "qo_indptr");
-    upload_i32(s.d_qo_indptr, s.qo_indptr, o.stream);
-    if (s.use_ragged || o.has_encoder_only_layers) {
-      shape.kv_len = s.qo_len.data();
-      shape.window_left = -1;
+    n.plan_ragged_causal = n.use_ragged || o.has_encoder_only_layers;
+    n.plan_ragged_full = o.has_encoder_only_layers;
+    shape.kv_len = n.qo_len.data();
+    shape.window_left = -1;
+    if (n.plan_ragged_causal) {
       shape.causal = true;
-      plan_prefill(shape, info, po, &s.ragged_causal);
-      upload_plan(s.ragged_causal, s.ws_ragged_causal);
-      if (o.has_encoder_only_layers) {
-        shape.causal = false;
-        plan_prefill(shape, info, po, &s.ragged_full);
-        upload_plan(s.ragged_full, s.ws_ragged_full);
+      plan_prefill(shape, info, po, &n.ragged_causal);
+      check_workspace(n.ragged_causal, s.ws_ragged_causal, "ragged workspace");
+    }
+    if (n.plan_ragged_full) {
+      shape.causal = false;
+      plan_prefill(shape, info, po, &n.ragged_full);
+      check_workspace(n.ragged_full, s.ws_ragged_full, "ragged workspace");
+    }
+    if (b.mode == ForwardMode::TARGET_VERIFY)
+      check_index_room(s.d_mask_indptr, cap_b + 1, fixed, "mask_indptr");
+  }
+  if (o.swa_allocator)
+    check_index_room(s.d_swa_out_cache_loc, graph ? s.graph_max_tokens : n.num_tokens, fixed,
+                     "swa_out_cache_loc");
+  const int64_t rows = graph ? s.graph_max_tokens : std::max<int64_t>(n.num_tokens, 1);
+  FLASHKV_CHECK(!fixed || !s.out.defined() || s.out.size(0) >= rows,
+                "output buffer: past the CUDA-graph capacity");
+}
+
+void FlashKVBackend::commit(const ForwardBatch& b, bool graph) {
+  State& s = state(graph);
+  active_ = &s;
+  s.planned = false;  // a device failure below leaves the state unplanned, never half-planned
+  std::swap(s.plan, s.next);
+  const HostPlan& n = s.plan;
+  if (n.mode == ForwardMode::IDLE) {
+    s.planned = true;
+    return;
+  }
+  const BackendOptions& o = options_;
+  const Device dev = o.device;
+  const int32_t B = n.batch_size;
+  const bool decode = n.mode == ForwardMode::DECODE;
+  const bool fixed = graph && s.in_graph;
+  const int64_t cap_b = graph ? s.graph_max_bs : B;
+  const int64_t max_ctx = b.req_to_token_pool->max_context_len();
+  auto upload_plan = [&](const Plan& plan, Workspace& ws) {
+    ws.reserve(std::max<size_t>(plan.layout.total_bytes, 1), dev);
+    ws.upload(plan, o.stream);
+  };
+  for (size_t wi = 0; wi < n.wrappers.size(); ++wi) {
+    const HostPlan::Wrapper& wr = n.wrappers[wi];
+    State::WrapperBuffers& buf = s.wrappers[wi];
+    if (!buf.d_last_page_len.defined() || buf.d_last_page_len.numel() < std::max<int64_t>(cap_b, 1))
+      buf.d_last_page_len =
+          Tensor::from_i32(std::vector<int32_t>(std::max<int64_t>(cap_b, 1), 1), dev);
+    if (n.external_indices) {
+      // The caller built the index set; only plan over it.
+      buf.indptr = b.spec.kv_indptr;
+      buf.indices = b.spec.kv_indices;
+    } else {
+      const int64_t entries = wr.kv_indptr.back();
+      buf.d_kv_len = with_index_room(buf.d_kv_len, cap_b, dev, fixed, "kv_len");
+      buf.d_kv_start = with_index_room(buf.d_kv_start, cap_b, dev, fixed, "kv_start");
+      buf.d_kv_indptr = with_index_room(buf.d_kv_indptr, cap_b + 1, dev, fixed, "kv_indptr");
+      buf.d_kv_indices =
+          with_index_room(buf.d_kv_indices, graph ? int64_t{s.graph_max_bs} * max_ctx : entries,
+                          dev, fixed, "kv_indices");
+      upload_indices(buf.d_kv_len, wr.kv_len, o.stream);
+      upload_indices(buf.d_kv_start, wr.kv_start, o.stream);
+      upload_indices(buf.d_kv_indptr, wr.kv_indptr, o.stream);
+      const TensorView lens = buf.d_kv_len.view().rows(0, B);
+      const TensorView starts = buf.d_kv_start.view().rows(0, B);
+      buf.indptr = buf.d_kv_indptr.view().rows(0, B + 1);
+      buf.indices = buf.d_kv_indices;
+      build_kv_indices(b.req_to_token_pool->req_to_token(), b.req_pool_indices, lens, starts,
+                       buf.indptr, buf.d_kv_indices, o.stream);
+      if (wr.kind == WrapperKind::window && o.swa_allocator && entries > 0) {
+        const TensorView idx = buf.d_kv_indices.view().rows(0, entries);
+        translate_slots(idx, o.swa_allocator->full_to_swa_table(o.stream), idx, o.stream);
       }
     }
-    if (b.mode == ForwardMode::TARGET_VERIFY) {
-      s.mask_indptr.assign(B + 1, 0);
-      for (int32_t i = 0; i < B; ++i)
-        s.mask_indptr[i + 1] = s.mask_indptr[i] + s.qo_len[i] * b.seq_lens_cpu[i];
-      FLASHKV_CHECK(b.spec.custom_mask.numel() >= s.mask_indptr.back(),
-                    "batch.spec.custom_mask: expected ", s.mask_indptr.back(),
-                    " entries (draft_token_num x seq_len per request), got ",
-                    b.spec.custom_mask.numel());
-      ensure_i32(s.d_mask_indptr, cap_b + 1, dev, fixed, "mask_indptr");
-      upload_i32(s.d_mask_indptr, s.mask_indptr, o.stream);
-    }
+    if (decode && !n.decode_via_prefill)
+      upload_plan(wr.decode, buf.ws_decode);
+    else
+      upload_plan(wr.paged, buf.ws_paged);
   }
-  if (o.swa_allocator && s.num_tokens > 0) {
-    ensure_i32(s.d_swa_out_cache_loc, graph ? s.graph_max_tokens : s.num_tokens, dev, fixed,
-               "swa_out_cache_loc");
-    translate_slots(b.out_cache_loc, o.swa_allocator->full_to_swa_table(o.stream),
-                    s.d_swa_out_cache_loc.view().rows(0, s.num_tokens), o.stream);
+  if (!decode || n.decode_via_prefill) {
+    s.d_qo_indptr = with_index_room(s.d_qo_indptr, cap_b + 1, dev, fixed, "qo_indptr");
+    upload_indices(s.d_qo_indptr, n.qo_indptr, o.stream);
+  }
+  if (n.plan_ragged_causal) upload_plan(n.ragged_causal, s.ws_ragged_causal);
+  if (n.plan_ragged_full) upload_plan(n.ragged_full, s.ws_ragged_full);
+  if (n.mode == ForwardMode::TARGET_VERIFY) {
+    s.d_mask_indptr = with_index_room(s.d_mask_indptr, cap_b + 1, dev, fixed, "mask_indptr");
+    upload_indices(s.d_mask_indptr, n.mask_indptr, o.stream);
+  }
+  if (o.swa_allocator) {
+    s.d_swa_out_cache_loc =
+        with_index_room(s.d_swa_out_cache_loc, graph ? s.graph_max_tokens : n.num_tokens, dev,
+                        fixed, "swa_out_cache_loc");
+    if (n.num_tokens > 0)
+      translate_slots(b.out_cache_loc, o.swa_allocator->full_to_swa_table(o.stream),
+                      s.d_swa_out_cache_loc.view().rows(0, n.num_tokens), o.stream);
   }
   // Output and scratch.
-  const int64_t rows = graph ? s.graph_max_tokens : std::max<int64_t>(s.num_tokens, 1);
+  const int64_t rows = graph ? s.graph_max_tokens : std::max<int64_t>(n.num_tokens, 1);
   if (!s.out.defined() || s.out.size(0) < rows) {
-    FLASHKV_CHECK(!fixed, "output buffer: past the CUDA-graph capacity");
     s.out = Tensor::empty({rows, o.num_qo_heads, o.head_dim_v}, o.q_dtype, dev);
     s.tmp_o = Tensor::empty({rows, o.num_qo_heads, o.head_dim_v}, o.q_dtype, dev);
     s.lse_a = Tensor::empty({rows, o.num_qo_heads}, DType::f32, dev);
@@ -436,15 +577,15 @@ struct LayerIO {
   TensorView q, k, v, out;  // 3-D views
   KVPool* pool = nullptr;
   TensorView cache_loc;
+  const char* cache_loc_name = "batch.out_cache_loc";
   AttentionOptions opt;
 };
-}  // namespace
 
 // Resolves everything a layer call needs, validating before anything is written.
-static LayerIO layer_io(const BackendOptions& o, const LayerSpec& layer, const ForwardBatch& b,
-                        const TensorView& q, const TensorView& k, const TensorView& v,
-                        const TensorView& out, const TensorView& own_out, int64_t T,
-                        const TensorView& swa_loc) {
+LayerIO layer_io(const BackendOptions& o, const LayerSpec& layer, const ForwardBatch& b,
+                 const TensorView& q, const TensorView& k, const TensorView& v,
+                 const TensorView& out, const TensorView& own_out, int64_t T,
+                 const TensorView& swa_loc) {
   FLASHKV_CHECK(layer.num_qo_heads == o.num_qo_heads && layer.num_kv_heads == o.num_kv_heads &&
                     layer.head_dim_qk == o.head_dim_qk && layer.v_dim() == o.head_dim_v,
                 "layer ", layer.layer_id, ": heads/dims ", layer.num_qo_heads, "/",
@@ -466,49 +607,63 @@ static LayerIO layer_io(const BackendOptions& o, const LayerSpec& layer, const F
   io.out = as_heads(out.defined() ? out : own_out.rows(0, T), o.num_qo_heads, o.head_dim_v, "out");
   if (out.defined())
     Expect(io.out, "out").device(o.device).dtype(o.q_dtype).dim(0, T, "num_tokens");
+  FLASHKV_CHECK(k.defined() == v.defined(), "k/v: give both or neither, got k ",
+                k.defined() ? "defined" : "undefined", " and v ",
+                v.defined() ? "defined" : "undefined");
   if (k.defined()) {
     io.k = as_heads(k, o.num_kv_heads, o.head_dim_qk, "k");
     io.v = as_heads(v, o.num_kv_heads, o.head_dim_v, "v");
     Expect(io.k, "k").device(o.device).dtype(o.q_dtype);
     Expect(io.v, "v").device(o.device).dtype(o.q_dtype).dim(0, io.k.shape[0], "rows of k");
+    if (!layer.is_cross_attention) Expect(io.k, "k").dim(0, T, "num_tokens");
   }
   const bool window = layer.sliding_window_size >= 0;
   io.pool = (window && o.swa_kv_pool) ? o.swa_kv_pool : b.token_to_kv_pool;
+  FLASHKV_CHECK(io.pool != nullptr, "batch.token_to_kv_pool: expected a pool, got null");
   FLASHKV_CHECK(layer.layer_id >= 0 && layer.layer_id < io.pool->num_layers(),
                 "layer.layer_id: expected 0..", io.pool->num_layers() - 1, ", got ",
                 layer.layer_id);
-  io.cache_loc = layer.is_cross_attention    ? b.encoder_out_cache_loc
-                 : (window && o.swa_kv_pool) ? swa_loc
-                                             : b.out_cache_loc;
+  if (layer.is_cross_attention) {
+    io.cache_loc = b.encoder_out_cache_loc;
+    io.cache_loc_name = "batch.encoder_out_cache_loc";
+  } else if (window && o.swa_kv_pool) {
+    io.cache_loc = swa_loc;
+    io.cache_loc_name = "batch.out_cache_loc (translated to the SWA pool)";
+  } else {
+    io.cache_loc = b.out_cache_loc;
+  }
   io.opt.sm_scale = layer.scaling;
   io.opt.logits_soft_cap = layer.logit_cap;
   io.opt.window_left = window ? layer.sliding_window_size : -1;
   return io;
 }
 
-static void save_kv(const LayerIO& io, const LayerSpec& layer, Stream stream) {
-  FLASHKV_CHECK(io.k.shape[0] == io.cache_loc.numel(), "k: ", io.k.shape[0],
-                " rows but the cache location", " list has ", io.cache_loc.numel(), " (",
-                layer.is_cross_attention ? "encoder_out_cache_loc" : "out_cache_loc", ")");
-  append_kv(io.k, io.v, io.cache_loc, io.pool->k(layer.layer_id), io.pool->v(layer.layer_id),
-            io.pool->k_scale(layer.layer_id), io.pool->v_scale(layer.layer_id), stream);
+// The layer's K/V append, validated; run it once the attention calls are validated too.
+PreparedAppendKV prepare_save(const LayerIO& io, const LayerSpec& layer) {
+  FLASHKV_CHECK(io.cache_loc.defined(), io.cache_loc_name,
+                ": k/v given with save_kv_cache, but no cache locations");
+  FLASHKV_CHECK(io.k.shape[0] == io.cache_loc.numel(), "k: ", io.k.shape[0], " rows but ",
+                io.cache_loc_name, " lists ", io.cache_loc.numel(), " slots");
+  return prepare_append_kv(io.k, io.v, io.cache_loc, io.pool->k(layer.layer_id),
+                           io.pool->v(layer.layer_id), io.pool->k_scale(layer.layer_id),
+                           io.pool->v_scale(layer.layer_id));
 }
 
-static PagedKV paged_view(const KVPool& pool, int layer, const TensorView& indptr,
-                          const TensorView& indices, const Tensor& last_page_len, int32_t B) {
+PagedKV paged_view(const KVPool& pool, int layer, const TensorView& indptr,
+                   const TensorView& indices, const Tensor& last_page_len, int32_t B) {
   PagedKV kv;
   kv.k = pool.k(layer);
   kv.v = pool.v(layer);
   kv.indptr = indptr;
   kv.indices = indices;
   kv.last_page_len = last_page_len.view().rows(0, std::max(B, 1));
-  kv.page_size = 1;
+  kv.page_size = 1;  // token slots, whatever the pool's page size
   kv.k_scale = pool.k_scale(layer);
   kv.v_scale = pool.v_scale(layer);
   return kv;
 }
 
-static TensorView flat_output(const TensorView& out3) {
+TensorView flat_output(const TensorView& out3) {
   TensorView r = out3;
   r.ndim = 2;
   r.shape[1] = out3.shape[1] * out3.shape[2];
@@ -517,16 +672,17 @@ static TensorView flat_output(const TensorView& out3) {
 }
 
 // The batch's new tokens' slots in the SWA pool (empty without one).
-static TensorView swa_loc_of(const Tensor& t, int64_t T) {
+TensorView swa_loc_of(const Tensor& t, int64_t T) {
   return t.defined() ? t.view().rows(0, T) : TensorView();
 }
 
 // Which wrapper (index set + plans) serves a layer.
-static int wrapper_index(const BackendOptions& o, const LayerSpec& layer) {
+int wrapper_index(const BackendOptions& o, const LayerSpec& layer) {
   if (o.sliding_window_size >= 0) return layer.sliding_window_size >= 0 ? 0 : 1;
   if (o.is_encoder_decoder) return layer.is_cross_attention ? 1 : 0;
   return 0;
 }
+}  // namespace
 
 TensorView FlashKVBackend::forward_decode(const TensorView& q, const TensorView& k,
                                           const TensorView& v, const LayerSpec& layer,
@@ -534,15 +690,24 @@ TensorView FlashKVBackend::forward_decode(const TensorView& q, const TensorView&
                                           const TensorView& out) {
   FLASHKV_CHECK(active_ != nullptr, "forward: call init_forward_metadata first");
   State& s = *active_;
-  FLASHKV_CHECK(s.planned && s.mode == ForwardMode::DECODE && s.batch_size == b.batch_size,
+  const HostPlan& n = s.plan;
+  FLASHKV_CHECK(s.planned && n.mode == ForwardMode::DECODE && n.batch_size == b.batch_size,
                 "forward_decode: call init_forward_metadata with this DECODE batch first");
-  LayerIO io = layer_io(options_, layer, b, q, k, v, out, s.out, s.num_tokens,
-                        swa_loc_of(s.d_swa_out_cache_loc, s.num_tokens));
-  State::Wrapper& wr = s.wrappers[wrapper_index(options_, layer)];
-  if (save_kv_cache && k.defined()) save_kv(io, layer, options_.stream);
-  const PagedKV kv =
-      paged_view(*io.pool, layer.layer_id, wr.indptr, wr.indices, wr.d_last_page_len, s.batch_size);
-  paged_decode(wr.decode, io.q, kv, io.opt, io.out, TensorView(), wr.ws_decode, options_.stream);
+  LayerIO io = layer_io(options_, layer, b, q, k, v, out, s.out, n.num_tokens,
+                        swa_loc_of(s.d_swa_out_cache_loc, n.num_tokens));
+  const int wi = wrapper_index(options_, layer);
+  const HostPlan::Wrapper& wr = n.wrappers[wi];
+  State::WrapperBuffers& buf = s.wrappers[wi];
+  const PagedKV kv = paged_view(*io.pool, layer.layer_id, buf.indptr, buf.indices,
+                                buf.d_last_page_len, n.batch_size);
+  // Everything is validated before the pool changes: attention first, then the append.
+  const PreparedAttention attention =
+      n.decode_via_prefill
+          ? prepare_paged_prefill(wr.paged, io.q, s.d_qo_indptr.view().rows(0, n.batch_size + 1),
+                                  kv, io.opt, io.out, TensorView(), buf.ws_paged)
+          : prepare_paged_decode(wr.decode, io.q, kv, io.opt, io.out, TensorView(), buf.ws_decode);
+  if (save_kv_cache && io.k.defined()) prepare_save(io, layer).run(options_.stream);
+  attention.run(options_.stream);
   return flat_output(io.out);
 }
 
@@ -552,56 +717,73 @@ TensorView FlashKVBackend::forward_extend(const TensorView& q, const TensorView&
                                           const TensorView& out) {
   FLASHKV_CHECK(active_ != nullptr, "forward: call init_forward_metadata first");
   State& s = *active_;
-  FLASHKV_CHECK(s.planned && s.mode == b.mode && s.mode != ForwardMode::DECODE &&
-                    s.batch_size == b.batch_size,
+  const HostPlan& n = s.plan;
+  FLASHKV_CHECK(s.planned && n.mode == b.mode && n.mode != ForwardMode::DECODE &&
+                    n.batch_size == b.batch_size,
                 "forward_extend: call init_forward_metadata with this ", mode_name(b.mode),
                 " batch first");
-  LayerIO io = layer_io(options_, layer, b, q, k, v, out, s.out, s.num_tokens,
-                        swa_loc_of(s.d_swa_out_cache_loc, s.num_tokens));
-  State::Wrapper& wr = s.wrappers[wrapper_index(options_, layer)];
-  const TensorView qo = s.d_qo_indptr.view().rows(0, s.batch_size + 1);
-  const PagedKV kv =
-      paged_view(*io.pool, layer.layer_id, wr.indptr, wr.indices, wr.d_last_page_len, s.batch_size);
-  const int64_t T = s.num_tokens;
+  LayerIO io = layer_io(options_, layer, b, q, k, v, out, s.out, n.num_tokens,
+                        swa_loc_of(s.d_swa_out_cache_loc, n.num_tokens));
+  const int wi = wrapper_index(options_, layer);
+  const HostPlan::Wrapper& wr = n.wrappers[wi];
+  State::WrapperBuffers& buf = s.wrappers[wi];
+  const TensorView qo = s.d_qo_indptr.view().rows(0, n.batch_size + 1);
+  const PagedKV kv = paged_view(*io.pool, layer.layer_id, buf.indptr, buf.indices,
+                                buf.d_last_page_len, n.batch_size);
+  const Stream stream = options_.stream;
   if (layer.attn_type == AttentionType::ENCODER_ONLY) {
     // Encoder-only layers: bidirectional over the new tokens; nothing is cached.
     FLASHKV_CHECK(options_.has_encoder_only_layers, "layer ", layer.layer_id,
                   ": ENCODER_ONLY needs BackendOptions.has_encoder_only_layers");
-    FLASHKV_CHECK(k.defined(), "k: an encoder-only layer needs the new tokens' k and v");
+    FLASHKV_CHECK(io.k.defined(), "k: an encoder-only layer needs the new tokens' k and v");
     io.opt.causal = false;
-    ragged_prefill(s.ragged_full, io.q, io.k, io.v, qo, qo, io.opt, io.out, TensorView(),
-                   s.ws_ragged_full, options_.stream);
+    prepare_ragged_prefill(n.ragged_full, io.q, io.k, io.v, qo, qo, io.opt, io.out, TensorView(),
+                           s.ws_ragged_full)
+        .run(stream);
     return flat_output(io.out);
   }
-  const bool ragged = s.use_ragged && wr.kind == WrapperKind::full && !layer.is_cross_attention;
+  const bool save = save_kv_cache && io.k.defined();
+  const bool ragged = n.use_ragged && wr.kind == WrapperKind::full && !layer.is_cross_attention;
   if (!ragged) {
     // One paged pass over everything the wrapper indexes; the new K/V must be in the pool first.
-    if (save_kv_cache && k.defined()) save_kv(io, layer, options_.stream);
     io.opt.causal = wr.paged_causal;
-    if (b.mode == ForwardMode::TARGET_VERIFY && !layer.is_cross_attention) {
+    if (n.mode == ForwardMode::TARGET_VERIFY && !layer.is_cross_attention) {
       io.opt.custom_mask = b.spec.custom_mask;
-      io.opt.mask_indptr = s.d_mask_indptr.view().rows(0, s.batch_size + 1);
+      io.opt.mask_indptr = s.d_mask_indptr.view().rows(0, n.batch_size + 1);
     }
-    paged_prefill(wr.paged, io.q, qo, kv, io.opt, io.out, TensorView(), wr.ws_paged,
-                  options_.stream);
+    const PreparedAttention attention =
+        prepare_paged_prefill(wr.paged, io.q, qo, kv, io.opt, io.out, TensorView(), buf.ws_paged);
+    if (save) prepare_save(io, layer).run(stream);
+    attention.run(stream);
     return flat_output(io.out);
   }
-  FLASHKV_CHECK(k.defined(), "k: the ragged extend path needs the new tokens' k and v");
+  FLASHKV_CHECK(io.k.defined(), "k: the ragged extend path needs the new tokens' k and v");
   io.opt.causal = true;
-  if (s.extend_no_prefix) {
-    ragged_prefill(s.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out, TensorView(),
-                   s.ws_ragged_causal, options_.stream);
+  std::optional<PreparedAppendKV> append;
+  if (s.plan.extend_no_prefix) {
+    const PreparedAttention attention =
+        prepare_ragged_prefill(n.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out,
+                               TensorView(), s.ws_ragged_causal);
+    if (save) append = prepare_save(io, layer);
+    attention.run(stream);
   } else {
     // New tokens among themselves (causal), then the cached prefix (all visible), merged by LSE.
+    const int64_t T = n.num_tokens;
     const TensorView lse_a = s.lse_a.view().rows(0, T), lse_b = s.lse_b.view().rows(0, T);
     const TensorView tmp = s.tmp_o.view().rows(0, T);
-    ragged_prefill(s.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out, lse_a,
-                   s.ws_ragged_causal, options_.stream);
-    io.opt.causal = false;
-    paged_prefill(wr.paged, io.q, qo, kv, io.opt, tmp, lse_b, wr.ws_paged, options_.stream);
-    merge_state(io.out, lse_a, tmp, lse_b, io.out, TensorView(), options_.stream);
+    AttentionOptions prefix_opt = io.opt;
+    prefix_opt.causal = false;
+    const PreparedAttention new_tokens = prepare_ragged_prefill(
+        n.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out, lse_a, s.ws_ragged_causal);
+    const PreparedAttention prefix =
+        prepare_paged_prefill(wr.paged, io.q, qo, kv, prefix_opt, tmp, lse_b, buf.ws_paged);
+    if (save) append = prepare_save(io, layer);
+    new_tokens.run(stream);
+    prefix.run(stream);
+    merge_state(io.out, lse_a, tmp, lse_b, io.out, TensorView(), stream);
   }
-  if (save_kv_cache) save_kv(io, layer, options_.stream);
+  // The ragged path reads the new K/V from k/v, so (as the seed does) it caches them afterwards.
+  if (append) append->run(stream);
   return flat_output(io.out);
 }
 

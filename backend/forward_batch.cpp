@@ -22,6 +22,13 @@ const char* mode_name(ForwardMode m) {
 }
 
 int32_t ForwardBatch::extend_len(int32_t i) const {
+  FLASHKV_CHECK(i >= 0 && i < batch_size, "ForwardBatch::extend_len: request ", i,
+                " outside the batch of ", batch_size);
+  auto entry = [&](const std::vector<int32_t>& lens, const char* name) {
+    FLASHKV_CHECK(static_cast<size_t>(i) < lens.size(), "batch.", name, ": expected ", batch_size,
+                  " entries (batch_size), got ", lens.size());
+    return lens[i];
+  };
   switch (mode) {
     case ForwardMode::DECODE:
       return 1;
@@ -30,10 +37,10 @@ int32_t ForwardBatch::extend_len(int32_t i) const {
     case ForwardMode::TARGET_VERIFY:
       return spec.draft_token_num;
     case ForwardMode::DRAFT_EXTEND:
-      return spec.accept_length_cpu.at(i);
+      return entry(spec.accept_length_cpu, "spec.accept_length_cpu");
     case ForwardMode::EXTEND:
     case ForwardMode::MIXED:
-      return extend_seq_lens_cpu.at(i);
+      return entry(extend_seq_lens_cpu, "extend_seq_lens_cpu");
   }
   return 0;
 }

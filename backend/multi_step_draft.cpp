@@ -5,6 +5,7 @@
 #include "flashkv/kvcache/kv_pool.h"
 #include "flashkv/kvcache/req_to_token_pool.h"
 #include "flashkv/ops/draft_ops.h"
+#include "index_buffer.h"
 
 namespace flashkv {
 
@@ -14,20 +15,6 @@ struct MultiStepDraftBackend::Buffers {
   std::vector<Tensor> indptr, indices, loc;  // per step
   std::vector<std::vector<int32_t>> indptr_cpu;
 };
-
-namespace {
-void ensure(Tensor& t, int64_t n, Device d, bool fixed) {
-  n = std::max<int64_t>(n, 1);
-  if (t.defined() && t.numel() >= n) return;
-  FLASHKV_CHECK(!fixed, "MultiStepDraftBackend: the batch needs ", n,
-                " entries, past the CUDA-graph capacity (init_cuda_graph_state)");
-  t = Tensor::empty({n}, DType::i32, d);
-}
-void upload(const Tensor& dst, const std::vector<int32_t>& src, Stream stream) {
-  copy_bytes(dst.data(), dst.device(), src.data(), Device::cpu(), src.size() * sizeof(int32_t),
-             stream);
-}
-}  // namespace
 
 MultiStepDraftBackend::MultiStepDraftBackend(const BackendOptions& options, int topk, int num_steps)
     : options_(options),
@@ -89,18 +76,26 @@ TensorView MultiStepDraftBackend::forward(int step, const TensorView& q, const T
 
 void MultiStepDraftBackend::plan(const ForwardBatch& batch, const TensorView& draft_loc, bool graph,
                                  int phase) {
+  using backend_detail::upload_indices;
+  using backend_detail::with_index_room;
+  // --- validation and host planning of every step; nothing in use changes until all pass ---
   FLASHKV_CHECK(!graph || graph_max_bs_ > 0,
                 "MultiStepDraftBackend: call init_cuda_graph_state first");
   const Device dev = options_.device;
   const int32_t bs = batch.batch_size;
+  FLASHKV_CHECK(bs >= 0, "batch.batch_size: expected >= 0, got ", bs);
   FLASHKV_CHECK(batch.req_to_token_pool && batch.token_to_kv_pool,
                 "batch: expected req_to_token_pool and token_to_kv_pool");
+  FLASHKV_CHECK(batch.req_to_token_pool->device() == dev,
+                "batch.req_to_token_pool: expected device ", dev.str(), ", got ",
+                batch.req_to_token_pool->device().str());
   FLASHKV_CHECK_EQ("batch.seq_lens_cpu size", static_cast<int64_t>(batch.seq_lens_cpu.size()),
                    int64_t{bs});
   Expect(batch.req_pool_indices, "batch.req_pool_indices")
       .ndim(1)
       .device(dev)
       .dtype(DType::i32)
+      .contiguous()
       .dim(0, bs, "batch_size");
   Expect(draft_loc, "draft_loc")
       .ndim(3)
@@ -111,69 +106,91 @@ void MultiStepDraftBackend::plan(const ForwardBatch& batch, const TensorView& dr
       .dim(1, topk_, "topk")
       .dim(2, num_steps_, "num_steps");
   const int64_t max_ctx = batch.req_to_token_pool->max_context_len();
+  const int64_t max_reqs = batch.req_to_token_pool->max_reqs();
   for (int32_t r = 0; r < bs; ++r)
-    FLASHKV_CHECK(batch.seq_lens_cpu[r] >= 0 && batch.seq_lens_cpu[r] <= max_ctx,
+    FLASHKV_CHECK(batch.seq_lens_cpu[r] >= 0 && batch.seq_lens_cpu[r] + num_steps_ <= max_ctx,
                   "batch.seq_lens_cpu[", r, "] = ", batch.seq_lens_cpu[r], ": expected 0..",
-                  max_ctx);
+                  max_ctx - num_steps_, " (the draft tokens of ", num_steps_,
+                  " steps must fit max_context_len ", max_ctx, ")");
   if (graph)
     FLASHKV_CHECK(bs <= graph_max_bs_, "batch_size ", bs, " exceeds the CUDA-graph capacity ",
                   graph_max_bs_);
-  Buffers& buf = graph ? *graph_ : *eager_;
+  // The request rows, on the host (req_pool_indices may live on the device).
+  Tensor host_rpi = Tensor::empty({std::max(bs, 1)}, DType::i32);
+  copy_bytes(host_rpi.data(), Device::cpu(), batch.req_pool_indices.data, dev, bs * sizeof(int32_t),
+             options_.stream);
+  for (int32_t r = 0; r < bs; ++r) {
+    const int32_t row = host_rpi.ptr<int32_t>()[r];
+    FLASHKV_CHECK(row >= 0 && row < max_reqs, "batch.req_pool_indices[", r, "] = ", row,
+                  ": expected a row of req_to_token in [0, ", max_reqs, ")");
+  }
+  if (dev.is_cpu()) {
+    const auto* loc = static_cast<const int32_t*>(draft_loc.data);
+    const int64_t slots = batch.token_to_kv_pool->num_rows();
+    for (int64_t i = 0; i < draft_loc.numel(); ++i)
+      FLASHKV_CHECK(loc[i] >= 0 && loc[i] < slots, "draft_loc: entry ", i, " = ", loc[i],
+                    ": expected a slot of the pool in [0, ", slots, ")");
+  }
+  const Buffers& cur = graph ? *graph_ : *eager_;
   const bool fixed = phase == 2;
   const int64_t rows = int64_t{bs} * topk_;
   const int64_t cap_rows = graph ? int64_t{graph_max_bs_} * topk_ : rows;
   const int64_t cap_bs = graph ? graph_max_bs_ : bs;
-  // Request rows repeated per branch, and the requests' cached lengths.
-  std::vector<int32_t> seq(batch.seq_lens_cpu), row_ids(rows);
-  ensure(buf.rows, cap_rows, dev, fixed);
-  ensure(buf.seq_lens, cap_bs, dev, fixed);
-  upload(buf.seq_lens, seq, options_.stream);
-  // Rows of the step batches: a small gather (req_pool_indices may live on the device).
-  {
-    Tensor host_rpi = Tensor::empty({bs}, DType::i32);
-    copy_bytes(host_rpi.data(), Device::cpu(), batch.req_pool_indices.data, dev,
-               bs * sizeof(int32_t), options_.stream);
-    for (int64_t i = 0; i < rows; ++i) row_ids[i] = host_rpi.ptr<int32_t>()[i / topk_];
-    upload(buf.rows, row_ids, options_.stream);
-  }
-  const TensorView rpi = batch.req_pool_indices;
-  const TensorView seq_d = buf.seq_lens.view().rows(0, bs);
+  // The buffers this batch uses: the current ones, or larger ones installed below.
+  Buffers next = cur;
+  next.rows = with_index_room(cur.rows, cap_rows, dev, fixed, "MultiStepDraftBackend rows");
+  next.seq_lens =
+      with_index_room(cur.seq_lens, cap_bs, dev, fixed, "MultiStepDraftBackend seq_lens");
+  std::vector<int32_t> row_ids(rows);
+  for (int64_t i = 0; i < rows; ++i) row_ids[i] = host_rpi.ptr<int32_t>()[i / topk_];
+  std::vector<ForwardBatch> step_batches(num_steps_);
   for (int step = 0; step < num_steps_; ++step) {
-    std::vector<int32_t>& indptr = buf.indptr_cpu[step];
+    std::vector<int32_t>& indptr = next.indptr_cpu[step];
     indptr.assign(rows + 1, 0);
     std::vector<int32_t> lens(rows);
     for (int64_t i = 0; i < rows; ++i) {
-      lens[i] = seq[i / topk_] + step + 1;
+      lens[i] = batch.seq_lens_cpu[i / topk_] + step + 1;
+      FLASHKV_CHECK(int64_t{indptr[i]} + lens[i] <= INT32_MAX,
+                    "MultiStepDraftBackend: the step's KV entries exceed int32");
       indptr[i + 1] = indptr[i] + lens[i];
     }
     const int64_t cap_entries = graph ? cap_rows * (max_ctx + num_steps_) : indptr.back();
-    ensure(buf.indptr[step], cap_rows + 1, dev, fixed);
-    ensure(buf.indices[step], cap_entries, dev, fixed);
-    ensure(buf.loc[step], cap_rows, dev, fixed);
-    upload(buf.indptr[step], indptr, options_.stream);
-    const TensorView indptr_d = buf.indptr[step].view().rows(0, rows + 1);
-    const TensorView loc_d = buf.loc[step].view().rows(0, rows);
-    build_draft_kv_indices(batch.req_to_token_pool->req_to_token(), rpi, seq_d, draft_loc, step,
-                           indptr_d, buf.indices[step], loc_d, options_.stream);
-    ForwardBatch& sb = step_batches_[step];
-    sb = ForwardBatch();
+    next.indptr[step] =
+        with_index_room(cur.indptr[step], cap_rows + 1, dev, fixed, "MultiStepDraftBackend indptr");
+    next.indices[step] = with_index_room(cur.indices[step], cap_entries, dev, fixed,
+                                         "MultiStepDraftBackend indices");
+    next.loc[step] =
+        with_index_room(cur.loc[step], cap_rows, dev, fixed, "MultiStepDraftBackend loc");
+    ForwardBatch& sb = step_batches[step];
     sb.mode = ForwardMode::DECODE;
     sb.batch_size = static_cast<int32_t>(rows);
-    sb.req_pool_indices = buf.rows.view().rows(0, rows);
+    sb.req_pool_indices = next.rows.view().rows(0, rows);
     sb.seq_lens_cpu = lens;
-    sb.out_cache_loc = loc_d;
+    sb.out_cache_loc = next.loc[step].view().rows(0, rows);
     sb.req_to_token_pool = batch.req_to_token_pool;
     sb.token_to_kv_pool = batch.token_to_kv_pool;
-    sb.spec.kv_indptr = indptr_d;
-    sb.spec.kv_indices = buf.indices[step];
+    sb.spec.kv_indptr = next.indptr[step].view().rows(0, rows + 1);
+    sb.spec.kv_indices = next.indices[step];
     sb.spec.kv_indptr_cpu = indptr;
-    if (!graph)
-      steps_[step]->init_forward_metadata(sb);
-    else if (phase == 1)
-      steps_[step]->init_forward_metadata_capture_cuda_graph(sb);
-    else
-      steps_[step]->init_forward_metadata_replay_cuda_graph(sb);
+    // The step's rows and slots are filled at commit, from the rows and draft_loc checked above.
+    steps_[step]->prepare(sb, graph, /*check_index_contents=*/false);
   }
+
+  // --- commit: install the buffers, fill them, and commit every step's plan ---
+  Buffers& buf = graph ? *graph_ : *eager_;
+  buf = std::move(next);
+  upload_indices(buf.seq_lens, batch.seq_lens_cpu, options_.stream);
+  upload_indices(buf.rows, row_ids, options_.stream);
+  const TensorView seq_d = buf.seq_lens.view().rows(0, bs);
+  for (int step = 0; step < num_steps_; ++step) {
+    const ForwardBatch& sb = step_batches[step];
+    upload_indices(buf.indptr[step], buf.indptr_cpu[step], options_.stream);
+    build_draft_kv_indices(batch.req_to_token_pool->req_to_token(), batch.req_pool_indices, seq_d,
+                           draft_loc, step, sb.spec.kv_indptr, sb.spec.kv_indices, sb.out_cache_loc,
+                           options_.stream);
+    steps_[step]->commit(sb, graph);
+  }
+  step_batches_ = std::move(step_batches);
 }
 
 }  // namespace flashkv

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "flashkv/core/cuda_runtime.h"
@@ -53,11 +54,22 @@ Tensor Tensor::empty(const std::vector<int64_t>& shape, DType dtype, Device devi
   FLASHKV_CHECK(!shape.empty() && shape.size() <= kMaxDims, "Tensor::empty: expected 1 to ",
                 kMaxDims, " dims, got ", shape.size());
   Tensor t;
+  // The product of the non-zero dimensions, in bytes, must fit an int64: then neither this loop
+  // nor numel() or the strides overflow (overflow is undefined), even with a zero dimension.
   int64_t n = 1;
+  bool no_elements = false;
   for (int64_t s : shape) {
     FLASHKV_CHECK(s >= 0, "Tensor::empty: negative dimension ", s);
+    if (s == 0) {
+      no_elements = true;
+      continue;
+    }
+    FLASHKV_CHECK(
+        n <= std::numeric_limits<int64_t>::max() / static_cast<int64_t>(dtype_size(dtype)) / s,
+        "Tensor::empty: a shape of more than 2^63 bytes (dimension ", s, ")");
     n *= s;
   }
+  if (no_elements) n = 0;
   t.buffer_ = std::make_shared<Buffer>(static_cast<size_t>(n) * dtype_size(dtype), device);
   t.view_.data = t.buffer_->data();
   t.view_.dtype = dtype;

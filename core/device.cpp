@@ -20,7 +20,9 @@ std::string Device::str() const {
 Device parse_device(const std::string& s) {
   if (s == "cpu") return Device::cpu();
   if (s == "cuda" || s == "gpu") return Device::cuda(0);
-  if (s.rfind("cuda:", 0) == 0 && s.size() > 5 &&
+  // At most 9 digits: every such index fits an int (std::stoi would throw a std::out_of_range,
+  // not a flashkv::Error, past that).
+  if (s.rfind("cuda:", 0) == 0 && s.size() > 5 && s.size() <= 14 &&
       s.find_first_not_of("0123456789", 5) == std::string::npos) {
     return Device::cuda(std::stoi(s.substr(5)));
   }

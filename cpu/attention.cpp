@@ -9,39 +9,19 @@
 #include <cstring>
 #include <memory>
 
+#include "flashkv/core/cpu_features.h"
 #include "flashkv/core/error.h"
 #include "flashkv/core/thread_pool.h"
 #include "kernel_common.h"
-
-#if FLASHKV_CPU_X86
-#include <cpuid.h>
-#endif
 
 namespace flashkv::cpu {
 namespace {
 
 Isa detect_isa() {
-#if FLASHKV_CPU_X86
-  unsigned a, b, c, d;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return Isa::scalar;
-  const bool osxsave = c & (1u << 27), avx = c & (1u << 28);
-  const bool fma = c & (1u << 12), f16c = c & (1u << 29);
-  if (!osxsave || !avx || __get_cpuid_max(0, nullptr) < 7) return Isa::scalar;
-  unsigned xcr0_lo, xcr0_hi;
-  __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-  const bool os_ymm = (xcr0_lo & 0x6) == 0x6;    // SSE + AVX state saved by the OS
-  const bool os_zmm = (xcr0_lo & 0xe6) == 0xe6;  // + opmask and both ZMM halves
-  __cpuid_count(7, 0, a, b, c, d);
-  const bool avx2 = b & (1u << 5);
-  const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));
-  __cpuid_count(7, 1, a, b, c, d);
-  const bool bf16 = a & (1u << 5);
-  if (!os_ymm || !avx2 || !fma || !f16c) return Isa::scalar;
-  if (!os_zmm || !avx512) return Isa::avx2;
-  return bf16 ? Isa::avx512_bf16 : Isa::avx512;
-#else
-  return Isa::scalar;
-#endif
+  const CpuFeatures& f = cpu_features();
+  if (!f.avx2 || !f.fma || !f.f16c) return Isa::scalar;
+  if (!f.avx512f || !f.avx512dq || !f.avx512bw || !f.avx512vl) return Isa::avx2;
+  return f.avx512bf16 ? Isa::avx512_bf16 : Isa::avx512;
 }
 
 Isa isa_from_env() {

@@ -7,10 +7,15 @@
 // and transposed in registers into one vector of W scores (lanes = keys, as QkTile makes them),
 // which then go through the same softmax. PV: V rows are loaded (bf16: two rows interleaved
 // into steps) and multiplied into O in registers, without a V tile.
+#pragma once
+
 #ifndef FLASHKV_CPU_ISA_NS
 #error \
     "include cpu/attention_few_rows.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
+
+#include "attention_kernel.h"
+#include "attention_loads.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 
@@ -18,15 +23,18 @@ constexpr int kFewRows = 8;
 
 // Scores of n keys (row pointers `keys`) for every row: scores [rows, kBlockKeys]. Keys go
 // four at a time through a register tile of up to 4 rows x 4 keys, each K vector loaded once
-// for those rows; the per-key vectors are then reduced to lanes (one key per lane).
+// for those rows; the per-key vectors are then reduced to lanes (one key per lane). `pf` issues
+// a step of a later block's prefetches per W keys (per key with one lane), and few_rows_pv one
+// per pass over the block: outside the register tiles, whose loops stay free of its state.
 template <class T, class Src>
 void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int dim, float* scores,
-                 const Fp8Tables& tables) {
+                 const Fp8Tables& tables, SlotPrefetcher& pf) {
   using F = typename T::F;
   constexpr int W = T::W, P = T::kPack;
   const int vecs = t.q_pitch / W;
   if constexpr (W < 4) {  // one lane: plain dot products
-    for (int j = 0; j < n; ++j)
+    for (int j = 0; j < n; ++j) {
+      pf.step();
       for (int r = 0; r < rows; ++r) {
         F acc = T::zero();
         for (int c = 0; c < vecs; ++c)
@@ -35,8 +43,10 @@ void few_rows_qk(const Tile<T>& t, int rows, const char* const* keys, int n, int
                                      dim - c * W * P, tables));
         scores[r * T::kBlockKeys + j] = T::reduce_add(acc);
       }
+    }
   } else {
     for (int k0 = 0; k0 < n; k0 += W) {
+      pf.step();
       for (int r0 = 0; r0 < rows; r0 += 4) {
         const int rq = imin(4, rows - r0);
         F quads[W / 4][4];  // [key quad][row]
@@ -135,28 +145,34 @@ struct FewRowsPv {
 // All dims of RB rows: chunks of NV vectors (NV * RB <= 16 accumulators), a smaller last one.
 template <class T, class Src, int RB, int NV>
 void few_rows_pv_tail(const Tile<T>& t, const char* const* values, int n, int dim, int d0, int vecs,
-                      const Fp8Tables& tables) {
+                      const Fp8Tables& tables, SlotPrefetcher& pf) {
   if constexpr (NV >= 1) {
-    if (vecs == NV) return FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, d0, tables);
-    few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, d0, vecs, tables);
+    if (vecs == NV) {
+      pf.step();
+      return FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, d0, tables);
+    }
+    few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, d0, vecs, tables, pf);
   }
 }
 template <class T, class Src, int RB>
 void few_rows_pv_rows(const Tile<T>& t, const char* const* values, int n, int dim,
-                      const Fp8Tables& tables) {
+                      const Fp8Tables& tables, SlotPrefetcher& pf) {
   constexpr int NV = RB <= 1 ? 16 : RB == 2 ? 8 : RB <= 4 ? 4 : 2;
   const int vecs = t.dv_pad / T::W;
   int v = 0;
-  for (; v + NV <= vecs; v += NV)
+  for (; v + NV <= vecs; v += NV) {
+    pf.step();
     FewRowsPv<T, Src, RB, NV>::run(t, values, n, dim, v * T::W, tables);
-  if (v < vecs) few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, v * T::W, vecs - v, tables);
+  }
+  if (v < vecs)
+    few_rows_pv_tail<T, Src, RB, NV - 1>(t, values, n, dim, v * T::W, vecs - v, tables, pf);
 }
 template <class T, class Src, int RB = kFewRows>
 void few_rows_pv(const Tile<T>& t, int rows, const char* const* values, int n, int dim,
-                 const Fp8Tables& tables) {
+                 const Fp8Tables& tables, SlotPrefetcher& pf) {
   if constexpr (RB >= 1) {
-    if (rows == RB) return few_rows_pv_rows<T, Src, RB>(t, values, n, dim, tables);
-    few_rows_pv<T, Src, RB - 1>(t, rows, values, n, dim, tables);
+    if (rows == RB) return few_rows_pv_rows<T, Src, RB>(t, values, n, dim, tables, pf);
+    few_rows_pv<T, Src, RB - 1>(t, rows, values, n, dim, tables, pf);
   }
 }
 

@@ -13,9 +13,13 @@
 // max m, lane-wise running sum l, probabilities P stored as steps); PvTile then computes
 // O = O * 2^(m_old - m_new) + P V. A step is one fp32, or a pair of bf16 that one `vdpbf16ps`
 // multiplies and adds.
+#pragma once
+
 #ifndef FLASHKV_CPU_ISA_NS
 #error "include cpu/attention_kernel.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
+
+#include "kernel_common.h"
 
 // The register tiles are fixed-size arrays; they must be unrolled to live in registers, whatever
 // the optimisation level the library is built with.

@@ -1,9 +1,13 @@
 // Loads and stores of CPU attention (compiled per ISA like attention_kernel.h): where a
 // request's K/V rows live, the K and V tiles of a KV block (gathered, converted, transposed or
 // paired; the next block prefetched on the way), query rows into steps, output rows out.
+#pragma once
+
 #ifndef FLASHKV_CPU_ISA_NS
 #error "include cpu/attention_loads.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
+
+#include "attention_kernel.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 
@@ -74,6 +78,64 @@ struct HeadRows {
   FLASHKV_ALWAYS_INLINE void prefetch_next(int i) const {
     if (i >= n_next) return;
     prefetch_l2(base + next[i] * row_bytes, line_bytes);
+  }
+};
+
+// Prefetches into L2 the K and V rows of the slots of a later block (all heads of a task: the
+// bytes from a row's first head to the end of its last), a few lines per step() call. The
+// few-rows path calls step() from its inner loops, so that block's lines are requested evenly
+// over the work on the current one and the memory system always has lines in flight. A
+// burst at the start of the block instead stalls the core (the prefetches wait for miss buffers)
+// and then leaves the memory idle while the core computes. Lines go slot after slot, each slot's
+// K run and then its V run in address order (one DRAM page at a time). The lines per call
+// follow from the calls counted in the block before (the first block of a task, not counted
+// yet, prefetches in one burst), and finish() issues whatever a block's calls left.
+struct SlotPrefetcher {
+  const char* k_base = nullptr;  // first head's K of row 0
+  const char* v_base = nullptr;
+  int64_t k_row_bytes = 0, v_row_bytes = 0;
+  int k_lines = 0, v_lines = 0, lines = 0;  // 64-byte lines of a slot's K / V run; both
+
+  const int64_t* rows = nullptr;  // rows of the block being prefetched
+  int n = 0, slot = 0, line = 0;
+  int per_call = 0, calls = 0;
+
+  void init(const char* k, int64_t k_row, int64_t k_bytes, const char* v, int64_t v_row,
+            int64_t v_bytes) {
+    k_base = k;
+    v_base = v;
+    k_row_bytes = k_row;
+    v_row_bytes = v_row;
+    k_lines = static_cast<int>((k_bytes + 63) / 64);
+    v_lines = static_cast<int>((v_bytes + 63) / 64);
+    lines = k_lines + v_lines;
+  }
+  // Starts on the rows of the block to prefetch (count may be 0).
+  void start(const int64_t* next_rows, int count) {
+    const int64_t total = int64_t{count} * lines;
+    per_call = calls > 0 ? static_cast<int>((total + calls - 1) / calls) : static_cast<int>(total);
+    rows = next_rows;
+    n = count;
+    slot = line = calls = 0;
+  }
+  FLASHKV_ALWAYS_INLINE void step() {
+    ++calls;
+    for (int i = 0; i < per_call && slot < n; ++i) one();
+  }
+  FLASHKV_ALWAYS_INLINE void finish() {
+    while (slot < n) one();
+  }
+
+ private:
+  FLASHKV_ALWAYS_INLINE void one() {
+    if (line < k_lines)
+      __builtin_prefetch(k_base + rows[slot] * k_row_bytes + line * 64, 0, 2);
+    else
+      __builtin_prefetch(v_base + rows[slot] * v_row_bytes + (line - k_lines) * 64, 0, 2);
+    if (++line == lines) {
+      line = 0;
+      ++slot;
+    }
   }
 };
 

@@ -1,8 +1,13 @@
 // Merges of attention states (compiled per ISA like attention_kernel.h): the partial states of
 // a plan's split items, and the merge_state / merge_states operators.
+#pragma once
+
 #ifndef FLASHKV_CPU_ISA_NS
 #error "include cpu/merge_kernel.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
+
+#include "attention_kernel.h"
+#include "attention_loads.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 

@@ -1,7 +1,11 @@
 // AVX2 + FMA + F16C helpers: fp32 math on 8 lanes (interface: see simd_scalar.h).
+#pragma once
+
 #ifndef FLASHKV_CPU_ISA_NS
 #error "include cpu/simd_avx2.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
+
+#include "kernel_common.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 

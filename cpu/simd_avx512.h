@@ -1,9 +1,13 @@
 // AVX-512 helpers (interface: see simd_scalar.h). Avx512F32: fp32 math on 16 lanes (F/BW/VL/DQ).
 // Avx512Bf16: steps are bf16 pairs and madd is one `vdpbf16ps` (AVX512_BF16); defined only when
 // the including unit targets it (FLASHKV_CPU_HAS_BF16).
+#pragma once
+
 #ifndef FLASHKV_CPU_ISA_NS
 #error "include cpu/simd_avx512.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
+
+#include "kernel_common.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 

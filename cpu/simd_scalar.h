@@ -3,9 +3,13 @@
 //   W lanes of fp32 per F; Vec holds W "steps" (Step: one f32, or a pair of bf16 when kPack == 2);
 //   F math (exp2, tanh, reductions, masking), conversions from each storage type, the WxW
 //   transpose of steps, and madd(acc, &a, b) = acc + broadcast(a) . b per step.
+#pragma once
+
 #ifndef FLASHKV_CPU_ISA_NS
 #error "include cpu/simd_scalar.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
+
+#include "kernel_common.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 

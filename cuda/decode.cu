@@ -141,6 +141,8 @@ LaunchFn select(const AttentionParams& p) {
 
 }  // namespace
 
+void check_paged_decode(const AttentionParams& p) { (void)select(p); }
+
 void paged_decode(const AttentionParams& p, Stream stream) {
   const LaunchFn launch = select(p);
   if (p.num_items == 0) return;

@@ -117,6 +117,8 @@ int prefill_cta_rows(int head_dim_qk, int head_dim_v) {
   return prefill_detail::prefill_cta_rows_of(head_dim_v);
 }
 
+void check_prefill(const AttentionParams& p) { (void)prefill_detail::select(p); }
+
 void prefill(const AttentionParams& p, Stream stream) {
   using namespace prefill_detail;
   const LaunchFn launch = select(p);

@@ -225,19 +225,17 @@ void check_mask_extent(const AttentionParams& p, const AttentionOptions& opt) {
   }
 }
 
-void run_attention(const AttentionParams& p, const TensorView& q, bool decode, Stream stream) {
-  if (q.device.is_cpu()) {
-    cpu::attention(p);
-    return;
-  }
+// The device kernels' own limits (dtypes, head dims, alignment), checked without launching.
+void check_device_support(const AttentionParams& p, Device dev, bool decode) {
+  if (dev.is_cpu()) return;
 #if FLASHKV_WITH_CUDA
   if (decode)
-    cuda::paged_decode(p, stream);
+    cuda::check_paged_decode(p);
   else
-    cuda::prefill(p, stream);
+    cuda::check_prefill(p);
 #else
+  (void)p;
   (void)decode;
-  (void)stream;
   no_cuda_build(p.paged ? "paged attention" : "ragged_prefill");
 #endif
 }
@@ -298,10 +296,11 @@ void Workspace::upload(const Plan& plan, Stream stream) {
   plan_id_ = plan.id;
 }
 
-void ragged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorView& k,
-                    const TensorView& v, const TensorView& qo_indptr, const TensorView& kv_indptr,
-                    const AttentionOptions& opt, const TensorView& out, const TensorView& lse,
-                    Workspace& ws, Stream stream) {
+PreparedAttention prepare_ragged_prefill(const PrefillPlan& plan, const TensorView& q,
+                                         const TensorView& k, const TensorView& v,
+                                         const TensorView& qo_indptr, const TensorView& kv_indptr,
+                                         const AttentionOptions& opt, const TensorView& out,
+                                         const TensorView& lse, Workspace& ws) {
   Expect(q, "q").ndim(3);
   Expect(v, "v").ndim(3);
   const int64_t batch = qo_indptr.defined() ? qo_indptr.numel() - 1 : -1;
@@ -319,12 +318,14 @@ void ragged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorVi
   p.qo_indptr = static_cast<const int32_t*>(qo_indptr.data);
   p.kv_indptr = static_cast<const int32_t*>(kv_indptr.data);
   check_mask_extent(p, opt);
-  run_attention(p, q, false, stream);
+  check_device_support(p, q.device, false);
+  return PreparedAttention(p, q.device, false);
 }
 
-void paged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorView& qo_indptr,
-                   const PagedKV& kv, const AttentionOptions& opt, const TensorView& out,
-                   const TensorView& lse, Workspace& ws, Stream stream) {
+PreparedAttention prepare_paged_prefill(const PrefillPlan& plan, const TensorView& q,
+                                        const TensorView& qo_indptr, const PagedKV& kv,
+                                        const AttentionOptions& opt, const TensorView& out,
+                                        const TensorView& lse, Workspace& ws) {
   Expect(q, "q").ndim(3);
   Expect(kv.v, "kv.v").ndim(3);
   check_indptr(qo_indptr, "qo_indptr", plan.batch_size, q.device);
@@ -335,12 +336,14 @@ void paged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorVie
   check_query_rows(qo_indptr, q.shape[0]);
   p.qo_indptr = static_cast<const int32_t*>(qo_indptr.data);
   check_mask_extent(p, opt);
-  run_attention(p, q, false, stream);
+  check_device_support(p, q.device, false);
+  return PreparedAttention(p, q.device, false);
 }
 
-void paged_decode(const DecodePlan& plan, const TensorView& q, const PagedKV& kv,
-                  const AttentionOptions& opt, const TensorView& out, const TensorView& lse,
-                  Workspace& ws, Stream stream) {
+PreparedAttention prepare_paged_decode(const DecodePlan& plan, const TensorView& q,
+                                       const PagedKV& kv, const AttentionOptions& opt,
+                                       const TensorView& out, const TensorView& lse,
+                                       Workspace& ws) {
   Expect(q, "q").ndim(3);
   Expect(kv.v, "kv.v").ndim(3);
   AttentionParams p = common_params(plan, "paged_decode", q, out, lse, opt, kv.v.shape[2], ws);
@@ -348,7 +351,43 @@ void paged_decode(const DecodePlan& plan, const TensorView& q, const PagedKV& kv
   check_plan_matches(plan, "paged_decode", q, q.shape[0], kv.k.shape[1], q.shape[2], kv.v.shape[2],
                      ws);
   check_mask_extent(p, opt);
-  run_attention(p, q, true, stream);
+  check_device_support(p, q.device, true);
+  return PreparedAttention(p, q.device, true);
+}
+
+void PreparedAttention::run(Stream stream) const {
+  if (device_.is_cpu()) {
+    cpu::attention(params_);
+    return;
+  }
+#if FLASHKV_WITH_CUDA
+  if (decode_)
+    cuda::paged_decode(params_, stream);
+  else
+    cuda::prefill(params_, stream);
+#else
+  (void)stream;
+  no_cuda_build(params_.paged ? "paged attention" : "ragged_prefill");
+#endif
+}
+
+void ragged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorView& k,
+                    const TensorView& v, const TensorView& qo_indptr, const TensorView& kv_indptr,
+                    const AttentionOptions& opt, const TensorView& out, const TensorView& lse,
+                    Workspace& ws, Stream stream) {
+  prepare_ragged_prefill(plan, q, k, v, qo_indptr, kv_indptr, opt, out, lse, ws).run(stream);
+}
+
+void paged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorView& qo_indptr,
+                   const PagedKV& kv, const AttentionOptions& opt, const TensorView& out,
+                   const TensorView& lse, Workspace& ws, Stream stream) {
+  prepare_paged_prefill(plan, q, qo_indptr, kv, opt, out, lse, ws).run(stream);
+}
+
+void paged_decode(const DecodePlan& plan, const TensorView& q, const PagedKV& kv,
+                  const AttentionOptions& opt, const TensorView& out, const TensorView& lse,
+                  Workspace& ws, Stream stream) {
+  prepare_paged_decode(plan, q, kv, opt, out, lse, ws).run(stream);
 }
 
 namespace {

@@ -37,9 +37,9 @@ void set_cuda_device(Device dev) {
 
 }  // namespace
 
-void append_kv(const TensorView& k_new, const TensorView& v_new, const TensorView& out_cache_loc,
-               const TensorView& k_pool, const TensorView& v_pool, float k_scale, float v_scale,
-               Stream stream) {
+PreparedAppendKV prepare_append_kv(const TensorView& k_new, const TensorView& v_new,
+                                   const TensorView& out_cache_loc, const TensorView& k_pool,
+                                   const TensorView& v_pool, float k_scale, float v_scale) {
   Expect(k_new, "k_new").ndim(3).float_dtype().inner_contiguous();
   const Device dev = k_new.device;
   const int64_t num_tokens = k_new.shape[0], hkv = k_new.shape[1];
@@ -83,8 +83,6 @@ void append_kv(const TensorView& k_new, const TensorView& v_new, const TensorVie
                     "]: expected a slot in [0, ", num_slots, "), got ", slot);
     }
   }
-  if (num_tokens == 0) return;
-
   AppendKVParams p;
   p.k_new = k_new.data;
   p.v_new = v_new.data;
@@ -109,14 +107,32 @@ void append_kv(const TensorView& k_new, const TensorView& v_new, const TensorVie
   p.head_dim_v = static_cast<int32_t>(v_new.shape[2]);
   p.k_scale = k_scale;
   p.v_scale = v_scale;
-  if (dev.is_cpu()) {
-    cpu::append_kv(p);
+  if (!dev.is_cpu()) {
+    FLASHKV_CHECK(num_tokens <= INT32_MAX, "append_kv: at most 2^31 - 1 tokens per call, got ",
+                  num_tokens);
+#if !FLASHKV_WITH_CUDA
+    set_cuda_device(dev);  // throws: built without CUDA
+#endif
+  }
+  return PreparedAppendKV(p, dev);
+}
+
+void PreparedAppendKV::run(Stream stream) const {
+  if (params_.num_tokens == 0) return;
+  if (device_.is_cpu()) {
+    cpu::append_kv(params_);
     return;
   }
-  set_cuda_device(dev);
+  set_cuda_device(device_);
 #if FLASHKV_WITH_CUDA
-  cuda::append_kv(p, stream);
+  cuda::append_kv(params_, stream);
 #endif
+}
+
+void append_kv(const TensorView& k_new, const TensorView& v_new, const TensorView& out_cache_loc,
+               const TensorView& k_pool, const TensorView& v_pool, float k_scale, float v_scale,
+               Stream stream) {
+  prepare_append_kv(k_new, v_new, out_cache_loc, k_pool, v_pool, k_scale, v_scale).run(stream);
 }
 
 void build_kv_indices(const TensorView& req_to_token, const TensorView& req_pool_indices,

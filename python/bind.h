@@ -29,7 +29,10 @@ TensorView view_of(const OptArray& a, const char* name, const std::string& dtype
 TensorView kv_view_of(const Array& a, const char* name, const std::string& dtype_override,
                       int page_size);
 
-inline Stream stream_of(uintptr_t handle) { return Stream{reinterpret_cast<void*>(handle)}; }
+// Python passes a CUDA stream as its integer handle (e.g. torch's `stream.cuda_stream`).
+inline Stream stream_of(uintptr_t handle) {
+  return Stream{reinterpret_cast<void*>(handle)};  // NOLINT(performance-no-int-to-ptr): see above
+}
 
 void bind_ops(nb::module_& m);
 void bind_backend(nb::module_& m);

@@ -65,7 +65,7 @@ template <nb::object PyForwardBatch::*Obj, TensorView* (*Field)(ForwardBatch&)>
 void add_array_field(nb::class_<PyForwardBatch>& cls, const char* name, const char* doc) {
   cls.def_prop_rw(
       name, [](const PyForwardBatch& f) { return f.*Obj; },
-      [name](PyForwardBatch& f, nb::object value) {
+      [name](PyForwardBatch& f, const nb::object& value) {
         if (value.is_none()) {
           *Field(f.b) = TensorView();
         } else {
@@ -179,6 +179,7 @@ void bind_kvcache(nb::module_& m) {
           "alloc_extend",
           [](KVAllocator& a, const std::vector<std::tuple<int64_t, int32_t, int64_t>>& reqs) {
             std::vector<ExtendRequest> r;
+            r.reserve(reqs.size());
             for (const auto& [prefix_len, last_slot, num_new] : reqs)
               r.push_back(ExtendRequest{prefix_len, last_slot, num_new});
             return a.alloc_extend(r);
@@ -284,14 +285,14 @@ void bind_batch(nb::module_& m) {
           })
       .def_prop_rw(
           "req_to_token_pool", [](const PyForwardBatch& f) { return f.req_to_token_pool; },
-          [](PyForwardBatch& f, nb::object p) {
+          [](PyForwardBatch& f, const nb::object& p) {
             f.b.req_to_token_pool = p.is_none() ? nullptr : nb::cast<ReqToTokenPool*>(p);
             f.req_to_token_pool = p;
           },
           nb::arg("value").none())
       .def_prop_rw(
           "token_to_kv_pool", [](const PyForwardBatch& f) { return f.token_to_kv_pool; },
-          [](PyForwardBatch& f, nb::object p) {
+          [](PyForwardBatch& f, const nb::object& p) {
             f.b.token_to_kv_pool = p.is_none() ? nullptr : nb::cast<KVPool*>(p);
             f.token_to_kv_pool = p;
           },
@@ -320,7 +321,7 @@ void bind_flashkv_backend(nb::module_& m) {
              int sliding_window_size, bool is_encoder_decoder, bool is_multimodal,
              bool has_encoder_only_layers, KVPool* swa_kv_pool, SWAAllocator* swa_allocator,
              bool deterministic, int decode_split_size, int prefill_split_size,
-             bool disable_split_kv, int use_tensor_cores) {
+             bool disable_split_kv, std::optional<bool> use_tensor_cores) {
             BackendOptions o;
             o.device = parse_device(device);
             o.q_dtype = parse_dtype(q_dtype.c_str());
@@ -348,7 +349,7 @@ void bind_flashkv_backend(nb::module_& m) {
           nb::arg("swa_kv_pool").none() = nb::none(), nb::arg("swa_allocator").none() = nb::none(),
           nb::arg("deterministic") = false, nb::arg("decode_split_size") = 2048,
           nb::arg("prefill_split_size") = 4096, nb::arg("disable_split_kv") = false,
-          nb::arg("use_tensor_cores") = -1,
+          nb::arg("use_tensor_cores").none() = nb::none(),
           // The SWA pool and allocator must outlive the backend.
           nb::keep_alive<1, 12>(), nb::keep_alive<1, 13>())
       .def(
@@ -385,12 +386,7 @@ void bind_flashkv_backend(nb::module_& m) {
       .def_prop_ro("num_wrappers", &FlashKVBackend::num_wrappers)
       .def_prop_ro("uses_ragged", &FlashKVBackend::uses_ragged)
       .def_prop_ro("extend_without_prefix", &FlashKVBackend::extend_without_prefix)
-      .def(
-          "decode_uses_tensor_cores",
-          [](const FlashKVBackend& be, const std::string& kv_dtype) {
-            return be.decode_uses_tensor_cores(parse_dtype(kv_dtype.c_str()));
-          },
-          nb::arg("kv_dtype"));
+      .def_prop_ro("decode_uses_prefill_kernel", &FlashKVBackend::decode_uses_prefill_kernel);
 }
 
 }  // namespace

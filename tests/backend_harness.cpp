@@ -18,6 +18,7 @@ Harness::Harness(const ModelShape& shape, BackendOptions extra)
   pc.head_dim_qk = shape.head_dim;
   pc.head_dim_v = shape.head_dim_v ? shape.head_dim_v : shape.head_dim;
   pc.dtype = shape.kv_dtype;
+  pc.page_size = shape.page_size;
   pc.device = d;
   pool_ = std::make_unique<KVPool>(pc);
   if (is_fp8(shape.kv_dtype))
@@ -36,15 +37,25 @@ Harness::Harness(const ModelShape& shape, BackendOptions extra)
     swa_pool_ = std::make_unique<KVPool>(pc);
     if (is_fp8(shape.kv_dtype))
       for (int l = 0; l < shape.num_layers; ++l) swa_pool_->set_scales(l, 0.5f, 2.0f);
-    auto swa = std::make_unique<SWAAllocator>(shape.slots, shape.slots, 1, d);
+    auto swa = std::make_unique<SWAAllocator>(shape.slots, shape.slots, shape.page_size, d);
     swa_alloc_ = swa.get();
     alloc_ = std::move(swa);
     o.swa_kv_pool = swa_pool_.get();
     o.swa_allocator = swa_alloc_;
   } else {
-    alloc_ = std::make_unique<TokenAllocator>(shape.slots);
+    alloc_ = std::make_unique<PagedAllocator>(shape.slots, shape.page_size);
   }
+  if (shape.shuffle_pages) shuffle_free_pages();
   backend_ = std::make_unique<FlashKVBackend>(o);
+}
+
+void Harness::shuffle_free_pages() {
+  // The allocator hands out the most recently freed page first: free every page in a random
+  // order, and later requests get their pages in that (reversed) order.
+  std::vector<std::vector<int32_t>> pages;
+  while (auto page = alloc_->alloc(shape_.page_size)) pages.push_back(*page);
+  std::shuffle(pages.begin(), pages.end(), rng_.gen());
+  for (const auto& page : pages) alloc_->free(page);
 }
 
 LayerSpec Harness::layer(int i) const {
@@ -106,8 +117,14 @@ void Harness::finish(Request& r) {
 }
 
 void Harness::rollback(Request& r, int32_t seq_len) {
-  const size_t keep = static_cast<size_t>(r.encoder_len + seq_len);
-  alloc_->free(std::vector<int32_t>(r.slots.begin() + keep, r.slots.end()));
+  const size_t keep = static_cast<size_t>(r.encoder_len) + static_cast<size_t>(seq_len);
+  // Free whole pages only: a page that still holds a kept token stays with the request (its
+  // later slots are what the next alloc_extend continues with).
+  const int P = shape_.page_size;
+  std::vector<int32_t> drop;
+  for (size_t i = keep; i < r.slots.size(); ++i)
+    if (keep == 0 || r.slots[i] / P != r.slots[keep - 1] / P) drop.push_back(r.slots[i]);
+  alloc_->free(drop);
   r.slots.resize(keep);
   r.seq_len = seq_len;
 }
@@ -123,7 +140,12 @@ ForwardBatch Harness::make_batch(ForwardMode mode, std::vector<Request*> reqs,
   for (size_t i = 0; i < reqs.size(); ++i) {
     Request& r = *reqs[i];
     const int32_t n = new_lens[i];
-    auto slots = alloc_->alloc(n);
+    // The new tokens continue the request's last page, as a paged scheduler allocates them.
+    ExtendRequest er;
+    er.prefix_len = static_cast<int64_t>(r.slots.size());
+    er.last_slot = r.slots.empty() ? 0 : r.slots.back();
+    er.num_new = n;
+    auto slots = alloc_->alloc_extend({er});
     EXPECT_TRUE(slots.has_value());
     r2t_->write(r.row, r.encoder_len + r.seq_len, *slots);
     r.slots.insert(r.slots.end(), slots->begin(), slots->end());
@@ -138,14 +160,19 @@ ForwardBatch Harness::make_batch(ForwardMode mode, std::vector<Request*> reqs,
   }
   if (mode == ForwardMode::TARGET_VERIFY) {
     b.spec.draft_token_num = new_lens.empty() ? 1 : new_lens[0];
-    // Each draft row sees the whole prefix, itself, and a random subset of earlier drafts (a
-    // tree), as a verify mask does.
+    // A random draft tree per request (each draft token's parent is an earlier draft token or
+    // the prefix): a draft row sees the whole prefix, its ancestors and itself.
     std::vector<uint8_t> m;
     for (size_t i = 0; i < reqs.size(); ++i) {
       const int32_t seq = reqs[i]->seq_len, d = b.spec.draft_token_num, prefix = seq - d;
+      std::vector<std::vector<uint8_t>> sees(d, std::vector<uint8_t>(d, 0));
+      for (int32_t qi = 0; qi < d; ++qi) {
+        const int32_t parent = qi == 0 ? -1 : rng_.uniform_int(-1, qi - 1);
+        if (parent >= 0) sees[qi] = sees[parent];
+        sees[qi][qi] = 1;
+      }
       for (int32_t qi = 0; qi < d; ++qi)
-        for (int32_t j = 0; j < seq; ++j)
-          m.push_back(j < prefix || j == prefix + qi || (j < prefix + qi && rng_.uniform() < 0.5));
+        for (int32_t j = 0; j < seq; ++j) m.push_back(j < prefix || sees[qi][j - prefix]);
     }
     mask_host_ = Tensor::empty({std::max<int64_t>(static_cast<int64_t>(m.size()), 1)}, DType::u8);
     std::copy(m.begin(), m.end(), mask_host_.ptr<uint8_t>());
@@ -197,11 +224,74 @@ void Harness::check_layer(const ForwardBatch& b, int l, const Tensor& q_host,
 }
 
 std::vector<Tensor> Harness::run_and_check(const ForwardBatch& b, bool use_graph_state,
-                                           uint64_t qkv_seed) {
+                                           uint64_t qkv_seed, bool check_reference) {
   if (use_graph_state)
     backend_->init_forward_metadata_replay_cuda_graph(b);
   else
     backend_->init_forward_metadata(b);
+  return forward_and_check(b, qkv_seed, /*save_kv_cache=*/true, check_reference);
+}
+
+Harness::LayerInputs Harness::layer_inputs(int64_t T) {
+  const int dv = shape_.head_dim_v ? shape_.head_dim_v : shape_.head_dim;
+  LayerInputs in;
+  in.q = random_tensor(rng_, {T, shape_.hq, shape_.head_dim}, shape_.dtype).to(shape_.device);
+  in.k = random_tensor(rng_, {T, shape_.hkv, shape_.head_dim}, shape_.dtype).to(shape_.device);
+  in.v = random_tensor(rng_, {T, shape_.hkv, dv}, shape_.dtype).to(shape_.device);
+  Tensor out = Tensor::empty({T, int64_t{shape_.hq} * dv}, shape_.dtype);
+  poison(out);
+  in.out = out.to(shape_.device);
+  return in;
+}
+
+namespace {
+std::vector<uint8_t> bytes_of(const TensorView& t) {
+  std::vector<uint8_t> bytes(t.nbytes());
+  copy_bytes(bytes.data(), Device::cpu(), t.data, t.device, bytes.size());
+  return bytes;
+}
+}  // namespace
+
+PoolSnapshot Harness::snapshot() const {
+  PoolSnapshot s;
+  for (const KVPool* pool : {pool_.get(), swa_pool_.get()}) {
+    if (!pool) continue;
+    for (int l = 0; l < pool->num_layers(); ++l) {
+      s.kv.push_back(bytes_of(pool->k(l)));
+      s.kv.push_back(bytes_of(pool->v(l)));
+    }
+  }
+  s.req_to_token = bytes_of(r2t_->req_to_token());
+  for (int64_t slot = 0; slot < pool_->num_rows(); ++slot)
+    s.live_slots.push_back(alloc_->is_live(static_cast<int32_t>(slot)));
+  s.free_slots = alloc_->num_free();
+  for (int64_t row = 0; row < r2t_->max_reqs(); ++row)
+    s.live_rows.push_back(r2t_->is_live(static_cast<int32_t>(row)));
+  s.free_rows = r2t_->num_free();
+  if (swa_alloc_) {
+    s.free_swa_slots = swa_alloc_->num_free_swa();
+    s.swa_table = bytes_of(swa_alloc_->host_table());
+  }
+  return s;
+}
+
+void Harness::expect_unchanged(const PoolSnapshot& before) const {
+  const PoolSnapshot now = snapshot();
+  ASSERT_EQ(now.kv.size(), before.kv.size());
+  for (size_t i = 0; i < now.kv.size(); ++i)
+    EXPECT_TRUE(now.kv[i] == before.kv[i])
+        << (i % 2 ? "V" : "K") << " bytes of pool tensor " << i / 2 << " changed";
+  EXPECT_TRUE(now.req_to_token == before.req_to_token) << "req_to_token changed";
+  EXPECT_TRUE(now.live_slots == before.live_slots) << "the allocator's live slots changed";
+  EXPECT_EQ(now.free_slots, before.free_slots) << "the allocator's free count changed";
+  EXPECT_TRUE(now.live_rows == before.live_rows) << "req_to_token's live rows changed";
+  EXPECT_EQ(now.free_rows, before.free_rows);
+  EXPECT_EQ(now.free_swa_slots, before.free_swa_slots);
+  EXPECT_TRUE(now.swa_table == before.swa_table) << "the full-to-SWA table changed";
+}
+
+std::vector<Tensor> Harness::forward_and_check(const ForwardBatch& b, uint64_t qkv_seed,
+                                               bool save_kv_cache, bool check_reference) {
   const int64_t T = b.num_tokens();
   const int dv = shape_.head_dim_v ? shape_.head_dim_v : shape_.head_dim;
   const uint64_t base_seed = qkv_seed ? qkv_seed : rng_.gen()();
@@ -226,9 +316,9 @@ std::vector<Tensor> Harness::run_and_check(const ForwardBatch& b, bool use_graph
     poison(out);
     Tensor out_d = out.to(shape_.device);
     const bool cross = spec.is_cross_attention;
-    TensorView result =
-        backend_->forward(q.to(shape_.device), cross ? TensorView() : k.to(shape_.device).view(),
-                          cross ? TensorView() : v.to(shape_.device).view(), spec, b, true, out_d);
+    TensorView result = backend_->forward(
+        q.to(shape_.device), cross ? TensorView() : k.to(shape_.device).view(),
+        cross ? TensorView() : v.to(shape_.device).view(), spec, b, save_kv_cache, out_d);
     EXPECT_EQ(result.data, out_d.data());
     Tensor host = out_d.to(Device::cpu());
     TensorView h3 = host.view();
@@ -238,6 +328,10 @@ std::vector<Tensor> Harness::run_and_check(const ForwardBatch& b, bool use_graph
     h3.stride[0] = int64_t{shape_.hq} * dv;
     h3.stride[1] = dv;
     h3.stride[2] = 1;
+    if (!check_reference) {
+      outs.push_back(host);
+      continue;
+    }
     if (spec.attn_type == AttentionType::ENCODER_ONLY) {
       // Encoder-only layers attend to the new tokens' own k/v.
       Tensor qo_t = Tensor::from_i32(indptr_of(batch_new_));

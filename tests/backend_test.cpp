@@ -1,16 +1,25 @@
 // FlashKVBackend, mode by mode, against the float64 reference computed from the pools.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
+#include <string>
+
 #include "backend_harness.h"
 
 namespace flashkv::test {
 namespace {
 
-// The devices the backend tests run on: the CPU always, CUDA when a GPU is visible.
-std::vector<Device> devices() {
-  std::vector<Device> d = {Device::cpu()};
-  if (cuda_available()) d.push_back(Device::cuda(0));
-  return d;
+// New requests with cached[i] tokens, an extend adding new_lens[i] tokens to each, then a decode
+// step; both passes checked against the reference.
+void extend_then_decode(Harness& h, const std::vector<int32_t>& cached,
+                        const std::vector<int32_t>& new_lens) {
+  std::vector<Request> reqs;
+  for (int32_t c : cached) reqs.push_back(h.add_request(c));
+  std::vector<Request*> ptrs;
+  for (Request& r : reqs) ptrs.push_back(&r);
+  h.run_and_check(h.make_batch(ForwardMode::EXTEND, ptrs, new_lens));
+  h.run_and_check(h.make_batch(ForwardMode::DECODE, ptrs, std::vector<int32_t>(ptrs.size(), 1)));
 }
 
 class BackendTest : public ::testing::TestWithParam<Device> {
@@ -74,20 +83,24 @@ TEST_P(BackendTest, MultimodalExtendIsOnePagedPass) {
 }
 
 TEST_P(BackendTest, SlidingWindowModel) {
-  for (bool swa_pool : {false, true}) {
-    SCOPED_TRACE(swa_pool ? "with SWA pool" : "one pool");
-    ModelShape s = shape();
-    s.sliding_window = 13;
-    s.swa_pool = swa_pool;
-    s.num_layers = 4;
-    Harness h(s);
-    EXPECT_EQ(h.backend().num_wrappers(), 2);
-    Request a = h.add_request(60), b = h.add_request(5), c = h.add_request(0);
-    auto e = h.make_batch(ForwardMode::EXTEND, {&a, &b, &c}, {20, 3, 25});
-    h.run_and_check(e);
-    auto d = h.make_batch(ForwardMode::DECODE, {&a, &b, &c}, {1, 1, 1});
-    h.run_and_check(d);
-  }
+  for (int page_size : {1, 16})
+    for (bool swa_pool : {false, true}) {
+      SCOPED_TRACE(::testing::Message()
+                   << (swa_pool ? "with SWA pool" : "one pool") << ", page size " << page_size);
+      ModelShape s = shape();
+      s.sliding_window = 13;
+      s.swa_pool = swa_pool;
+      s.num_layers = 4;
+      s.page_size = page_size;
+      s.shuffle_pages = page_size > 1;
+      Harness h(s);
+      EXPECT_EQ(h.backend().num_wrappers(), 2);
+      Request a = h.add_request(60), b = h.add_request(5), c = h.add_request(0);
+      auto e = h.make_batch(ForwardMode::EXTEND, {&a, &b, &c}, {20, 3, 25});
+      h.run_and_check(e);
+      auto d = h.make_batch(ForwardMode::DECODE, {&a, &b, &c}, {1, 1, 1});
+      h.run_and_check(d);
+    }
 }
 
 TEST_P(BackendTest, EncoderDecoderCrossAttention) {
@@ -118,6 +131,28 @@ TEST_P(BackendTest, TargetVerifyWithTreeMask) {
   h.run_and_check(v);
 }
 
+TEST_P(BackendTest, TargetVerifyWithRandomTrees) {
+  // Random draft trees of random sizes over random prefixes, in a plain model and in a
+  // sliding-window one (whose window layers see the whole sequence and apply the window).
+  for (int window : {-1, 5}) {
+    ModelShape s = shape();
+    s.sliding_window = window;
+    s.swa_pool = window >= 0;
+    Harness h(s);
+    for (int round = 0; round < 4; ++round) {
+      SCOPED_TRACE(::testing::Message() << "window " << window << ", round " << round);
+      const int bs = h.rng().uniform_int(1, 4), drafts = h.rng().uniform_int(1, 8);
+      std::vector<Request> reqs;
+      for (int i = 0; i < bs; ++i) reqs.push_back(h.add_request(h.rng().uniform_int(0, 150)));
+      std::vector<Request*> ptrs;
+      for (auto& r : reqs) ptrs.push_back(&r);
+      auto v = h.make_batch(ForwardMode::TARGET_VERIFY, ptrs, std::vector<int32_t>(bs, drafts));
+      h.run_and_check(v);
+      for (auto& r : reqs) h.finish(r);
+    }
+  }
+}
+
 TEST_P(BackendTest, DraftExtendByAcceptedLengths) {
   Harness h(shape());
   Request a = h.add_request(40), b = h.add_request(9);
@@ -126,15 +161,79 @@ TEST_P(BackendTest, DraftExtendByAcceptedLengths) {
 }
 
 TEST_P(BackendTest, Fp8KvCacheAndSoftCap) {
+  for (DType kv : {DType::fp8_e4m3, DType::fp8_e5m2}) {
+    SCOPED_TRACE(dtype_name(kv));
+    ModelShape s = shape();
+    s.kv_dtype = kv;
+    s.logit_cap = 30.0f;
+    // The ragged pass reads the new tokens' K/V as given (bf16), the reference reads them back
+    // from the pool (rounded to fp8): e5m2's 2-bit mantissa puts that gap past the fp8
+    // tolerance, so its extend runs as one paged pass over the pool (multimodal).
+    BackendOptions o;
+    o.is_multimodal = kv == DType::fp8_e5m2;
+    Harness h(s, o);
+    extend_then_decode(h, {70, 0}, {9, 14});
+  }
+}
+
+TEST_P(BackendTest, SoftCapAlone) {
   ModelShape s = shape();
-  s.kv_dtype = DType::fp8_e4m3;
-  s.logit_cap = 30.0f;
+  s.logit_cap = 5.0f;  // small enough that the cap changes the result
   Harness h(s);
-  Request a = h.add_request(70), b = h.add_request(0);
-  auto e = h.make_batch(ForwardMode::EXTEND, {&a, &b}, {9, 14});
-  h.run_and_check(e);
-  auto d = h.make_batch(ForwardMode::DECODE, {&a, &b}, {1, 1});
-  h.run_and_check(d);
+  extend_then_decode(h, {33, 0}, {12, 7});
+}
+
+TEST_P(BackendTest, DecodeKernelChoice) {
+  // Unset: the decode operator (fast everywhere, tensor cores included on CUDA).
+  EXPECT_FALSE(Harness(shape()).backend().decode_uses_prefill_kernel());
+  // use_tensor_cores true (the prefill kernel, one query row per request) and false (the decode
+  // operator) both match the reference, in every decode flavour: plain, sliding window through
+  // the SWA pool, fp8 KV with soft cap, encoder-decoder cross attention, and CUDA-graph replay.
+  for (bool tensor_cores : {false, true}) {
+    SCOPED_TRACE(tensor_cores ? "use_tensor_cores" : "decode operator");
+    BackendOptions o;
+    o.use_tensor_cores = tensor_cores;
+    {
+      Harness h(shape(), o);
+      EXPECT_EQ(h.backend().decode_uses_prefill_kernel(), tensor_cores);
+      Request a = h.add_request(1), b = h.add_request(260), c = h.add_request(31);
+      h.run_and_check(h.make_batch(ForwardMode::DECODE, {&a, &b, &c}, {1, 1, 1}));
+    }
+    {
+      ModelShape s = shape();
+      s.sliding_window = 9;
+      s.swa_pool = true;
+      Harness h(s, o);
+      Request a = h.add_request(50), b = h.add_request(4);
+      h.run_and_check(h.make_batch(ForwardMode::DECODE, {&a, &b}, {1, 1}));
+    }
+    {
+      ModelShape s = shape();
+      s.kv_dtype = DType::fp8_e4m3;
+      s.logit_cap = 20.0f;
+      Harness h(s, o);
+      Request a = h.add_request(90), b = h.add_request(2);
+      h.run_and_check(h.make_batch(ForwardMode::DECODE, {&a, &b}, {1, 1}));
+    }
+    {
+      ModelShape s = shape();
+      s.encoder_decoder = true;
+      Harness h(s, o);
+      Request a = h.add_request(6, 20), b = h.add_request(1, 3);
+      h.run_and_check(h.make_batch(ForwardMode::DECODE, {&a, &b}, {1, 1}));
+    }
+    {
+      Harness h(shape(), o);
+      h.backend().init_cuda_graph_state(3, 3);
+      std::vector<Request> reqs;
+      for (int32_t len : {7, 120, 3, 64, 1, 300}) reqs.push_back(h.add_request(len));
+      auto cap = h.make_batch(ForwardMode::DECODE, {&reqs[0], &reqs[1], &reqs[2]}, {1, 1, 1});
+      h.backend().init_forward_metadata_capture_cuda_graph(cap);
+      h.forward_and_check(cap);
+      h.run_and_check(h.make_batch(ForwardMode::DECODE, {&reqs[3], &reqs[4], &reqs[5]}, {1, 1, 1}),
+                      /*use_graph_state=*/true);
+    }
+  }
 }
 
 TEST_P(BackendTest, IdleReturnsEmpty) {
@@ -166,70 +265,128 @@ TEST_P(BackendTest, GraphModeReplaysOtherBatchesOfTheSameSize) {
   h.run_and_check(rep2, true);
 }
 
-TEST_P(BackendTest, DeterministicModeIsBatchInvariant) {
+TEST_P(BackendTest, GraphCaptureAtEveryBatchSizeThenReplay) {
+  // As a model runner does: one graph state, a capture per batch size 1..N (decode and tree
+  // verify), then replays of each size with other requests, in a mixed order.
+  const int max_bs = 4, drafts = 3;
+  Harness h(shape());
+  h.backend().init_cuda_graph_state(max_bs, max_bs * drafts);
+  std::vector<Request> reqs;
+  for (int i = 0; i < 3 * max_bs; ++i) reqs.push_back(h.add_request(h.rng().uniform_int(1, 400)));
+  auto batch_of = [&](int bs, int first, ForwardMode mode) {
+    std::vector<Request*> ptrs;
+    for (int i = 0; i < bs; ++i) ptrs.push_back(&reqs[(first + i) % reqs.size()]);
+    const int32_t n = mode == ForwardMode::DECODE ? 1 : drafts;
+    return h.make_batch(mode, ptrs, std::vector<int32_t>(bs, n));
+  };
+  for (ForwardMode mode : {ForwardMode::DECODE, ForwardMode::TARGET_VERIFY}) {
+    for (int bs = 1; bs <= max_bs; ++bs) {
+      SCOPED_TRACE(::testing::Message() << mode_name(mode) << " capture bs " << bs);
+      auto b = batch_of(bs, bs, mode);
+      h.backend().init_forward_metadata_capture_cuda_graph(b);
+      h.forward_and_check(b);
+    }
+    for (int bs : {3, 1, 4, 2, 4, 1}) {
+      SCOPED_TRACE(::testing::Message() << mode_name(mode) << " replay bs " << bs);
+      h.run_and_check(batch_of(bs, h.rng().uniform_int(0, 3 * max_bs - 1), mode), true);
+    }
+  }
+}
+
+// Deterministic mode: a probe request, first in every batch (so its q/k/v rows are the same),
+// next to companions drawn at random, in random number and order, from a set of cached requests
+// of random lengths: the probe's output rows keep their bits. Every trial's new tokens are
+// rolled back, so each trial runs the same positions.
+void expect_batch_invariant(Harness& h, ForwardMode mode, int32_t probe_cached, int32_t probe_new,
+                            int trials) {
+  Request probe = h.add_request(probe_cached);
+  std::vector<Request> pool;
+  for (int i = 0; i < 12; ++i) pool.push_back(h.add_request(h.rng().uniform_int(1, 250)));
+  const uint64_t seed = 4242;
+  Tensor first;
+  for (int trial = 0; trial < trials; ++trial) {
+    std::vector<Request*> ptrs;
+    for (auto& r : pool) ptrs.push_back(&r);
+    std::shuffle(ptrs.begin(), ptrs.end(), h.rng().gen());
+    ptrs.resize(trial == 0 ? 0 : h.rng().uniform_int(1, 4));
+    ptrs.insert(ptrs.begin(), &probe);
+    std::vector<int32_t> new_lens = {probe_new}, saved;
+    for (size_t i = 1; i < ptrs.size(); ++i)
+      new_lens.push_back(mode == ForwardMode::DECODE ? 1 : h.rng().uniform_int(1, 24));
+    for (Request* r : ptrs) saved.push_back(r->seq_len);
+    auto b = h.make_batch(mode, ptrs, new_lens);
+    // Every trial compares bits; every 50th also checks the values against the reference.
+    auto outs = h.run_and_check(b, false, seed, /*check_reference=*/trial % 50 == 0);
+    const size_t bytes = outs[0].view().nbytes() / outs[0].size(0) * probe_new;
+    if (trial == 0)
+      first = outs[0];
+    else
+      ASSERT_EQ(0, std::memcmp(first.data(), outs[0].data(), bytes)) << "trial " << trial;
+    for (size_t i = 0; i < ptrs.size(); ++i) h.rollback(*ptrs[i], saved[i]);
+  }
+}
+
+TEST_P(BackendTest, DeterministicDecodeIsBatchInvariant) {
   BackendOptions o;
   o.deterministic = true;
   o.decode_split_size = 64;  // small, so splits happen at these lengths
   ModelShape s = shape();
   s.num_layers = 1;
   Harness h(s, o);
-  Request probe = h.add_request(300);
-  const uint64_t seed = 4242;
-  // The same probe request (same q/k/v rows first in the batch) next to different companions.
-  std::vector<Tensor> first;
-  for (int trial = 0; trial < 1000; ++trial) {
-    std::vector<Request> others;
-    const int companions = trial == 0 ? 0 : h.rng().uniform_int(1, 4);
-    for (int i = 0; i < companions; ++i)
-      others.push_back(h.add_request(h.rng().uniform_int(1, 200)));
-    std::vector<Request*> ptrs = {&probe};
-    for (auto& r : others) ptrs.push_back(&r);
-    const int32_t saved_len = probe.seq_len;
-    auto b = h.make_batch(ForwardMode::DECODE, ptrs, std::vector<int32_t>(ptrs.size(), 1));
-    auto outs = h.run_and_check(b, false, seed);
-    // Row 0 is the probe: compare its bits with the first trial's.
-    const size_t row_bytes = outs[0].view().nbytes() / outs[0].size(0);
-    if (trial == 0)
-      first = outs;
-    else
-      EXPECT_EQ(0, std::memcmp(first[0].data(), outs[0].data(), row_bytes)) << "trial " << trial;
-    // Roll the probe back so every trial decodes the same position.
-    for (auto& r : others) h.finish(r);
-    h.rollback(probe, saved_len);
+  expect_batch_invariant(h, ForwardMode::DECODE, 300, 1, 2000);
+}
+
+TEST_P(BackendTest, DeterministicExtendIsBatchInvariant) {
+  // An extend on top of a cached prefix: deterministic mode runs it as one paged pass with the
+  // KV cut at fixed multiples.
+  BackendOptions o;
+  o.deterministic = true;
+  o.prefill_split_size = 64;
+  ModelShape s = shape();
+  s.num_layers = 1;
+  Harness h(s, o);
+  expect_batch_invariant(h, ForwardMode::EXTEND, 150, 21, 500);
+  EXPECT_FALSE(h.backend().uses_ragged());
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, BackendTest, ::testing::ValuesIn(backend_test_devices()),
+                         [](const auto& info) { return info.param.is_cpu() ? "cpu" : "cuda"; });
+
+// Awkward sizes: GQA groups 1, 4, 8; head dims 64, 128, 256; pages of 1 and 16 tokens handed out
+// in a shuffled order; decode through both kernels.
+class BackendShapeTest : public ::testing::TestWithParam<std::tuple<Device, int, int, int>> {};
+
+TEST_P(BackendShapeTest, ExtendThenDecode) {
+  const auto [device, group, head_dim, page_size] = GetParam();
+  ModelShape s;
+  s.device = device;
+  s.num_layers = 1;
+  s.hkv = 2;
+  s.hq = 2 * group;
+  s.head_dim = head_dim;
+  s.page_size = page_size;
+  s.shuffle_pages = true;
+  s.slots = 2048;
+  for (bool tensor_cores : {false, true}) {
+    SCOPED_TRACE(tensor_cores ? "decode through the prefill kernel" : "decode operator");
+    BackendOptions o;
+    o.use_tensor_cores = tensor_cores;
+    Harness h(s, o);
+    extend_then_decode(h, {0, 37, 130}, {17, 5, 1});
   }
 }
 
-TEST_P(BackendTest, BadInputIsAClearErrorAndChangesNothing) {
-  Harness h(shape());
-  Request a = h.add_request(10);
-  auto b = h.make_batch(ForwardMode::EXTEND, {&a}, {4});
-  ForwardBatch bad = b;
-  bad.extend_prefix_lens_cpu = {3};  // 3 + 4 != 14
-  EXPECT_THROW(h.backend().init_forward_metadata(bad), Error);
-  bad = b;
-  bad.seq_lens_cpu = {5000};  // past max_context_len
-  EXPECT_THROW(h.backend().init_forward_metadata(bad), Error);
-  bad = b;
-  bad.token_to_kv_pool = nullptr;
-  EXPECT_THROW(h.backend().init_forward_metadata(bad), Error);
-  bad = b;
-  bad.mode = ForwardMode::TARGET_VERIFY;  // no draft_token_num / mask
-  EXPECT_THROW(h.backend().init_forward_metadata(bad), Error);
-  // A layer call before planning, and with mismatched shapes.
-  Tensor q = Tensor::empty({4, 8, 64}, DType::bf16, GetParam());
-  EXPECT_THROW(h.backend().forward(q, q, q, h.layer(0), b), Error);
-  h.backend().init_forward_metadata(b);
-  Tensor wrong_q = Tensor::empty({3, 8, 64}, DType::bf16, GetParam());
-  Tensor kv = Tensor::empty({4, 2, 64}, DType::bf16, GetParam());
-  EXPECT_THROW(h.backend().forward(wrong_q, kv, kv, h.layer(0), b), Error);
-  LayerSpec bad_layer = h.layer(0);
-  bad_layer.layer_id = 7;
-  EXPECT_THROW(h.backend().forward(q, kv, kv, bad_layer, b), Error);
-  EXPECT_THROW(h.backend().init_forward_metadata_replay_cuda_graph(b), Error);  // no graph state
-}
-
-INSTANTIATE_TEST_SUITE_P(Devices, BackendTest, ::testing::ValuesIn(devices()),
-                         [](const auto& info) { return info.param.is_cpu() ? "cpu" : "cuda"; });
+INSTANTIATE_TEST_SUITE_P(Shapes, BackendShapeTest,
+                         ::testing::Combine(::testing::ValuesIn(backend_test_devices()),
+                                            ::testing::Values(1, 4, 8),
+                                            ::testing::Values(64, 128, 256),
+                                            ::testing::Values(1, 16)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param).is_cpu() ? "cpu" : "cuda") +
+                                  "_group" + std::to_string(std::get<1>(info.param)) + "_d" +
+                                  std::to_string(std::get<2>(info.param)) + "_page" +
+                                  std::to_string(std::get<3>(info.param));
+                         });
 
 }  // namespace
 }  // namespace flashkv::test

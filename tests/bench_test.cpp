@@ -89,6 +89,10 @@ TEST(Bench, TinyCpuRunFillsTheJsonContract) {
     EXPECT_GE(json_number_after(json, "prefix_len", at), 0) << op;
     EXPECT_NE(json.find("\"dtype\": \"bf16\"", at), std::string::npos);
     EXPECT_NE(json.find("\"kv_dtype\": \"bf16\"", at), std::string::npos);
+    // The quick grid's paged pools are shuffled; prefill reads none.
+    const std::string layout = std::string(op) == "prefill" ? "none" : "shuffled";
+    EXPECT_EQ(json.find("\"kv_layout\": \"" + layout + "\"", at), json.find("\"kv_layout\"", at))
+        << op;
   }
   // The JSON figures are the report's, and they follow from time and work.
   const CaseResult& dec = report.cases[0];
@@ -114,6 +118,37 @@ TEST(Bench, WorkCountsFollowTheIssueFormulas) {
   // fp8 KV halves the KV bytes.
   const BenchCase d8 = decode_case(16, 4096, Device::cpu(), 32, 8, 128, DType::fp8_e4m3);
   EXPECT_DOUBLE_EQ(case_bytes(d8), 16.0 * 4096 * 2 * 8 * 128 + 2.0 * 16 * 32 * 128 * 2);
+}
+
+TEST(Bench, FullCpuGridTimesDecodeOnInOrderAndShuffledSlots) {
+  const std::vector<BenchCase> grid = bench_grid("full", Device::cpu());
+  int in_order = 0, shuffled = 0;
+  for (const BenchCase& c : grid) {
+    if (c.op != BenchOp::decode) continue;
+    EXPECT_EQ(c.batch, 16);
+    EXPECT_EQ(c.kv_len, 4096);
+    EXPECT_EQ(c.page_size, 1);
+    (c.kv_layout == KvLayout::in_order ? in_order : shuffled)++;
+  }
+  EXPECT_EQ(in_order, 1);
+  EXPECT_EQ(shuffled, 1);
+  const BenchCase d = decode_case(2, 64, Device::cpu(), 4, 2, 64, DType::bf16, KvLayout::in_order);
+  EXPECT_STREQ(d.layout_name(), "in_order");
+  EXPECT_NE(d.str().find(" in_order "), std::string::npos) << d.str();
+  EXPECT_STREQ(prefill_case(1, 64, Device::cpu()).layout_name(), "none");
+  EXPECT_STREQ(extend_case(1, 64, 8, Device::cpu()).layout_name(), "shuffled");
+}
+
+TEST(Bench, InOrderDecodeRunsAndReportsItsLayout) {
+  const Roofline machine = measure_roofline(Device::cpu(), quick_roofline());
+  const BenchCase d = decode_case(2, 300, Device::cpu(), 4, 2, 64, DType::bf16, KvLayout::in_order);
+  const BenchReport report = run_cases({d}, machine, quick_timing());
+  ASSERT_EQ(report.cases.size(), 1u);
+  EXPECT_GT(report.cases[0].gbps, 0);
+  EXPECT_NE(to_json(report).find("\"kv_layout\": \"in_order\""), std::string::npos);
+  const std::string csv = to_csv(report);
+  EXPECT_NE(csv.find(",kv_layout,"), std::string::npos);
+  EXPECT_NE(csv.find(",in_order,"), std::string::npos) << csv;
 }
 
 TEST(Bench, RejectsBadCasesAndNames) {

@@ -11,6 +11,7 @@
 
 #include "flashkv/core/device.h"
 #include "json.h"
+#include "workload.h"
 
 namespace flashkv::app {
 namespace {
@@ -135,6 +136,41 @@ TEST(Cli, ServeWorkloadFileWithSharedPrefixAndFp8Window) {
   EXPECT_GE(number(j, "prefix_hit_rate"), 64.0 / (84 + 67 + 16 + 33));
 }
 
+// --save-workload writes a file that serves the same requests again.
+TEST(Cli, ServeSavesAWorkloadThatReadsBackTheSame) {
+  const std::string saved = temp_path("saved.json"), again = temp_path("saved_again.json");
+  const RunResult r = flashkv(
+      "serve --device cpu --workload spec --requests 5 --layers 1 --quiet --save-workload " +
+      saved);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const Workload w = load_workload_file(saved, 0, 1);
+  const Workload spec = builtin_workload("spec", 5, false, 1);
+  EXPECT_EQ(w.name, "spec");
+  EXPECT_TRUE(w.spec.enabled);
+  ASSERT_EQ(w.requests.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(w.requests[i].prompt, spec.requests[i].prompt);
+    EXPECT_EQ(w.requests[i].prefix_len, spec.requests[i].prefix_len);
+    EXPECT_EQ(w.requests[i].arrival, spec.requests[i].arrival);
+    EXPECT_EQ(w.requests[i].output_len, spec.requests[i].output_len);
+  }
+  const RunResult replay = flashkv("serve --device cpu --layers 1 --quiet --workload " + saved +
+                                   " --save-workload " + again);
+  ASSERT_EQ(replay.code, 0) << replay.out << replay.err;
+  EXPECT_EQ(read_file(again), read_file(saved));
+}
+
+TEST(Cli, SoakRunsCleanAndSaysWhatItChecked) {
+  for (const char* spec : {"on", "off"}) {
+    const RunResult r = flashkv(std::string("soak --device cpu --steps 150 --quiet --layers 1 ") +
+                                "--speculative " + spec);
+    ASSERT_EQ(r.code, 0) << spec << ": " << r.out << r.err;
+    EXPECT_EQ(r.out.rfind("soak: 150 steps + ", 0), 0u) << r.out;
+    EXPECT_NE(r.out.find("invariants   ok after every step"), std::string::npos) << r.out;
+    EXPECT_EQ(r.err, "");
+  }
+}
+
 TEST(Cli, BenchQuickWritesJsonCsvAndRoofline) {
   const std::string json = temp_path("bench.json"), csv = temp_path("bench.csv"),
                     svg = temp_path("roof.svg");
@@ -185,7 +221,7 @@ TEST(Cli, CheckQuickEndsWithPassedFailedLine) {
 
 TEST(Cli, HelpExitsZero) {
   for (const char* cmd :
-       {"--help", "serve --help", "bench --help", "check --help", "info --help"}) {
+       {"--help", "serve --help", "soak --help", "bench --help", "check --help", "info --help"}) {
     const RunResult r = flashkv(cmd);
     EXPECT_EQ(r.code, 0) << cmd;
     EXPECT_NE(r.out.find("usage: flashkv"), std::string::npos) << cmd;
@@ -197,7 +233,9 @@ TEST(Cli, BadFlagsAreOneLineAndExitTwo) {
        {"serve --frobnicate", "serve --requests many", "serve --dtype fp4",
         "serve --heads 6 --kv-heads 4", "serve --head-dim 72", "serve --requests",
         "bench --grid huge", "bench --op attention", "check --op everything", "info --verbose",
-        "nonsense", "serve --device tpu", "serve --json /nonexistent-dir/x.json"}) {
+        "nonsense", "serve --device tpu", "serve --json /nonexistent-dir/x.json",
+        "serve --save-workload /nonexistent-dir/w.json", "soak --speculative maybe",
+        "soak --steps -5", "soak --kv-slots 100", "soak --flush-every 0", "soak --heads 3"}) {
     const RunResult r = flashkv(cmd);
     EXPECT_EQ(r.code, 2) << cmd << ": " << r.err;
     EXPECT_EQ(count_lines(r.err), 1) << cmd << ": " << r.err;

@@ -135,7 +135,7 @@ TEST(Tensor, CopiesOwnTheirMemoryAndCheckShapes) {
   EXPECT_NE(copy.data(), a.data());
   a.ptr<int32_t>()[0] = 100;
   EXPECT_EQ(copy.ptr<int32_t>()[0], 1);  // a deep copy
-  Tensor alias = a;                      // Tensor objects share their buffer
+  Tensor alias = a;  // NOLINT(performance-unnecessary-copy-initialization): copies share a buffer
   EXPECT_EQ(alias.ptr<int32_t>()[0], 100);
   Tensor dst = Tensor::empty({4}, DType::i32);
   dst.copy_from(copy);

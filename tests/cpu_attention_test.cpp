@@ -45,6 +45,7 @@ struct Case {
   int hq = 4, hkv = 1, dqk = 64, dv = 64;
   DType dtype = DType::bf16, kv_dtype = DType::bf16;
   int page_size = 1;
+  bool in_order_pages = false;  // paged: pages handed out in order (a fresh pool), not shuffled
   bool causal = true;
   int window_left = -1;
   float soft_cap = 0, sm_scale = 0;
@@ -58,9 +59,10 @@ struct Case {
     std::string s = op == Op::ragged ? "ragged" : op == Op::decode ? "decode" : "paged_prefill";
     s += str_cat(" B=", kv_lens.size(), " hq=", hq, " hkv=", hkv, " d=", dqk, "/", dv, " ",
                  dtype_name(dtype), "/", dtype_name(kv_dtype), " page=", page_size,
-                 " causal=", causal, " window=", window_left, " cap=", soft_cap,
-                 " scale=", sm_scale, " mask=", custom_mask, " split=", fixed_split,
-                 " q_tile=", q_tile, " isa=", cpu::isa_name(cpu::active_isa()), " kv_lens=");
+                 in_order_pages ? " in_order" : " shuffled", " causal=", causal,
+                 " window=", window_left, " cap=", soft_cap, " scale=", sm_scale,
+                 " mask=", custom_mask, " split=", fixed_split, " q_tile=", q_tile,
+                 " isa=", cpu::isa_name(cpu::active_isa()), " kv_lens=");
     for (int32_t l : kv_lens) s += str_cat(l, ",");
     if (op != Op::decode) {
       s += " q_lens=";
@@ -164,8 +166,9 @@ Tensor run_case(const Case& c, Rng& rng) {
     ragged_prefill(prefill_plan, q, k, v, qo_t, kv_t, opt, out, lse_view, ws);
     ref = reference::ragged_attention(q, k, v, qo_t, kv_t, opt);
   } else {
-    // Paged pool: each request's pages drawn from a shuffled list; slots not holding a token
-    // (other pages, the tail of last pages) are NaN.
+    // Paged pool: each request's pages drawn from a shuffled list (or, in order, consecutive
+    // pages after a few unused ones); slots not holding a token (other pages, the tail of last
+    // pages) are NaN.
     const int ps = c.page_size;
     std::vector<int32_t> pages_of(batch);
     int32_t total_pages = 0;
@@ -176,7 +179,10 @@ Tensor run_case(const Case& c, Rng& rng) {
     const int32_t pool_pages = total_pages + rng.uniform_int(1, 4);
     std::vector<int32_t> perm(pool_pages);
     std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng.gen());
+    if (c.in_order_pages)
+      std::rotate(perm.begin(), perm.begin() + (pool_pages - total_pages), perm.end());
+    else
+      std::shuffle(perm.begin(), perm.end(), rng.gen());
     std::vector<int32_t> indices(perm.begin(), perm.begin() + total_pages);
     std::vector<int32_t> last(batch, 0);
     const int64_t slots = int64_t{pool_pages} * ps;
@@ -322,6 +328,35 @@ TEST(CpuAttention, PagedDecodeGrid) {
       c.soft_cap = rng.uniform() < 0.3 ? 20.0f : 0.0f;
       c.want_lse = rng.uniform() < 0.8;
       c.fixed_split = iter % 3 == 1 ? 64 : 0;
+      run_case(c, rng);
+    }
+  }
+}
+
+// Decode tasks that hold several KV heads and walk many KV blocks (the next block's slots
+// prefetched while the current one is computed): GQA 1/4/8, head dims 64/128/256, page size 1
+// and 16, pages in order and shuffled, empty requests, split chunks.
+TEST(CpuAttention, DecodeMultiHeadTasksOverManyBlocks) {
+  FLASHKV_SEEDED_RNG(rng, 109);
+  const int gqa[] = {1, 4, 8};
+  const int dims[] = {64, 128, 256};
+  for (cpu::Isa isa : isa_levels()) {
+    IsaCap cap(isa);
+    for (int iter = 0; iter < 6; ++iter) {
+      Case c;
+      c.op = Op::decode;
+      c.hkv = iter % 2 ? 8 : 4;
+      c.hq = c.hkv * gqa[iter % 3];
+      c.dqk = c.dv = dims[(iter / 2) % 3];
+      const int batch = iter < 3 ? 10 : rng.uniform_int(1, 6);
+      c.kv_lens = random_lengths(rng, batch, 330);
+      c.kv_lens[0] = 0;                                         // an empty request
+      if (batch > 1) c.kv_lens[1] = rng.uniform_int(200, 330);  // many blocks
+      c.page_size = iter % 4 < 2 ? 1 : 16;
+      c.in_order_pages = iter % 2 == 0;
+      c.dtype = c.kv_dtype = iter == 5 ? DType::f32 : DType::bf16;
+      c.fixed_split = iter % 3 == 2 ? 96 : 0;
+      c.causal = false;
       run_case(c, rng);
     }
   }

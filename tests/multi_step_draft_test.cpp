@@ -10,12 +10,6 @@
 namespace flashkv::test {
 namespace {
 
-std::vector<Device> devices() {
-  std::vector<Device> d = {Device::cpu()};
-  if (cuda_available()) d.push_back(Device::cuda(0));
-  return d;
-}
-
 class MultiStepDraftTest : public ::testing::TestWithParam<std::tuple<Device, int>> {};
 
 // Runs all steps for `reqs` and checks every row of every step.
@@ -91,9 +85,15 @@ TEST_P(MultiStepDraftTest, EveryStepAndBranchMatchesReference) {
   s.device = device;
   s.num_layers = 1;
   Harness h(s);
-  MultiStepDraftBackend ms(h.backend().options(), topk, 3);
   Request a = h.add_request(30), b = h.add_request(1), c = h.add_request(77);
-  run_steps(h, ms, {&a, &b, &c}, false, false);
+  // Each step's decode through the decode operator (default) and through the prefill kernel.
+  for (bool tensor_cores : {false, true}) {
+    SCOPED_TRACE(tensor_cores ? "use_tensor_cores" : "decode operator");
+    BackendOptions o = h.backend().options();
+    o.use_tensor_cores = tensor_cores;
+    MultiStepDraftBackend ms(o, topk, 3);
+    run_steps(h, ms, {&a, &b, &c}, false, false);
+  }
 }
 
 TEST_P(MultiStepDraftTest, GraphCaptureThenReplayWithOtherRequests) {
@@ -105,8 +105,13 @@ TEST_P(MultiStepDraftTest, GraphCaptureThenReplayWithOtherRequests) {
   MultiStepDraftBackend ms(h.backend().options(), topk, 2);
   ms.init_cuda_graph_state(3);
   Request a = h.add_request(10), b = h.add_request(40), c = h.add_request(5), d = h.add_request(64);
-  run_steps(h, ms, {&a, &b}, true, true);
+  // Captures at batch sizes 1..3, then replays of each size with other requests.
+  run_steps(h, ms, {&a}, true, true);
+  run_steps(h, ms, {&b, &c}, true, true);
+  run_steps(h, ms, {&a, &b, &d}, true, true);
   run_steps(h, ms, {&c, &d}, true, false);
+  run_steps(h, ms, {&d}, true, false);
+  run_steps(h, ms, {&c, &a, &b}, true, false);
   EXPECT_THROW(run_steps(h, ms, {&a, &b, &c, &d}, true, false), Error);  // past capacity
 }
 
@@ -130,7 +135,7 @@ TEST(MultiStepDraft, BadArguments) {
 }
 
 INSTANTIATE_TEST_SUITE_P(DevicesAndTopk, MultiStepDraftTest,
-                         ::testing::Combine(::testing::ValuesIn(devices()),
+                         ::testing::Combine(::testing::ValuesIn(backend_test_devices()),
                                             ::testing::Values(1, 4)),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param).is_cpu() ? "cpu" : "cuda") +

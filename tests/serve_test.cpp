@@ -181,6 +181,58 @@ TEST(Workload, FileFormat) {
             std::string::npos);
 }
 
+void expect_same_requests(const Workload& a, const Workload& b) {
+  ASSERT_EQ(a.requests.size(), b.requests.size());
+  for (size_t i = 0; i < a.requests.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(a.requests[i].arrival, b.requests[i].arrival);
+    EXPECT_EQ(a.requests[i].prompt, b.requests[i].prompt);
+    EXPECT_EQ(a.requests[i].prefix_len, b.requests[i].prefix_len);
+    EXPECT_EQ(a.requests[i].output_len, b.requests[i].output_len);
+  }
+}
+
+TEST(Workload, SavedFileReadsBackTheSame) {
+  for (const char* name : {"chat", "long", "spec"}) {
+    SCOPED_TRACE(name);
+    const Workload w = builtin_workload(name, 12, false, 5);
+    const std::string text = workload_to_json(w);
+    const Workload back = parse_workload(text, "saved.json", 0, 99);  // no random tokens left
+    EXPECT_EQ(back.name, name);
+    EXPECT_EQ(back.spec.enabled, w.spec.enabled);
+    EXPECT_LE(back.num_prefixes, w.num_prefixes);  // the prefixes some request uses
+    expect_same_requests(w, back);
+    EXPECT_EQ(workload_to_json(back), text);
+  }
+  // Prompts that are exactly a prefix, a prefix shared by two requests, speculative settings
+  // with a rate that is not a short decimal.
+  const Workload w = parse_workload(R"({"name": "q\"\u0001", "prefixes": {"a": 20, "b": [4, 5]},
+      "speculative": {"topk": 3, "steps": 4, "accept_rate": 0.1},
+      "requests": [{"prefix": "a", "output": 2}, {"prefix": "b", "prompt": [0, 2147483647],
+      "output": 7}, {"arrival": 9, "prefix": "a", "prompt": 3, "output": 1}]})",
+                                    "x.json", 0, 3);
+  const Workload back = parse_workload(workload_to_json(w), "y.json", 0, 4);
+  EXPECT_EQ(back.name, "q\"\x01");
+  EXPECT_EQ(back.num_prefixes, 2);
+  EXPECT_EQ(back.spec.topk, 3);
+  EXPECT_EQ(back.spec.num_steps, 4);
+  EXPECT_EQ(back.spec.accept_rate, 0.1);
+  expect_same_requests(w, back);
+  EXPECT_EQ(back.requests[2].prefix_len, 20);
+}
+
+TEST(Workload, ParseErrorsNameTheSourceAndPosition) {
+  EXPECT_EQ(error_of([] { parse_workload("{\"requests\": [}", "mem.json", 0, 1); }),
+            "mem.json: line 1, column 15: unexpected character '}' (expected a value)");
+  EXPECT_EQ(error_of([] { parse_workload("{\"requests\": [{\"prompt\": 1}]}", "mem.json", 0, 1); }),
+            "mem.json: line 1, column 15: requests[0].output: missing (expected the number of "
+            "tokens to generate)");
+  // Without a "name", the workload is named after its source.
+  EXPECT_EQ(
+      parse_workload("{\"requests\": [{\"prompt\": 1, \"output\": 1}]}", "mem.json", 0, 1).name,
+      "mem.json");
+}
+
 // ---- prefix cache --------------------------------------------------------------------------
 
 std::vector<int32_t> iota_slots(int32_t first, int n) {

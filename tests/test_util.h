@@ -35,7 +35,7 @@ class Rng {
 uint64_t test_seed(uint64_t salt);
 #define FLASHKV_SEEDED_RNG(rng, salt)                         \
   ::flashkv::test::Rng rng(::flashkv::test::test_seed(salt)); \
-  SCOPED_TRACE(::testing::Message() << "seed=" << rng.seed())
+  SCOPED_TRACE(::testing::Message() << "seed=" << (rng).seed())
 
 // Host tensor of the given shape with unit-normal values (times `scale`), rounded to dtype.
 Tensor random_tensor(Rng& rng, std::initializer_list<int64_t> shape, DType dtype,

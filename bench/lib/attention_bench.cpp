@@ -89,7 +89,7 @@ struct CaseState {
   }
   Tensor ints(const std::vector<int32_t>& v) const { return Tensor::from_i32(v, device); }
 
-  // `batch` requests of `len` tokens each on pages drawn from a shuffled list of all pages.
+  // `batch` requests of `len` tokens each on the pool's pages, in order or shuffled.
   void make_pool(const BenchCase& c, int len) {
     const int p = c.page_size;
     const int pages_per_request = (len + p - 1) / p;
@@ -98,7 +98,7 @@ struct CaseState {
     pool_v = random({num_pages * p, c.num_kv_heads, c.head_dim}, c.kv_dtype);
     std::vector<int32_t> order(num_pages), indptr(c.batch + 1), last(c.batch);
     std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), gen);
+    if (c.kv_layout == KvLayout::shuffled) std::shuffle(order.begin(), order.end(), gen);
     for (int i = 0; i <= c.batch; ++i) indptr[i] = i * pages_per_request;
     for (int i = 0; i < c.batch; ++i) last[i] = len - (pages_per_request - 1) * p;
     kv_indptr = ints(indptr);
@@ -253,14 +253,22 @@ BenchOp parse_op(const std::string& name) {
   throw_error(str_cat("op: expected decode, prefill or extend, got '", name, "'"));
 }
 
-std::string BenchCase::str() const {
-  return str_cat(op_name(op), " B=", batch, " qo=", qo_len, " kv=", kv_len, " ", num_qo_heads, "/",
-                 num_kv_heads, "/", head_dim, " P=", page_size, " ", dtype_name(dtype), "/",
-                 dtype_name(kv_dtype), " ", device.str());
+const char* kv_layout_name(KvLayout layout) {
+  return layout == KvLayout::in_order ? "in_order" : "shuffled";
 }
 
-BenchCase decode_case(int batch, int kv_len, Device device, int hq, int hkv, int d,
-                      DType kv_dtype) {
+const char* BenchCase::layout_name() const {
+  return reads_pool() ? kv_layout_name(kv_layout) : "none";
+}
+
+std::string BenchCase::str() const {
+  return str_cat(op_name(op), " B=", batch, " qo=", qo_len, " kv=", kv_len, " ", num_qo_heads, "/",
+                 num_kv_heads, "/", head_dim, " P=", page_size, " ", layout_name(), " ",
+                 dtype_name(dtype), "/", dtype_name(kv_dtype), " ", device.str());
+}
+
+BenchCase decode_case(int batch, int kv_len, Device device, int hq, int hkv, int d, DType kv_dtype,
+                      KvLayout layout) {
   BenchCase c;
   c.op = BenchOp::decode;
   c.batch = batch;
@@ -270,6 +278,7 @@ BenchCase decode_case(int batch, int kv_len, Device device, int hq, int hkv, int
   c.num_kv_heads = hkv;
   c.head_dim = d;
   c.kv_dtype = kv_dtype;
+  c.kv_layout = layout;
   c.device = device;
   return c;
 }
@@ -359,9 +368,11 @@ std::vector<BenchCase> bench_grid(const std::string& name, Device device) {
   }
   FLASHKV_CHECK(name == "full", "grid: expected quick or full, got '", name, "'");
   if (device.is_cpu()) {
-    // Issue 5 (Llama-3-8B shapes, bf16): decode 16 x 4096 and a 2048-token causal prefill;
-    // plus one extend on top of a cached prefix.
-    return {decode_case(16, 4096, device), prefill_case(1, 2048, device),
+    // Issue 5 (Llama-3-8B shapes, bf16): decode 16 x 4096 on a fresh pool (slots in order) and
+    // after churn (shuffled slots), and a 2048-token causal prefill; plus one extend on top of a
+    // cached prefix.
+    return {decode_case(16, 4096, device, 32, 8, 128, DType::bf16, KvLayout::in_order),
+            decode_case(16, 4096, device), prefill_case(1, 2048, device),
             extend_case(1, 3072, 1024, device)};
   }
   // Issue 6: decode, page size 1 with a shuffled slot layout, bf16 KV, then the group-size

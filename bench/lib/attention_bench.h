@@ -1,6 +1,7 @@
-// Device-agnostic benchmark of the attention operators: random inputs in a paged pool with a
-// shuffled page layout, plan -> upload -> warm up -> timed runs (CPU: wall clock; CUDA: CUDA-graph
-// replays timed with events), reported against the roofline measured in the same run.
+// Device-agnostic benchmark of the attention operators: random inputs in a paged pool (pages in
+// order, or a shuffled permutation of the pool), plan -> upload -> warm up -> timed runs (CPU: wall
+// clock; CUDA: CUDA-graph replays timed with events), reported against the roofline measured in the
+// same run.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,12 @@ enum class BenchOp { decode, prefill, extend };
 const char* op_name(BenchOp op);
 BenchOp parse_op(const std::string& name);  // "decode" | "prefill" | "extend"
 
+// Where a request's pages lie in the paged pool. in_order: request r holds pages
+// [r * pages_per_request, (r + 1) * pages_per_request) in order, as an allocator hands out a fresh
+// pool; shuffled: the batch's pages are a random permutation of the pool, as after churn.
+enum class KvLayout { shuffled, in_order };
+const char* kv_layout_name(KvLayout layout);  // "shuffled" | "in_order"
+
 // One benchmark shape. Every request of the batch has the same lengths.
 struct BenchCase {
   BenchOp op = BenchOp::decode;
@@ -31,18 +38,26 @@ struct BenchCase {
   int num_qo_heads = 32;
   int num_kv_heads = 8;
   int head_dim = 128;
-  int page_size = 1;             // of the paged KV (decode, the prefix of extend)
-  DType dtype = DType::bf16;     // Q, O and the new tokens' K/V
-  DType kv_dtype = DType::bf16;  // the paged KV pool (may be fp8)
+  int page_size = 1;                        // of the paged KV (decode, the prefix of extend)
+  KvLayout kv_layout = KvLayout::shuffled;  // of the paged KV's pages in the pool
+  DType dtype = DType::bf16;                // Q, O and the new tokens' K/V
+  DType kv_dtype = DType::bf16;             // the paged KV pool (may be fp8)
   Device device;
 
   int prefix_len() const { return kv_len - qo_len; }
-  std::string str() const;  // e.g. "decode B=16 qo=1 kv=4096 32/8/128 P=1 bf16/bf16 cpu"
+  // Decode, and extend with a cached prefix, read a paged pool; prefill does not.
+  bool reads_pool() const {
+    return op == BenchOp::decode || (op == BenchOp::extend && prefix_len() > 0);
+  }
+  // kv_layout_name(kv_layout), or "none" when the case reads no paged pool.
+  const char* layout_name() const;
+  // e.g. "decode B=16 qo=1 kv=4096 32/8/128 P=1 shuffled bf16/bf16 cpu"
+  std::string str() const;
 };
 
 // Convenience constructors (heads/dims default to the Llama-3-8B shape 32/8/128, bf16).
 BenchCase decode_case(int batch, int kv_len, Device device, int hq = 32, int hkv = 8, int d = 128,
-                      DType kv_dtype = DType::bf16);
+                      DType kv_dtype = DType::bf16, KvLayout layout = KvLayout::shuffled);
 BenchCase prefill_case(int batch, int len, Device device, int hq = 32, int hkv = 8, int d = 128);
 BenchCase extend_case(int batch, int prefix_len, int new_len, Device device, int hq = 32,
                       int hkv = 8, int d = 128);

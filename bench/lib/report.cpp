@@ -53,9 +53,9 @@ void print_machine(std::ostream& os, const Roofline& m) {
 
 void print_table_header(std::ostream& os) {
   char buf[160];
-  std::snprintf(buf, sizeof buf, "%-8s %5s %6s %7s %-11s %3s %-14s %11s %9s %8s %6s\n", "op",
-                "batch", "qo_len", "kv_len", "Hq/Hkv/D", "P", "dtype/kv", "us", "GB/s", "TFLOP/s",
-                "roof");
+  std::snprintf(buf, sizeof buf, "%-8s %5s %6s %7s %-11s %3s %-8s %-14s %11s %9s %8s %6s\n", "op",
+                "batch", "qo_len", "kv_len", "Hq/Hkv/D", "P", "slots", "dtype/kv", "us", "GB/s",
+                "TFLOP/s", "roof");
   os << buf;
 }
 
@@ -64,8 +64,9 @@ void print_table_row(std::ostream& os, const CaseResult& r) {
   const std::string heads = str_cat(c.num_qo_heads, "/", c.num_kv_heads, "/", c.head_dim);
   const std::string types = str_cat(dtype_name(c.dtype), "/", dtype_name(c.kv_dtype));
   char buf[200];
-  std::snprintf(buf, sizeof buf, "%-8s %5d %6d %7d %-11s %3d %-14s %11.1f %9.1f %8.3f %5.1f%%\n",
-                op_name(c.op), c.batch, c.qo_len, c.kv_len, heads.c_str(), c.page_size,
+  std::snprintf(buf, sizeof buf,
+                "%-8s %5d %6d %7d %-11s %3d %-8s %-14s %11.1f %9.1f %8.3f %5.1f%%\n", op_name(c.op),
+                c.batch, c.qo_len, c.kv_len, heads.c_str(), c.page_size, c.layout_name(),
                 types.c_str(), r.us, r.gbps, r.tflops, 100.0 * r.roofline_fraction);
   os << buf;
 }
@@ -96,7 +97,8 @@ std::string to_json(const BenchReport& report) {
        << ", \"qo_len\": " << c.qo_len << ", \"kv_len\": " << c.kv_len
        << ", \"prefix_len\": " << c.prefix_len() << ", \"num_qo_heads\": " << c.num_qo_heads
        << ", \"num_kv_heads\": " << c.num_kv_heads << ", \"head_dim\": " << c.head_dim
-       << ", \"page_size\": " << c.page_size << ", \"dtype\": " << json_string(dtype_name(c.dtype))
+       << ", \"page_size\": " << c.page_size << ", \"kv_layout\": " << json_string(c.layout_name())
+       << ", \"dtype\": " << json_string(dtype_name(c.dtype))
        << ", \"kv_dtype\": " << json_string(dtype_name(c.kv_dtype))
        << ", \"us\": " << json_number(r.us) << ", \"gbps\": " << json_number(r.gbps)
        << ", \"tflops\": " << json_number(r.tflops)
@@ -111,15 +113,15 @@ std::string to_json(const BenchReport& report) {
 std::string to_csv(const BenchReport& report) {
   std::ostringstream os;
   os << "op,device,batch,qo_len,kv_len,prefix_len,num_qo_heads,num_kv_heads,head_dim,page_size,"
-        "dtype,kv_dtype,us,gbps,tflops,roofline_fraction,runs,cuda_graph\n";
+        "kv_layout,dtype,kv_dtype,us,gbps,tflops,roofline_fraction,runs,cuda_graph\n";
   for (const CaseResult& r : report.cases) {
     const BenchCase& c = r.c;
     os << op_name(c.op) << ',' << c.device.str() << ',' << c.batch << ',' << c.qo_len << ','
        << c.kv_len << ',' << c.prefix_len() << ',' << c.num_qo_heads << ',' << c.num_kv_heads << ','
-       << c.head_dim << ',' << c.page_size << ',' << dtype_name(c.dtype) << ','
-       << dtype_name(c.kv_dtype) << ',' << json_number(r.us) << ',' << json_number(r.gbps) << ','
-       << json_number(r.tflops) << ',' << json_number(r.roofline_fraction) << ',' << r.runs << ','
-       << (r.cuda_graph ? 1 : 0) << '\n';
+       << c.head_dim << ',' << c.page_size << ',' << c.layout_name() << ',' << dtype_name(c.dtype)
+       << ',' << dtype_name(c.kv_dtype) << ',' << json_number(r.us) << ',' << json_number(r.gbps)
+       << ',' << json_number(r.tflops) << ',' << json_number(r.roofline_fraction) << ',' << r.runs
+       << ',' << (r.cuda_graph ? 1 : 0) << '\n';
   }
   return os.str();
 }

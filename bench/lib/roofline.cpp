@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "flashkv/core/buffer.h"
+#include "flashkv/core/cpu_features.h"
 #include "flashkv/core/error.h"
 #include "flashkv/core/thread_pool.h"
 #include "roofline_cuda.h"
@@ -127,13 +128,7 @@ __attribute__((target("avx512f"))) void copy_avx512(char* dst, const char* src, 
 }
 #endif
 
-bool has_avx512f() {
-#if FLASHKV_BENCH_X86
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
-}
+bool has_avx512f() { return FLASHKV_BENCH_X86 && cpu_features().avx512f; }
 
 // Fastest of `repeats` passes of fn(chunk) over all chunks, in bytes per second times `scale`.
 template <typename Fn>
@@ -279,12 +274,9 @@ void panel_f32_portable(const void* a_, const void* b_, float* c) {
 }
 
 MatmulKernel pick_kernel(const std::string& want) {
-#if FLASHKV_BENCH_X86
-  const bool bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  const bool bf16 = false, avx2 = false;
-#endif
+  const CpuFeatures& features = cpu_features();
+  const bool bf16 = FLASHKV_BENCH_X86 && features.avx512bf16;
+  const bool avx2 = FLASHKV_BENCH_X86 && features.avx2 && features.fma;
   const MatmulKernel portable{"fp32 FMA, portable loop", false, kF32Rows, kF32Cols,
                               panel_f32_portable};
 #if FLASHKV_BENCH_X86

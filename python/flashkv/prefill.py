@@ -321,6 +321,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillState, PlannedWrapper):
         if kv_host.size != batch_size + 1:
             raise Error(f"kv_indptr: expected batch_size + 1 = {batch_size + 1} entries, got {kv_host.size}")
         kv_len = kv_lens_of(kv_host, None, 1)
+        self._num_kv_rows = int(kv_host[-1])
         if self._use_cuda_graph:
             A.copy_into(self._kv_indptr_buf, kv_indptr, "kv_indptr", non_blocking)
             self._kv_indptr_run = self._kv_indptr_buf[: batch_size + 1]
@@ -352,6 +353,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillState, PlannedWrapper):
         self._check_q(q)
         if self._kv_data_type is not None and A.dtype_of(k) != self._kv_data_type:
             raise Error(f"k: dtype {A.dtype_of(k)} differs from the planned kv_data_type {self._kv_data_type}")
+        # Checked here from the plan's host copy: the compiled run checks it only for host
+        # arrays (on a GPU the values live on the device, where the kernel clamps rows).
+        if len(k.shape) == 3 and int(k.shape[0]) < self._num_kv_rows:
+            raise Error(f"kv_indptr: last value {self._num_kv_rows} exceeds k's {int(k.shape[0])} rows")
         scale = self._scales(int(q.shape[2]), self._sm_scale, None, None, None, False)[0]
         out, lse = self._outputs(q, int(v.shape[-1]), out, lse, return_lse)
         plan.run_ragged(A.dl(q), A.dl(k), A.dl(v), A.dl(self._qo_indptr_run), A.dl(self._kv_indptr_run), causal,

@@ -6,6 +6,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import devices  # noqa: E402  (after the path insert)
+
 
 @pytest.fixture
 def rng(request):
@@ -15,6 +17,13 @@ def rng(request):
     return np.random.default_rng([seed, salt])
 
 
+@pytest.fixture(params=devices.NAMES)
+def xp(request):
+    """Where the test's arrays live (devices.py): "numpy" on the CPU, "torch-cuda" on a GPU
+    (skipped, with the reason, where there is none)."""
+    return devices.make(request.param)
+
+
 @pytest.fixture
-def workspace():
-    return np.zeros(16 << 20, np.uint8)
+def workspace(xp):
+    return xp.zeros(16 << 20, np.uint8)

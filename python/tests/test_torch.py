@@ -1,5 +1,7 @@
-"""The wrappers with PyTorch tensors: on the CPU when torch is installed, and on CUDA (including
-capture into a CUDA graph with torch.cuda.graph) when a GPU is visible."""
+"""What is specific to PyTorch: torch dtypes as plan arguments, bf16 and float8 tensors, capture
+into a CUDA graph with torch.cuda.graph, and runs on a side stream (on the CPU when torch is
+installed, on CUDA when a GPU is visible). Every wrapper test also runs on PyTorch tensors, CPU
+and CUDA, through the `xp` fixture (devices.py)."""
 
 import functools
 
@@ -57,7 +59,9 @@ def test_fp8_cache_cpu_tensors(rng):
     out = w.forward(q, (k8, v8), k_scale=0.5, v_scale=2.0)
     ks = [to_np(k8.float()[indices[indptr[i]:indptr[i + 1]].long()]) * 0.5 for i in range(2)]
     vs = [to_np(v8.float()[indices[indptr[i]:indptr[i + 1]].long()]) * 2.0 for i in range(2)]
-    R.assert_close(to_np(out), None, *R.attention(to_np(q), ks, vs, [1, 1]), tol=1e-5)
+    # fp8 KV is computed through bf16 dot products (as in test_decode.py's fp8 case): bf16's bound
+    # applies, well inside SEMANTICS.md's 5e-2 for fp8 KV.
+    R.assert_close(to_np(out), None, *R.attention(to_np(q), ks, vs, [1, 1]), tol=1e-2)
 
 
 def test_prefill_and_merge_cpu_tensors(rng):

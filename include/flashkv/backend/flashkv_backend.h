@@ -2,7 +2,8 @@
 // planner and operators. Per forward batch it turns req_to_token rows into kv_indptr /
 // kv_indices, plans every kernel it will run and uploads the plans; per layer it writes the new
 // K/V into the pool and runs attention:
-//   DECODE        paged decode over each request's KV;
+//   DECODE        paged decode over each request's KV (or, with use_tensor_cores, the paged
+//                 prefill kernel with one query row per request);
 //   EXTEND/MIXED  ragged causal attention over the new tokens merged (by LSE) with paged
 //                 attention over the cached prefix; ragged only when no request has a prefix;
 //                 one paged pass over everything for multimodal models and deterministic mode;
@@ -12,9 +13,15 @@
 // (window layers read at most w + 1 tokens in decode and w + extend_len in extend, through the
 // SWA pool's slot translation when there is one) or is an encoder-decoder (self attention over
 // the decoder tokens after the encoder's, cross attention over the encoder tokens).
+//
+// Errors: every call validates its arguments and throws flashkv::Error before it writes anything
+// (docs/ERRORS.md). A failed init_forward_metadata* leaves the pools and the plan in use as they
+// were (forward keeps running the previous batch); a failed forward leaves the pools unchanged
+// (K/V are appended only after the layer's attention calls were validated).
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "flashkv/backend/attention_backend.h"
@@ -43,8 +50,13 @@ struct BackendOptions {
   int decode_split_size = 2048;   // deterministic mode
   int prefill_split_size = 4096;  // deterministic mode
   bool disable_split_kv = false;
-  // Tensor-core decode: -1 auto (GQA group >= 4 or fp8 KV, as the seed decides), 0 off, 1 on.
-  int use_tensor_cores = -1;
+  // FlashInfer's use_tensor_cores for decode batches: true runs them through the paged prefill
+  // (q-tile, tensor-core) kernel with one query row per request; false through the decode
+  // operator. Unset: the decode operator. The seed turns tensor cores on for GQA groups >= 4 and
+  // fp8 KV because FlashInfer's decode kernel runs on CUDA cores; flashkv's CUDA decode kernel
+  // already packs a KV head's query heads into tensor-core tiles for every group size and KV
+  // dtype, so it is the faster choice everywhere and the seed's rule holds with it.
+  std::optional<bool> use_tensor_cores;
   // The CUDA stream every launch and copy of the backend is ordered on (null: the default
   // stream). A CUDA graph is captured on a stream of its own: pass it here (or set_stream).
   Stream stream;
@@ -63,8 +75,8 @@ class FlashKVBackend : public AttentionBackend {
   const BackendOptions& options() const { return options_; }
   void set_stream(Stream stream) { options_.stream = stream; }
   int num_wrappers() const;
-  // Whether decode uses the tensor-core kernel for this KV dtype (the seed's rule).
-  bool decode_uses_tensor_cores(DType kv_dtype) const;
+  // Whether decode batches run through the paged prefill kernel (use_tensor_cores == true).
+  bool decode_uses_prefill_kernel() const { return options_.use_tensor_cores.value_or(false); }
   // What the last init_forward_metadata decided (for tests and tracing).
   bool uses_ragged() const;
   bool extend_without_prefix() const;
@@ -78,7 +90,18 @@ class FlashKVBackend : public AttentionBackend {
                             const TensorView& out) override;
 
  private:
+  friend class MultiStepDraftBackend;  // plans its steps as one unit (prepare all, then commit)
+  struct HostPlan;
   struct State;
+  State& state(bool graph) const { return graph ? *graph_ : *eager_; }
+  // init_forward_metadata* in two halves. prepare validates the batch and plans it on the host
+  // into the state's spare HostPlan, changing nothing in use; it throws flashkv::Error for bad
+  // input. commit installs that plan: device buffers, uploads, index building (only a device
+  // failure, such as running out of memory, can stop it; the backend is then unplanned).
+  // check_index_contents: read host index tensors (rows, slots) entry by entry; a caller that
+  // fills them only at its own commit, from inputs it checked, passes false.
+  void prepare(const ForwardBatch& batch, bool graph, bool check_index_contents = true);
+  void commit(const ForwardBatch& batch, bool graph);
   void plan_batch(const ForwardBatch& batch, bool graph);
 
   BackendOptions options_;

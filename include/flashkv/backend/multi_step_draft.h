@@ -23,7 +23,8 @@ class MultiStepDraftBackend {
 
   // `batch`: the bs requests (req_pool_indices, seq_lens_cpu = tokens already cached, pools; its
   // mode is ignored). draft_loc: i32 [bs, topk, num_steps] on the device, the slot of every draft
-  // token (the steps write their K/V there).
+  // token (the steps write their K/V there). Every step is validated and planned before any is
+  // installed: on bad input (a flashkv::Error) the steps keep their previous plans and buffers.
   void init_forward_metadata(const ForwardBatch& batch, const TensorView& draft_loc);
   void init_cuda_graph_state(int max_bs);
   void init_forward_metadata_capture_cuda_graph(const ForwardBatch& batch,

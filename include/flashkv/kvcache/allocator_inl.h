@@ -1,7 +1,12 @@
 // Template definitions of allocator.h (included at its end).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
 #include "flashkv/core/error.h"
+#include "flashkv/kvcache/allocator.h"  // the declarations; it includes this file at its end
 
 namespace flashkv::kv_alloc_detail {
 

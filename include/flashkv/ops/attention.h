@@ -6,6 +6,7 @@
 
 #include "flashkv/core/buffer.h"
 #include "flashkv/core/tensor.h"
+#include "flashkv/ops/params.h"
 #include "flashkv/plan/plan.h"
 
 namespace flashkv {
@@ -93,6 +94,50 @@ void paged_prefill(const PrefillPlan& plan, const TensorView& q, const TensorVie
 void paged_decode(const DecodePlan& plan, const TensorView& q, const PagedKV& kv,
                   const AttentionOptions& opt, const TensorView& out, const TensorView& lse,
                   Workspace& ws, Stream stream = {});
+
+// An attention call whose arguments were validated but which has not run yet. prepare_* check
+// everything the operator of the same name checks, the device kernels' own limits included, and
+// change nothing; run() then launches it. A caller that must validate a sequence of calls before
+// the first of them writes anything prepares them all, then runs them (the backend validates a
+// layer's attention before it appends the layer's K/V to the pool). The call refers to the
+// tensors' memory, the plan's upload in the workspace and, on the host, index contents checked
+// at prepare time: keep them alive and unchanged until run().
+class PreparedAttention {
+ public:
+  void run(Stream stream = {}) const;
+
+ private:
+  friend PreparedAttention prepare_ragged_prefill(const PrefillPlan&, const TensorView&,
+                                                  const TensorView&, const TensorView&,
+                                                  const TensorView&, const TensorView&,
+                                                  const AttentionOptions&, const TensorView&,
+                                                  const TensorView&, Workspace&);
+  friend PreparedAttention prepare_paged_prefill(const PrefillPlan&, const TensorView&,
+                                                 const TensorView&, const PagedKV&,
+                                                 const AttentionOptions&, const TensorView&,
+                                                 const TensorView&, Workspace&);
+  friend PreparedAttention prepare_paged_decode(const DecodePlan&, const TensorView&,
+                                                const PagedKV&, const AttentionOptions&,
+                                                const TensorView&, const TensorView&, Workspace&);
+  PreparedAttention(const AttentionParams& params, Device device, bool decode)
+      : params_(params), device_(device), decode_(decode) {}
+
+  AttentionParams params_;
+  Device device_;
+  bool decode_ = false;
+};
+PreparedAttention prepare_ragged_prefill(const PrefillPlan& plan, const TensorView& q,
+                                         const TensorView& k, const TensorView& v,
+                                         const TensorView& qo_indptr, const TensorView& kv_indptr,
+                                         const AttentionOptions& opt, const TensorView& out,
+                                         const TensorView& lse, Workspace& ws);
+PreparedAttention prepare_paged_prefill(const PrefillPlan& plan, const TensorView& q,
+                                        const TensorView& qo_indptr, const PagedKV& kv,
+                                        const AttentionOptions& opt, const TensorView& out,
+                                        const TensorView& lse, Workspace& ws);
+PreparedAttention prepare_paged_decode(const DecodePlan& plan, const TensorView& q,
+                                       const PagedKV& kv, const AttentionOptions& opt,
+                                       const TensorView& out, const TensorView& lse, Workspace& ws);
 
 // Merges two states over disjoint KV sets: o [T, H, D], lse [T, H] f32 (base 2). `o`/`lse` may
 // be the same tensors as `o_a`/`lse_a`.

@@ -34,6 +34,10 @@ Isa set_isa_cap(Isa cap);
 namespace cuda {
 void paged_decode(const AttentionParams& p, Stream stream);
 void prefill(const AttentionParams& p, Stream stream);  // ragged or paged by p.paged
+// Throw what paged_decode / prefill would throw for p (no kernel for these dtypes, head dims or
+// alignments), launching nothing.
+void check_paged_decode(const AttentionParams& p);
+void check_prefill(const AttentionParams& p);
 void merge(const MergeParams& p, Stream stream);
 // Packed query rows (tokens x G query heads) of the prefill kernel's CTA tile for these head
 // dims: plan prefill with PlanOptions.q_tile = prefill_cta_rows(D_qk, D_v) / G for full tiles.

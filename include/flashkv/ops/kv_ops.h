@@ -11,6 +11,7 @@
 #pragma once
 
 #include "flashkv/core/tensor.h"
+#include "flashkv/ops/kv_kernels.h"
 
 namespace flashkv {
 
@@ -25,6 +26,27 @@ namespace flashkv {
 void append_kv(const TensorView& k_new, const TensorView& v_new, const TensorView& out_cache_loc,
                const TensorView& k_pool, const TensorView& v_pool, float k_scale = 1.0f,
                float v_scale = 1.0f, Stream stream = {});
+
+// An append_kv call validated (every check append_kv makes) but not run yet, so that a caller can
+// validate the rest of its work before the pool changes; run() writes. Keep the tensors alive and
+// the host slot list unchanged until then.
+class PreparedAppendKV {
+ public:
+  void run(Stream stream = {}) const;
+
+ private:
+  friend PreparedAppendKV prepare_append_kv(const TensorView&, const TensorView&, const TensorView&,
+                                            const TensorView&, const TensorView&, float, float);
+  PreparedAppendKV(const AppendKVParams& params, Device device)
+      : params_(params), device_(device) {}
+
+  AppendKVParams params_;
+  Device device_;
+};
+PreparedAppendKV prepare_append_kv(const TensorView& k_new, const TensorView& v_new,
+                                   const TensorView& out_cache_loc, const TensorView& k_pool,
+                                   const TensorView& v_pool, float k_scale = 1.0f,
+                                   float v_scale = 1.0f);
 
 // Gathers each request's token slots: for i < B and j < lens[i],
 //   kv_indices[kv_indptr[i] + j] = req_to_token[req_pool_indices[i], kv_start[i] + j]
