@@ -326,6 +326,15 @@ TEST(CudaDecode, ManyItemsPerWorker) {
   c.kv_dtype = DType::fp8_e5m2;
   c.fixed_split_size = 0;
   run_case(rng, c, /*plan_sms=*/1);
+  // One worker with more items than a CTA keeps in shared memory (32; the rest are read from the
+  // plan as the walks reach them), and more than 32 split tiles for its end-of-run merge rounds.
+  c.kv_lens.clear();
+  for (int i = 0; i < 60; ++i) c.kv_lens.push_back(std::vector<int32_t>{0, 33, 1, 70, 65}[i % 5]);
+  c.fixed_split_size = 32;
+  for (DType kv : {DType::bf16, DType::fp8_e4m3}) {
+    c.kv_dtype = kv;
+    EXPECT_GT(run_case(rng, c, /*plan_sms=*/1), 32u);
+  }
 }
 
 TEST(CudaDecode, LongContexts) {

@@ -223,12 +223,20 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
         "item ", i, ": rows [", it.q_begin, ", +", it.q_len, ") outside request ", r);
     PLAN_CHECK(0 <= it.kv_begin && it.kv_begin <= it.kv_end && it.kv_end <= b.kv_len[r], "item ", i,
                ": KV [", it.kv_begin, ", ", it.kv_end, ") outside [0, ", b.kv_len[r], ")");
-    if (p.kv_chunk > 0 && it.kv_end > it.kv_begin)
+    // Deterministic mode: chunks end at absolute multiples of kv_chunk. Automatic: no chunk is
+    // longer than kv_chunk, and each cut (not a tile's own ends) sits at a multiple of the
+    // alignment (checked in the tile loop below).
+    if (p.kv_chunk > 0 && it.kv_end > it.kv_begin && o.fixed_split_size > 0)
       PLAN_CHECK(it.kv_begin / p.kv_chunk == (it.kv_end - 1) / p.kv_chunk, "item ", i, ": KV [",
                  it.kv_begin, ", ", it.kv_end, ") crosses a multiple of kv_chunk ", p.kv_chunk);
+    if (p.kv_chunk > 0)
+      PLAN_CHECK(it.kv_end - it.kv_begin <= p.kv_chunk, "item ", i, ": KV [", it.kv_begin, ", ",
+                 it.kv_end, ") longer than kv_chunk ", p.kv_chunk);
   }
 
   // Tiles: the items of one (request, first row) are the chunks of one tile.
+  const int64_t kv_unit =
+      (int64_t{o.kv_align > 0 ? o.kv_align : 16} + s.page_size - 1) / s.page_size * s.page_size;
   std::map<int32_t, std::vector<const WorkItem*>> tiles;  // by q_begin
   for (const WorkItem& it : p.items) tiles[it.q_begin].push_back(&it);
   PLAN_CHECK(static_cast<int32_t>(tiles.size()) == p.num_tiles, "num_tiles ", p.num_tiles,
@@ -256,6 +264,9 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
         PLAN_CHECK(it.kv_begin == chunks[c - 1]->kv_end, "tile at row ", q_begin, ": chunk ", c,
                    " starts at ", it.kv_begin, ", the previous one ends at ",
                    chunks[c - 1]->kv_end);
+      if (c > 0)
+        PLAN_CHECK(it.kv_begin % kv_unit == 0, "tile at row ", q_begin, ": chunk ", c,
+                   " starts at ", it.kv_begin, ", not a multiple of the alignment ", kv_unit);
       if (num > 1) PLAN_CHECK(it.kv_end > it.kv_begin, "empty chunk ", c, " of a split tile");
     }
     auto mi = merges.find(q_begin);
@@ -579,6 +590,55 @@ TEST(Plan, ChunksAreAlignedToPagesAndKvTile) {
       EXPECT_EQ(p.kv_chunk, (1000 + align - 1) / align * align);
     }
   }
+}
+
+TEST(Plan, AutomaticChunksOfATileDifferByAtMostOneUnit) {
+  // Equal parts, not multiples of the share: no short tail chunks (4096 at a share of ~2000 was
+  // 2000 + 2000 + 96, and the tails piled up on one worker).
+  FLASHKV_SEEDED_RNG(rng, 45);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int sms = std::vector<int>{1, 7, 66, 132}[rng.uniform_int(0, 3)];
+    const DeviceInfo gpu = cuda_like(sms);
+    const int batch = rng.uniform_int(1, 40);
+    std::vector<int32_t> kv(batch);
+    for (int32_t& x : kv)
+      x = rng.uniform_int(0, 3) == 0 ? rng.uniform_int(0, 300) : rng.uniform_int(1, 70000);
+    Batch b = make_batch(true, {}, kv);
+    b.shape.page_size = std::vector<int>{1, 1, 16, 48}[rng.uniform_int(0, 3)];
+    PlanOptions o;
+    o.kv_align = rng.uniform_int(0, 1) ? 0 : rng.uniform_int(1, 100);
+    o.min_split_size = rng.uniform_int(0, 1) ? 0 : rng.uniform_int(1, 600);
+    const int64_t unit = (int64_t{o.kv_align > 0 ? o.kv_align : 16} + b.shape.page_size - 1) /
+                         b.shape.page_size * b.shape.page_size;
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " sms " << sms << " unit " << unit);
+    const DecodePlan p = plan_decode(b.shape, gpu, o);
+    ASSERT_TRUE(check_plan(p, b, gpu, o));
+    std::map<int32_t, std::pair<int32_t, int32_t>> shortest_longest;  // by request
+    for (const WorkItem& it : p.items) {
+      if (it.partial < 0) continue;
+      auto [entry, fresh] =
+          shortest_longest.emplace(it.request, std::make_pair(INT32_MAX, INT32_MIN));
+      entry->second.first = std::min(entry->second.first, it.kv_end - it.kv_begin);
+      entry->second.second = std::max(entry->second.second, it.kv_end - it.kv_begin);
+    }
+    for (const auto& [request, range] : shortest_longest)
+      EXPECT_LE(range.second - range.first, unit)
+          << "request " << request << " of " << kv[request] << " tokens";
+  }
+  // The shapes on an H200 (132 SMs, 32/8 heads: 33 workers a KV head).
+  const DeviceInfo h200 = cuda_like(132);
+  auto chunk_lengths = [&](int batch, int32_t len) {
+    Batch b = make_batch(true, {}, std::vector<int32_t>(batch, len));
+    const DecodePlan p = plan_decode(b.shape, h200, PlanOptions{});
+    EXPECT_TRUE(check_plan(p, b, h200, PlanOptions{}));
+    std::map<int32_t, int> count;
+    for (const WorkItem& it : p.items) ++count[it.kv_end - it.kv_begin];
+    return count;
+  };
+  // 16 x 4096 fits one wave as halves, rather than two waves of thirds.
+  EXPECT_EQ(chunk_lengths(16, 4096), (std::map<int32_t, int>{{2048, 32}}));
+  // 1 x 32768: 33 parts of 62 or 63 units, one a worker.
+  EXPECT_EQ(chunk_lengths(1, 32768), (std::map<int32_t, int>{{992, 31}, {1008, 2}}));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -47,12 +47,21 @@ namespace flashkv::cuda::decode {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// An item as the kernel walks it.
-struct ItemView {
+// An item as the kernel walks it (the first kItemSlots items of a CTA sit in shared memory,
+// made once at the start, so that moving to the next item costs no dependent global loads).
+struct alignas(8) ItemView {
   int32_t row;         // query / output row
   int32_t partial;     // -1: write the output; else the partial row
   int32_t lo, hi;      // KV positions to attend, [lo, hi); empty when lo >= hi
   int32_t entry_base;  // kv_indptr[request]: first kv_indices entry of the request
+  int32_t merge;       // split items: the tile's MergeItem
+};
+static_assert(sizeof(ItemView) == kItemViewBytes, "ItemView size (traits.h)");
+
+// A split tile whose last chunk a CTA brought in: where its chunks' partial states are (rows
+// partial + c * q_len, c < num_chunks) and its output row.
+struct TileMerge {
+  int32_t row, partial, num_chunks, q_len;
 };
 
 __device__ __forceinline__ int32_t kv_len_of(const AttentionParams& p, int32_t r) {
@@ -61,12 +70,12 @@ __device__ __forceinline__ int32_t kv_len_of(const AttentionParams& p, int32_t r
   return (n - 1) * p.page_size + p.last_page_len[r];
 }
 
-__device__ __forceinline__ ItemView load_item(const AttentionParams& p, int32_t idx) {
-  const WorkItem it = p.items[idx];
+__device__ __forceinline__ ItemView view_of(const AttentionParams& p, const WorkItem& it) {
   const int32_t kv_len = kv_len_of(p, it.request);
   ItemView v;
   v.row = it.q_begin;
   v.partial = it.partial;
+  v.merge = it.merge;
   v.entry_base = p.kv_indptr[it.request];
   v.lo = max(it.kv_begin, 0);
   v.hi = min(it.kv_end, kv_len);
@@ -93,6 +102,7 @@ struct DecodeCta {
   unsigned char* smem;
   int tid, warp, lane, r, c;  // r = lane / 4, c = lane % 4: the mma fragment coordinates
   int kv_head, heads, qh0;    // heads handled (<= kHeads) and the first one's global index
+  int32_t first_item;         // the CTA's first item (its view is item_views()[0])
   float score_scale, softcap_in, softcap_out;  // for the whole kernel
   float item_score_scale, item_softcap_in;     // the same over the item's query scale
 
@@ -122,6 +132,15 @@ struct DecodeCta {
                                       Tr::kRedBytes) +
            (tile % Tr::kIndexSlots) * T;
   }
+  __device__ ItemView* item_views() const {
+    return reinterpret_cast<ItemView*>(smem + kStages * Tr::kStageBytes + Tr::kOutBytes +
+                                       Tr::kRedBytes + Tr::kIndexBytes);
+  }
+  // Item idx of this CTA: from shared memory for the first kItemSlots, else from the plan.
+  __device__ ItemView item(int32_t idx) const {
+    const int32_t k = idx - first_item;
+    return k < kItemSlots ? item_views()[k] : view_of(p, p.items[idx]);
+  }
 
   // ---- schedule -------------------------------------------------------------------------------
 
@@ -129,7 +148,7 @@ struct DecodeCta {
   // (finish_empty) also stores the result of every empty item it passes (O = 0, LSE = -inf).
   __device__ void seek(Cursor& c, bool finish_empty = false) {
     for (; c.item < c.last; ++c.item) {
-      c.v = load_item(p, c.item);
+      c.v = item(c.item);
       if (c.v.lo < c.v.hi) {
         c.pos = c.v.lo;
         c.first = true;
@@ -465,71 +484,112 @@ struct DecodeCta {
   // barrier orders every thread's partial stores before the release; the acquire orders the other
   // chunks' stores before the merge's reads (which go to L2).
   __device__ void merge_finished_tiles(int32_t first, int32_t last) {
-    uint32_t* last_mask = reinterpret_cast<uint32_t*>(red());
+    // The tiles this CTA completes in a round (out_buf is free once the last item is stored).
+    TileMerge* done = reinterpret_cast<TileMerge*>(out_buf());
+    int* num_done = reinterpret_cast<int*>(red());
     for (int32_t base = first; base < last; base += 32) {
-      __syncthreads();  // partial stores done (and the previous round's mask read)
+      __syncthreads();  // partial stores done (and the previous round's list read)
       if (warp == 0) {
         const int32_t i = base + lane;
         bool completes = false;
+        TileMerge t{};
         if (i < last) {
-          const WorkItem it = p.items[i];
-          if (it.partial >= 0) {
-            int32_t* counter = p.merge_counters + int64_t{it.merge} * p.num_qo_heads + qh0;
-            completes =
-                ptx::atomic_add_acq_rel_gpu(counter, 1) == p.merges[it.merge].num_chunks - 1;
+          const ItemView v = item(i);
+          if (v.partial >= 0) {
+            int32_t* counter = p.merge_counters + int64_t{v.merge} * p.num_qo_heads + qh0;
+            const MergeItem m = p.merges[v.merge];
+            completes = ptx::atomic_add_acq_rel_gpu(counter, 1) == m.num_chunks - 1;
             if (completes) *counter = 0;  // no other CTA touches it again in this run
+            t = {v.row, m.partial, m.num_chunks, m.q_len};
           }
         }
         const uint32_t mask = __ballot_sync(0xffffffffu, completes);
-        if (lane == 0) *last_mask = mask;
+        if (completes) done[__popc(mask & ((1u << lane) - 1))] = t;
+        if (lane == 0) *num_done = __popc(mask);
       }
       __syncthreads();
-      for (uint32_t mask = *last_mask; mask != 0; mask &= mask - 1)
-        merge_tile(p.items[base + __ffs(mask) - 1]);
+      const int n = *num_done;
+      if (n == 0) continue;
+      // (tile, head, 4-dim vector) units spread over all threads: a round's tiles cost about one
+      // L2 round trip per chunk batch, not one per tile. With more units than threads, two units
+      // a thread with their loads in flight together.
+      if (n * heads * (D / 4) <= Tr::kThreads)
+        merge_units<1, 8>(done, n);
+      else
+        merge_units<2, 4>(done, n);
     }
   }
 
-  // Folds the partial states of split tile `it` (all its chunks) into its output row.
-  __device__ void merge_tile(const WorkItem& it) {
-    const MergeItem m = p.merges[it.merge];
+  // Folds the partial states of the split tiles done[0, n) (all chunks of each) into their
+  // output rows; unit u is tile u / (heads D / 4), head (u / (D / 4)) % heads, dims 4 (u % (D / 4))
+  // .. + 3. Each thread takes kUnits units at a time and keeps kBatch chunk loads of each in
+  // flight before folding them in chunk order (deterministic).
+  template <int kUnits, int kBatch>
+  __device__ void merge_units(const TileMerge* done, int n) {
     constexpr int kVecs = D / 4;
-    constexpr int kBatch = 8;  // chunks whose loads are in flight together
-    for (int i = tid; i < heads * kVecs; i += Tr::kThreads) {
-      const int h = i / kVecs, d = (i % kVecs) * 4;
-      MergeState st;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int32_t c0 = 0; c0 < m.num_chunks; c0 += kBatch) {
-        // Chunk c of the tile's (only) row; L2 reads (other SMs wrote them). Every load of the
-        // batch is issued before the first is used (clamped to a real chunk past the end).
-        float lse[kBatch];
-        float4 x[kBatch];
+    const int per_tile = heads * kVecs;
+    const int total = n * per_tile;
+    for (int u0 = tid; u0 < total; u0 += kUnits * Tr::kThreads) {
+      int64_t first_row[kUnits];  // partial row of chunk 0, times Hq, plus the head
+      int64_t chunk_step[kUnits];
+      int32_t chunks[kUnits], out_row[kUnits];
+      int h[kUnits], d[kUnits];
+      int32_t most = 0;
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          const int32_t c = min(c0 + j, m.num_chunks - 1);
-          const int64_t row =
-              (int64_t{m.partial} + int64_t{c} * m.q_len) * p.num_qo_heads + qh0 + h;
-          lse[j] = __ldcg(p.partial_lse + row);
-          x[j] = __ldcg(reinterpret_cast<const float4*>(p.partial_o + row * D + d));
-        }
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j) {  // folded in chunk order: deterministic
-          if (c0 + j >= m.num_chunks) break;
-          float rescale, weight;
-          st.add(lse[j], rescale, weight);
-          if (weight == 0.0f) continue;  // an empty chunk (rescale is 1 then)
-          acc.x = acc.x * rescale + weight * x[j].x;
-          acc.y = acc.y * rescale + weight * x[j].y;
-          acc.z = acc.z * rescale + weight * x[j].z;
-          acc.w = acc.w * rescale + weight * x[j].w;
-        }
+      for (int j = 0; j < kUnits; ++j) {
+        const int u = min(u0 + j * Tr::kThreads, total - 1);  // past the end: a copy of the last
+        const TileMerge& t = done[u / per_tile];
+        h[j] = (u % per_tile) / kVecs;
+        d[j] = (u % kVecs) * 4;
+        first_row[j] = int64_t{t.partial} * p.num_qo_heads + qh0 + h[j];
+        chunk_step[j] = int64_t{t.q_len} * p.num_qo_heads;
+        chunks[j] = t.num_chunks;
+        out_row[j] = t.row;
+        most = max(most, chunks[j]);
       }
-      const float inv = st.inv_sum();
-      uint2 packed;
-      packed.x = pack2<QT>(acc.x * inv, acc.y * inv);
-      packed.y = pack2<QT>(acc.z * inv, acc.w * inv);
-      *reinterpret_cast<uint2*>(static_cast<QT*>(p.o) + int64_t{it.q_begin} * p.o_stride_n +
-                                int64_t{qh0 + h} * p.o_stride_h + d) = packed;
-      if (d == 0 && p.lse) p.lse[int64_t{it.q_begin} * p.num_qo_heads + qh0 + h] = st.lse();
+      MergeState st[kUnits];
+      float4 acc[kUnits];
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int32_t c0 = 0; c0 < most; c0 += kBatch) {
+        // L2 reads (other SMs wrote them); every load of the batch is issued before the first
+        // is used (a chunk past a unit's end reloads its last chunk).
+        float lse[kUnits][kBatch];
+        float4 x[kUnits][kBatch];
+#pragma unroll
+        for (int j = 0; j < kUnits; ++j)
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            const int64_t row = first_row[j] + min(c0 + k, chunks[j] - 1) * chunk_step[j];
+            lse[j][k] = __ldcg(p.partial_lse + row);
+            x[j][k] = __ldcg(reinterpret_cast<const float4*>(p.partial_o + row * D + d[j]));
+          }
+#pragma unroll
+        for (int j = 0; j < kUnits; ++j)
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {  // folded in chunk order: deterministic
+            if (c0 + k >= chunks[j]) break;
+            float rescale, weight;
+            st[j].add(lse[j][k], rescale, weight);
+            if (weight == 0.0f) continue;  // an empty chunk (rescale is 1 then)
+            acc[j].x = acc[j].x * rescale + weight * x[j][k].x;
+            acc[j].y = acc[j].y * rescale + weight * x[j][k].y;
+            acc[j].z = acc[j].z * rescale + weight * x[j][k].z;
+            acc[j].w = acc[j].w * rescale + weight * x[j][k].w;
+          }
+      }
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        if (u0 + j * Tr::kThreads >= total) break;
+        const float inv = st[j].inv_sum();
+        uint2 packed;
+        packed.x = pack2<QT>(acc[j].x * inv, acc[j].y * inv);
+        packed.y = pack2<QT>(acc[j].z * inv, acc[j].w * inv);
+        *reinterpret_cast<uint2*>(static_cast<QT*>(p.o) + int64_t{out_row[j]} * p.o_stride_n +
+                                  int64_t{qh0 + h[j]} * p.o_stride_h + d[j]) = packed;
+        if (d[j] == 0 && p.lse)
+          p.lse[int64_t{out_row[j]} * p.num_qo_heads + qh0 + h[j]] = st[j].lse();
+      }
     }
   }
 
@@ -626,11 +686,16 @@ struct DecodeCta {
         cons.first = false;
       }
       const int valid = min(T, cons.v.hi - cons.pos);
-#pragma unroll
-      for (int b = 0; b < Tr::kBlocks; ++b) {
-        if (static_cast<int>((tile_count * Tr::kBlocks + b) % Tr::kWarps) != warp) continue;
-        if (valid > 16 * b) block(st, b, valid - 16 * b);
-      }
+      // The warps take the tile's 16-token blocks round-robin, continuing from the last tile.
+      // One block body indexed by the warp (not unrolled over the blocks with a test of the
+      // warp): every warp's code would hold every block's copy, and fp8 ran instruction-fetch
+      // bound (ncu: 41% of a warp's cycles waiting on a fetch).
+      int b = warp;
+      if constexpr (Tr::kBlocks % Tr::kWarps != 0)
+        b = (warp + Tr::kWarps - static_cast<int>(tile_count * Tr::kBlocks % Tr::kWarps)) %
+            Tr::kWarps;
+#pragma unroll 1
+      for (; b < Tr::kBlocks && 16 * b < valid; b += Tr::kWarps) block(st, b, valid - 16 * b);
       stage = (stage + 1) % kStages;
       ++tile_count;
       cons.pos += T;
@@ -658,8 +723,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // the counters and the outputs may all be another kernel's.
   const int32_t first_item = p.worker_indptr[blockIdx.x];
   const int32_t last_item = p.worker_indptr[blockIdx.x + 1];
+  // The CTA's first kItemSlots items, a thread each: plan data as well, so loaded before the
+  // wait too. Their views (which read kv_indptr) are made after it.
+  const bool has_item = threadIdx.x < kItemSlots && first_item + int32_t(threadIdx.x) < last_item;
+  WorkItem it{};
+  if (has_item) it = p.items[first_item + threadIdx.x];
   ptx::grid_dependency_wait();
   DecodeCta<Tr, QT, kKv> cta{p, smem};
+  cta.first_item = first_item;
+  if (has_item) cta.item_views()[threadIdx.x] = view_of(p, it);
+  __syncthreads();
   cta.tid = threadIdx.x;
   cta.warp = threadIdx.x / 32;
   cta.lane = threadIdx.x % 32;
