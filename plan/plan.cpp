@@ -43,6 +43,13 @@ std::atomic<uint64_t> g_next_plan_id{1};
 constexpr size_t kAlign = 256;
 constexpr int32_t kDefaultKvAlign = 16;
 constexpr int32_t kDefaultMinSplit = 256;
+// With the default minimum, tiles of at most kShortParts * kShortMinSplit tokens may be cut
+// into parts of kShortMinSplit: a batch of such tiles otherwise fills little of the device
+// (1 x 1024 is 4 parts of 256 on 33 workers), and up to 8 parts a tile merge in one batch of
+// loads on CUDA. Measured on an H200 (bench/NOTES.md): 1 x 1024 11.9 -> 10.4 us; 1 x 4096 at
+// 32 parts of 128 was slower (15.7 -> 17.9 us), hence the bound.
+constexpr int32_t kShortMinSplit = 128;
+constexpr int64_t kShortParts = 8;
 constexpr int32_t kDefaultBlocksPerSm = 2;
 // What an item costs beyond its KV (loading Q, writing O), in units of one KV token per row.
 constexpr int64_t kItemOverhead = 16;
@@ -653,8 +660,11 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   if (o.enable_split_kv && o.fixed_split_size > 0) {
     chunk = ceil_div(o.fixed_split_size, align) * align;
   } else if (o.enable_split_kv) {
+    const bool short_tiles = o.min_split_size == 0 && longest <= kShortParts * kShortMinSplit;
     part = auto_part(s.tiles, longest, max_workers, p.q_tile, align,
-                     o.min_split_size > 0 ? o.min_split_size : kDefaultMinSplit);
+                     o.min_split_size > 0 ? o.min_split_size
+                     : short_tiles        ? kShortMinSplit
+                                          : kDefaultMinSplit);
     chunk = part * align;
   }
   p.kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
