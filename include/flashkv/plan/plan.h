@@ -142,8 +142,9 @@ struct Plan {
   Device device;
   uint64_t id = 0;  // unique per planning call; the workspace remembers which plan it holds
   int32_t q_tile = 1;
-  // KV chunk (tokens) that split tiles were cut into, at absolute multiples of it; 0: no split.
-  // In deterministic mode the (aligned) fixed_split_size, even where no tile needed cutting.
+  // 0: no split. Deterministic mode: the (aligned) fixed_split_size, chunks cut at absolute
+  // multiples of it, even where no tile needed cutting. Automatic: the longest a part may be
+  // (each split tile is cut into equal parts of whole alignment units, at most this long).
   int32_t kv_chunk = 0;
   // CUDA: grid.x (grid.y = Hkv). CPU: max(1, threads / Hkv), so that workers x Hkv (item, KV
   // head) tasks fill the threads as the CUDA grid fills the SMs.
