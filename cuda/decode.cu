@@ -1,17 +1,19 @@
-// cuda::paged_decode: picks the kernel instantiation for the runtime parameters (select), runs
-// the decode kernel over the plan's workers, then folds the partial states of split requests.
+// cuda::paged_decode: picks the kernel instantiation for the runtime parameters (select) and
+// runs the decode kernel over the plan's workers. Split requests are merged inside the kernel
+// (the CTA that finishes a request's last outstanding chunk merges them; decode_kernel.cuh), so
+// one launch does everything, and its grid depends only on the worker count: a CUDA graph
+// replays it with any batch.
 //
-// The merge pass is a second kernel launched with programmatic dependent launch on sm_90: the
-// decode kernel lets it be scheduled at once, and it waits in griddepcontrol.wait until the
-// decode grid has finished, which hides its launch latency. It finds its work from the items on
-// the device (not from the plan's merge list, whose length the device does not know), so its
-// grid, like the decode grid, depends only on the worker count and a CUDA graph can replay it
-// with any batch: the last chunk of a split request (the split item whose KV range ends at the
-// request's KV length: a decode tile always reaches the end of its KV) holds the chunk count.
+// On sm_90 the kernel is launched with programmatic stream serialization: its CTAs may be
+// scheduled while the previous kernel of the stream finishes, and wait for it in
+// griddepcontrol.wait, which hides most of the launch latency between back-to-back kernels.
+// FLASHKV_DECODE_PDL=0 in the environment turns that off (to measure what it brings).
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "common/device_cc.h"
-#include "common/merge_state.cuh"
 #include "decode/traits.h"
 #include "flashkv/core/cuda_runtime.h"
 #include "flashkv/core/error.h"
@@ -20,74 +22,15 @@
 namespace flashkv::cuda {
 namespace {
 
-using LaunchFn = void (*)(const AttentionParams&, cudaStream_t);
+using LaunchFn = void (*)(const AttentionParams&, cudaStream_t, bool);
 
-constexpr int kMergeThreads = 128;
-
-// Folds the partial states of each split request into its output row.
-// Grid: x strides over the plan's items, y = KV head (its G query heads).
-template <typename QT>
-__global__ void __launch_bounds__(kMergeThreads)
-    decode_merge_kernel(const __grid_constant__ AttentionParams p) {
-  ptx::grid_dependency_wait();
-  const int32_t num_items = p.worker_indptr[p.num_workers];
-  const int group = p.num_qo_heads / p.num_kv_heads;
-  const int dv = p.head_dim_v;
-  const int vecs = dv / 4;
-  for (int32_t i = blockIdx.x; i < num_items; i += gridDim.x) {
-    const WorkItem it = p.items[i];
-    if (it.partial < 0) continue;
-    const int32_t n = p.kv_indptr[it.request + 1] - p.kv_indptr[it.request];
-    const int32_t kv_len = p.page_size == 1 || n <= 0
-                               ? max(n, 0)
-                               : (n - 1) * p.page_size + p.last_page_len[it.request];
-    if (it.kv_end < kv_len) continue;  // not the request's last chunk
-    const int32_t chunks = it.chunk + 1;
-    const int64_t base = int64_t{it.partial} - int64_t{it.chunk} * it.q_len;
-    for (int idx = threadIdx.x; idx < group * vecs; idx += blockDim.x) {
-      const int h = blockIdx.y * group + idx / vecs;
-      const int d = (idx % vecs) * 4;
-      MergeState st;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int32_t ch = 0; ch < chunks; ++ch) {  // in chunk order: deterministic
-        const int64_t row = base + int64_t{ch} * it.q_len;
-        float rescale, weight;
-        st.add(p.partial_lse[row * p.num_qo_heads + h], rescale, weight);
-        if (weight == 0.0f) continue;
-        const float4 x =
-            *reinterpret_cast<const float4*>(p.partial_o + (row * p.num_qo_heads + h) * dv + d);
-        acc.x = acc.x * rescale + weight * x.x;
-        acc.y = acc.y * rescale + weight * x.y;
-        acc.z = acc.z * rescale + weight * x.z;
-        acc.w = acc.w * rescale + weight * x.w;
-      }
-      const float inv = st.inv_sum();
-      QT* dst = static_cast<QT*>(p.o) + int64_t{it.q_begin} * p.o_stride_n +
-                int64_t{h} * p.o_stride_h + d;
-      uint2 packed;
-      packed.x = pack2<QT>(acc.x * inv, acc.y * inv);
-      packed.y = pack2<QT>(acc.z * inv, acc.w * inv);
-      *reinterpret_cast<uint2*>(dst) = packed;
-      if (d == 0 && p.lse) p.lse[int64_t{it.q_begin} * p.num_qo_heads + h] = st.lse();
-    }
-  }
-}
-
-template <typename QT>
-void launch_merge(const AttentionParams& p, cudaStream_t stream) {
-  const int cc = current_device_cc();
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(p.num_workers, p.num_kv_heads, 1);
-  config.blockDim = dim3(kMergeThreads, 1, 1);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = cc >= 90 ? 1 : 0;
-  detail::cuda_check(cudaLaunchKernelEx(&config, decode_merge_kernel<QT>, p),
-                     "paged_decode: merge launch");
+// Programmatic dependent launch for the decode kernel: sm_90+ unless FLASHKV_DECODE_PDL=0.
+bool use_programmatic_launch() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("FLASHKV_DECODE_PDL");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return allowed && current_device_cc() >= 90;
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -184,16 +127,7 @@ void check_paged_decode(const AttentionParams& p) { (void)select(p); }
 void paged_decode(const AttentionParams& p, Stream stream) {
   const LaunchFn launch = select(p);
   if (p.num_items == 0) return;
-  const auto s = static_cast<cudaStream_t>(stream.handle);
-  launch(p, s);
-  // A graph plan may split on replay even when this batch did not, whenever its layout has
-  // room for merges.
-  const bool may_merge = p.num_merges > 0 || (p.cuda_graph && p.max_merges > 0);
-  if (!may_merge) return;
-  if (p.q_dtype == DType::bf16)
-    launch_merge<__nv_bfloat16>(p, s);
-  else
-    launch_merge<half>(p, s);
+  launch(p, static_cast<cudaStream_t>(stream.handle), use_programmatic_launch());
 }
 
 }  // namespace flashkv::cuda

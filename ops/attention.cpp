@@ -101,6 +101,8 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   p.items = reinterpret_cast<const WorkItem*>(base + l.items);
   p.worker_indptr = reinterpret_cast<const int32_t*>(base + l.worker_indptr);
   p.merges = reinterpret_cast<const MergeItem*>(base + l.merges);
+  p.merge_counters =
+      reinterpret_cast<int32_t*>(static_cast<unsigned char*>(ws.data()) + l.merge_counters);
   p.num_items = static_cast<int32_t>(plan.items.size());
   p.num_merges = static_cast<int32_t>(plan.merges.size());
   p.num_workers = plan.num_workers;

@@ -8,9 +8,15 @@
 //   that share: total cost / workers, in KV tokens of a full tile. This both fills the GPU when
 //   a few long requests are all there is, and cuts the one huge request of a large batch. A
 //   chunk is never shorter than min_split_size (every chunk costs a partial state and a merge),
-//   and the split never adds more than `workers` items (bounded graph-mode capacities).
-//   Chunk boundaries are absolute multiples of the chunk size, so in deterministic mode (a fixed
-//   chunk) a request's chunks, and its result, do not depend on the rest of the batch.
+//   and the split never adds more than `workers` items (bounded graph-mode capacities). An
+//   automatic split cuts each long tile into equal parts (whole alignment units, the parts
+//   differing by at most one unit), not at multiples of the share: those leave short tails (4096
+//   at a share of 2000: 2000 + 2000 + 96) that cost a whole item each and pile up on one worker.
+//   Where the tiles are few (the split is there to fill the device), the part count is chosen
+//   by the estimated makespan: 16 x 4096 on 33 workers runs as 32 halves of 2048 in one wave,
+//   not as 48 thirds of ~1366 in two.
+//   In deterministic mode (a fixed chunk) boundaries are absolute multiples of the chunk size,
+//   so a request's chunks, and its result, do not depend on the rest of the batch.
 // - Balance: items go to workers costliest first, each to the least-loaded worker (LPT greedy).
 //   It is the planner's hot loop, so: "costliest first" is one counting-sort pass on an 8-bit
 //   float-like key made with the tiles (costs within 12.5% may swap; the cost model is no more
@@ -41,6 +47,13 @@ std::atomic<uint64_t> g_next_plan_id{1};
 constexpr size_t kAlign = 256;
 constexpr int32_t kDefaultKvAlign = 16;
 constexpr int32_t kDefaultMinSplit = 256;
+// With the default minimum, tiles of at most kShortParts * kShortMinSplit tokens may be cut
+// into parts of kShortMinSplit: a batch of such tiles otherwise fills little of the device
+// (1 x 1024 is 4 parts of 256 on 33 workers), and up to 8 parts a tile merge in one batch of
+// loads on CUDA. Measured on an H200 (bench/NOTES.md): 1 x 1024 11.9 -> 10.4 us; 1 x 4096 at
+// 32 parts of 128 was slower (15.7 -> 17.9 us), hence the bound.
+constexpr int32_t kShortMinSplit = 128;
+constexpr int64_t kShortParts = 8;
 constexpr int32_t kDefaultBlocksPerSm = 2;
 // What an item costs beyond its KV (loading Q, writing O), in units of one KV token per row.
 constexpr int64_t kItemOverhead = 16;
@@ -62,6 +75,17 @@ int32_t num_chunks(int32_t lo, int32_t hi, uint32_t chunk) {
   if (hi <= lo) return 1;
   return static_cast<int32_t>((static_cast<uint32_t>(hi) - 1) / chunk -
                               static_cast<uint32_t>(lo) / chunk + 1);
+}
+
+// Alignment units (absolute multiples of `align`) that KV range [lo, hi) touches; 0 if empty.
+uint32_t units_of(int32_t lo, int32_t hi, uint32_t align) {
+  if (hi <= lo) return 0;
+  return (static_cast<uint32_t>(hi) - 1) / align - static_cast<uint32_t>(lo) / align + 1;
+}
+
+// Parts of an automatic split of `units` units into parts of at most `part` units (>= 1).
+uint32_t num_parts(uint32_t units, uint32_t part) {
+  return units <= part ? 1 : (units - 1) / part + 1;
 }
 
 int64_t item_cost(const WorkItem& it) {
@@ -281,46 +305,91 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
   return longest;
 }
 
-// The automatic chunk (see the top of the file): one worker's share of the cost, in KV tokens
-// of a full tile, aligned and >= min_chunk, raised where needed so that the split adds at most
-// `workers` items; 0 when no tile is longer than that. The item count is not monotonic in the
-// chunk (absolute boundaries), so the binary search finds a small valid chunk, not always the
-// smallest; every chunk it returns is valid.
-int64_t auto_chunk(const ItemList& tiles, int64_t longest, int64_t workers, int64_t q_tile,
-                   int64_t align, int64_t min_chunk) {
+// The automatic split (see the top of the file): the longest part, in alignment units, that the
+// tiles are cut into (each tile into num_parts(units, part) equal parts); 0 when no tile is
+// longer than one worker's share. Starts from the share (aligned, >= min_chunk), raised where
+// needed so that the split adds at most `workers` items; where the tiles are at most `workers`,
+// also tries the longest parts that fit in fewer waves of `workers` items, and keeps the one of
+// least estimated makespan (ties: fewer items).
+int64_t auto_part(const ItemList& tiles, int64_t longest, int64_t workers, int64_t q_tile,
+                  int64_t align, int64_t min_chunk) {
   const int64_t share = ceil_div(ceil_div(tiles.total_cost, workers), q_tile);
-  const int64_t chunk = ceil_div(std::max<int64_t>({min_chunk, share, 1}), align) * align;
-  if (longest <= chunk) return 0;
-  const int64_t budget = static_cast<int64_t>(tiles.size()) + workers;
-  auto fits = [&](int64_t units) {
-    const uint32_t c = static_cast<uint32_t>(std::min<int64_t>(units * align, INT32_MAX));
+  const int64_t first = ceil_div(std::max<int64_t>({min_chunk, share, 1}), align);
+  if (longest <= first * align) return 0;
+  const uint32_t a = static_cast<uint32_t>(align);
+  // Every tile touches at most `whole` units: parts that long cut nothing.
+  const int64_t whole = ceil_div(longest, align) + 1;
+  auto items_at = [&](int64_t part) {
     int64_t n = 0;
-    for (const WorkItem& t : tiles.items) n += num_chunks(t.kv_begin, t.kv_end, c);
-    return n <= budget;
+    for (const WorkItem& t : tiles.items)
+      n += num_parts(units_of(t.kv_begin, t.kv_end, a), static_cast<uint32_t>(part));
+    return n;
   };
-  int64_t lo = chunk / align, hi = ceil_div(longest, align);  // in units of align
-  if (fits(lo)) return chunk;
-  while (lo + 1 < hi) {  // fits(lo) is false; hi is either untested (>= longest) or fits
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (fits(mid))
-      hi = mid;
-    else
-      lo = mid;
+  // The shortest part >= from (in [from, whole]) that makes at most `limit` items (>= tiles).
+  auto shortest_fitting = [&](int64_t from, int64_t limit) {
+    if (items_at(from) <= limit) return from;
+    int64_t lo = from, hi = whole;  // items_at(lo) > limit >= items_at(whole)
+    while (lo + 1 < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (items_at(mid) <= limit)
+        hi = mid;
+      else
+        lo = mid;
+    }
+    return hi;
+  };
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  int64_t best = shortest_fitting(first, num_tiles + workers);
+  if (best >= whole) return 0;
+  if (num_tiles > workers) return best;
+  // Makespan estimate: waves of `workers` items of the average cost, or the costliest item.
+  auto makespan = [&](int64_t part, int64_t* items) {
+    int64_t n = 0, total = 0, costliest = 0;
+    for (const WorkItem& t : tiles.items) {
+      const uint32_t units = units_of(t.kv_begin, t.kv_end, a);
+      const uint32_t parts = num_parts(units, static_cast<uint32_t>(part));
+      const int64_t len = int64_t{t.kv_end} - t.kv_begin;
+      const int64_t longest_part = std::min<int64_t>(len, ceil_div(units, parts) * align);
+      n += parts;
+      total += t.q_len * (len + int64_t{parts} * kItemOverhead);
+      costliest = std::max<int64_t>(costliest, t.q_len * (longest_part + kItemOverhead));
+    }
+    *items = n;
+    return std::max(costliest, ceil_div(n, workers) * ceil_div(total, n));
+  };
+  int64_t items = 0;
+  int64_t best_makespan = makespan(best, &items);
+  for (int64_t waves = ceil_div(items, workers) - 1; waves >= 1; --waves) {
+    const int64_t part = shortest_fitting(best, waves * workers);
+    if (part >= whole) break;
+    const int64_t m = makespan(part, &items);
+    if (m <= best_makespan) {
+      best = part;
+      best_makespan = m;
+    }
   }
-  return hi * align >= longest ? 0 : hi * align;
+  return best;
 }
 
-// Cuts the tiles into chunks of `chunk` (<= INT32_MAX) tokens; fills `out` (planning order),
-// the merges and the partial rows. `chunks`: scratch for each tile's chunk count.
-void split_tiles(const ItemList& tiles, int32_t chunk, ItemList* out,
+// Cuts the tiles into chunks; fills `out` (planning order), the merges and the partial rows.
+// part == 0: deterministic mode, chunks at absolute multiples of `chunk` (<= INT32_MAX) tokens.
+// part > 0: automatic, each tile cut into num_parts(units, part) parts of whole `align`-token
+// units (absolute multiples of align), the first parts floor(units / parts) units long and the
+// last units % parts of them one unit longer, so a tile's parts differ by at most one unit
+// (the first and last cut at the tile's ends). `chunks`: scratch for each tile's chunk count.
+void split_tiles(const ItemList& tiles, int32_t chunk, uint32_t part, uint32_t align, ItemList* out,
                  std::vector<MergeItem>* merges, int64_t* partial_rows,
                  std::vector<int32_t>* chunks) {
+  auto count = [&](const WorkItem& t) {
+    return part > 0 ? static_cast<int32_t>(num_parts(units_of(t.kv_begin, t.kv_end, align), part))
+                    : num_chunks(t.kv_begin, t.kv_end, static_cast<uint32_t>(chunk));
+  };
   // Count first: the sizes must fit the int32 fields before anything is written.
   int64_t num_items = 0, num_merges = 0, rows = 0;
   chunks->resize(tiles.size());
   for (size_t i = 0; i < tiles.size(); ++i) {
     const WorkItem& t = tiles.items[i];
-    const int32_t n = num_chunks(t.kv_begin, t.kv_end, static_cast<uint32_t>(chunk));
+    const int32_t n = count(t);
     (*chunks)[i] = n;
     num_items += n;
     if (n > 1) {
@@ -349,11 +418,24 @@ void split_tiles(const ItemList& tiles, int32_t chunk, ItemList* out,
       total += static_cast<int64_t>(tiles.cost[i]);
       continue;
     }
-    // Chunk c covers [max(kv_begin, boundary c), min(kv_end, boundary c + 1)).
+    // Chunk c covers [max(kv_begin, boundary c), min(kv_end, boundary c + 1)), where boundary
+    // c + 1 is the end of chunk c: an absolute multiple of the chunk, or of the alignment.
+    const int64_t first_unit = static_cast<uint32_t>(t.kv_begin) / std::max(align, 1u);
+    const uint32_t units = part > 0 ? units_of(t.kv_begin, t.kv_end, align) : 0;
+    const uint32_t per_part = part > 0 ? units / static_cast<uint32_t>(n) : 0;
+    const int32_t short_parts =
+        part > 0 ? n - static_cast<int32_t>(units % static_cast<uint32_t>(n)) : n;
+    auto end_of = [&](int32_t c) -> int64_t {
+      if (part == 0)
+        return int64_t{t.kv_begin} - static_cast<uint32_t>(t.kv_begin) % chunk +
+               int64_t{c + 1} * chunk;
+      // Units before the end of part c: c + 1 parts of per_part, plus one per long part.
+      const int64_t done = int64_t{c + 1} * per_part + std::max(0, c + 1 - short_parts);
+      return (first_unit + done) * align;
+    };
     int64_t lo = t.kv_begin;
-    int64_t boundary = int64_t{t.kv_begin} - static_cast<uint32_t>(t.kv_begin) % chunk + chunk;
-    for (int32_t c = 0; c < n; ++c, boundary += chunk) {
-      const int64_t hi = std::min<int64_t>(t.kv_end, boundary);
+    for (int32_t c = 0; c < n; ++c) {
+      const int64_t hi = std::min<int64_t>(t.kv_end, end_of(c));
       *it++ = {t.request,
                t.q_begin,
                t.q_len,
@@ -361,7 +443,7 @@ void split_tiles(const ItemList& tiles, int32_t chunk, ItemList* out,
                static_cast<int32_t>(hi),
                base + c * t.q_len,
                c,
-               0};
+               static_cast<int32_t>(m - merges->data())};
       const int64_t chunk_cost = t.q_len * (hi - lo + kItemOverhead);
       *cost++ = static_cast<uint64_t>(chunk_cost);
       *key++ = cost_key(static_cast<uint64_t>(chunk_cost));
@@ -688,7 +770,8 @@ void set_layout(const BatchShape& b, Plan* p) {
   l.items = align_up(sizeof(PlanHeader));
   l.worker_indptr = l.items + align_up(l.max_items * sizeof(WorkItem));
   l.merges = l.worker_indptr + align_up((int64_t{p->num_workers} + 1) * sizeof(int32_t));
-  l.plan_bytes = l.merges + align_up(l.max_merges * sizeof(MergeItem));
+  l.merge_counters = l.merges + align_up(l.max_merges * sizeof(MergeItem));
+  l.plan_bytes = l.merge_counters + align_up(l.max_merges * b.num_qo_heads * sizeof(int32_t));
   const size_t rows = static_cast<size_t>(l.max_partial_rows) * b.num_qo_heads;
   l.partial_o = l.plan_bytes;
   l.partial_lse = l.partial_o + align_up(rows * b.head_dim_v * sizeof(float));
@@ -720,12 +803,16 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   // 2. The chunk size: chunks never cut a page, and are multiples of the kernel's KV tile.
   int64_t align = o.kv_align > 0 ? o.kv_align : kDefaultKvAlign;
   align = ceil_div(align, b.page_size) * b.page_size;
-  int64_t chunk = 0;
-  if (o.enable_split_kv) {
-    chunk = o.fixed_split_size > 0
-                ? ceil_div(o.fixed_split_size, align) * align
-                : auto_chunk(s.tiles, longest, max_workers, p.q_tile, align,
-                             o.min_split_size > 0 ? o.min_split_size : kDefaultMinSplit);
+  int64_t chunk = 0, part = 0;
+  if (o.enable_split_kv && o.fixed_split_size > 0) {
+    chunk = ceil_div(o.fixed_split_size, align) * align;
+  } else if (o.enable_split_kv) {
+    const bool short_tiles = o.min_split_size == 0 && longest <= kShortParts * kShortMinSplit;
+    part = auto_part(s.tiles, longest, max_workers, p.q_tile, align,
+                     o.min_split_size > 0 ? o.min_split_size
+                     : short_tiles        ? kShortMinSplit
+                                          : kDefaultMinSplit);
+    chunk = part * align;
   }
   p.kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
 
@@ -734,7 +821,8 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   p.merges.clear();
   p.num_partial_rows = 0;
   if (chunk > 0) {
-    split_tiles(s.tiles, p.kv_chunk, &s.split, &p.merges, &p.num_partial_rows, &s.chunks_per_tile);
+    split_tiles(s.tiles, p.kv_chunk, static_cast<uint32_t>(part), static_cast<uint32_t>(align),
+                &s.split, &p.merges, &p.num_partial_rows, &s.chunks_per_tile);
     items = &s.split;
   }
   const int32_t num_items = static_cast<int32_t>(items->size());
@@ -805,6 +893,7 @@ void serialize_plan(const Plan& plan, void* dst) {
   const size_t used = plan.merges.size() * sizeof(MergeItem);
   std::memset(base + l.merges + used, 0,
               static_cast<size_t>(l.max_merges) * sizeof(MergeItem) - used);
+  std::memset(base + l.merge_counters, 0, l.plan_bytes - l.merge_counters);
 }
 
 }  // namespace flashkv

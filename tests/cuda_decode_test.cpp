@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "flashkv/ops/attention.h"
@@ -118,18 +119,11 @@ DeviceBatch to_device(const HostBatch& h) {
           h.indptr.to(gpu), h.indices.to(gpu), h.last_page_len.to(gpu)};
 }
 
-// Plans, runs on the GPU and checks against the reference. Returns the plan's merge count.
-// plan_sms > 0 plans for that many SMs (few workers, so each runs many items in a row).
-size_t run_case(Rng& rng, const DecodeCase& c, int plan_sms = 0) {
-  const HostBatch h = make_batch(rng, c);
-  const DeviceBatch dv = to_device(h);
+// Runs `plan` on the GPU for batch h (already on the device as dv), checks the result against
+// the reference, and returns the output (host copy).
+Tensor run_plan(const HostBatch& h, const DeviceBatch& dv, const DecodeCase& c,
+                const DecodePlan& plan) {
   const int64_t batch = static_cast<int64_t>(c.kv_lens.size());
-  const BatchShape bs = shape_of(c, c.kv_lens);
-  PlanOptions po;
-  po.fixed_split_size = c.fixed_split_size;
-  DeviceInfo info = device_info(Device::cuda());
-  if (plan_sms > 0) info.num_sms = plan_sms;
-  const DecodePlan plan = plan_decode(bs, info, po);
   Workspace ws(std::max<size_t>(plan.layout.total_bytes, 256), Device::cuda());
   ws.upload(plan);
   Tensor out = Tensor::empty({batch, c.hq, c.d}, c.q_dtype);
@@ -139,10 +133,27 @@ size_t run_case(Rng& rng, const DecodeCase& c, int plan_sms = 0) {
   Tensor out_d = out.to(Device::cuda()), lse_d = lse.to(Device::cuda());
   paged_decode(plan, dv.q, dv.kv(h), c.opt, out_d, c.want_lse ? lse_d.view() : TensorView(), ws);
   synchronize(Device::cuda());
-  const Tensor out_h = out_d.to(Device::cpu()), lse_h = lse_d.to(Device::cpu());
+  Tensor out_h = out_d.to(Device::cpu()), lse_h = lse_d.to(Device::cpu());
   const auto ref = reference::paged_attention(h.q, TensorView(), h.kv(), c.opt);
   test::expect_close(out_h, c.want_lse ? lse_h.view() : TensorView(), ref, c.q_dtype,
                      is_fp8(c.kv_dtype));
+  return out_h;
+}
+
+DecodePlan plan_case(const DecodeCase& c, int plan_sms = 0) {
+  PlanOptions po;
+  po.fixed_split_size = c.fixed_split_size;
+  DeviceInfo info = device_info(Device::cuda());
+  if (plan_sms > 0) info.num_sms = plan_sms;
+  return plan_decode(shape_of(c, c.kv_lens), info, po);
+}
+
+// Plans, runs on the GPU and checks against the reference. Returns the plan's merge count.
+// plan_sms > 0 plans for that many SMs (few workers, so each runs many items in a row).
+size_t run_case(Rng& rng, const DecodeCase& c, int plan_sms = 0) {
+  const HostBatch h = make_batch(rng, c);
+  const DecodePlan plan = plan_case(c, plan_sms);
+  run_plan(h, to_device(h), c, plan);
   return plan.merges.size();
 }
 
@@ -252,6 +263,55 @@ TEST(CudaDecode, ForcedAndAutomaticSplits) {
   EXPECT_GT(run_case(rng, a), 0u);
 }
 
+// Split requests are merged inside the decode kernel by the CTA whose chunk arrives last.
+// Windows the planner does not see leave whole chunks empty in the kernel (they must still be
+// counted), and a long request cut into many small chunks makes many CTAs race for the count.
+TEST(CudaDecode, InKernelMergeOfEmptyAndManyChunks) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 611);
+  DecodeCase w;
+  w.kv_lens = kAwkwardLens;
+  w.opt.window_left = 40;
+  w.plan_sees_window = false;
+  w.fixed_split_size = 32;
+  EXPECT_GT(run_case(rng, w), 0u);
+  DecodeCase m;
+  m.hq = 32;
+  m.hkv = 8;
+  m.kv_lens = {20000, 3, 5000};
+  m.fixed_split_size = 16;  // 1250 chunks of the first request, each its own item
+  EXPECT_GT(run_case(rng, m), 0u);
+  m.fixed_split_size = 0;  // automatic split of a small batch
+  m.kv_lens = {70000};
+  EXPECT_GT(run_case(rng, m), 0u);
+}
+
+// Deterministic mode (a fixed split): the chunks of a request do not depend on the plan's
+// workers, and the in-kernel merge folds them in chunk order whatever order they arrive in, so
+// plans for different SM counts (other workers, other arrival orders) and repeated runs give
+// the same bits.
+TEST(CudaDecode, FixedSplitResultsAreBitStable) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 612);
+  DecodeCase c;
+  c.hq = 32;
+  c.hkv = 8;
+  c.kv_lens = {3000, 17, 4097, 0, 900, 2500};
+  c.fixed_split_size = 256;
+  const HostBatch h = make_batch(rng, c);
+  const DeviceBatch dv = to_device(h);
+  const Tensor first = run_plan(h, dv, c, plan_case(c));
+  for (int sms : {0, 1, 3, 17, 132}) {
+    SCOPED_TRACE(testing::Message() << "plan SMs " << sms);
+    const DecodePlan plan = plan_case(c, sms);
+    EXPECT_GT(plan.merges.size(), 0u);
+    for (int repeat = 0; repeat < 2; ++repeat) {
+      const Tensor out = run_plan(h, dv, c, plan);
+      EXPECT_EQ(0, std::memcmp(first.data(), out.data(), out.view().nbytes()));
+    }
+  }
+}
+
 // Two workers run a long list of items each: empty ones, one-token ones and split chunks of
 // one tile, so the copy pipeline runs across many item boundaries.
 TEST(CudaDecode, ManyItemsPerWorker) {
@@ -266,6 +326,15 @@ TEST(CudaDecode, ManyItemsPerWorker) {
   c.kv_dtype = DType::fp8_e5m2;
   c.fixed_split_size = 0;
   run_case(rng, c, /*plan_sms=*/1);
+  // One worker with more items than a CTA keeps in shared memory (32; the rest are read from the
+  // plan as the walks reach them), and more than 32 split tiles for its end-of-run merge rounds.
+  c.kv_lens.clear();
+  for (int i = 0; i < 60; ++i) c.kv_lens.push_back(std::vector<int32_t>{0, 33, 1, 70, 65}[i % 5]);
+  c.fixed_split_size = 32;
+  for (DType kv : {DType::bf16, DType::fp8_e4m3}) {
+    c.kv_dtype = kv;
+    EXPECT_GT(run_case(rng, c, /*plan_sms=*/1), 32u);
+  }
 }
 
 TEST(CudaDecode, LongContexts) {
@@ -335,7 +404,7 @@ TEST(CudaDecode, UnsupportedInputsThrow) {
 #if FLASHKV_WITH_CUDA
 // Captures paged_decode into a CUDA graph for one batch, then re-plans and re-uploads a
 // different batch of the same size into the same workspace and buffers and replays: the first
-// batch needs no split, the second does (so the replay also exercises the merge pass).
+// batch needs no split, the second does (so the replay also exercises the in-kernel merge).
 TEST(CudaDecode, GraphReplayWithANewBatch) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 609);
@@ -343,7 +412,9 @@ TEST(CudaDecode, GraphReplayWithANewBatch) {
   c.hq = 16;
   c.hkv = 4;
   c.page_size = 16;
-  const std::vector<std::vector<int32_t>> batches = {{100, 0, 37, 250}, {5000, 1, 2100, 640}};
+  // (No request of the first batch is longer than 128 tokens, the planner's shortest automatic
+  // split part.)
+  const std::vector<std::vector<int32_t>> batches = {{100, 0, 37, 128}, {5000, 1, 2100, 640}};
   // One pool big enough for both; each batch gets its own indices into it.
   c.kv_lens = {7008, 3008, 1008, 1008};  // whole pages: no NaN tail a later batch could reuse
   HostBatch pool = make_batch(rng, c);
@@ -409,11 +480,23 @@ TEST(CudaDecode, GraphReplayWithANewBatch) {
       ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
       cudaGraphDestroy(graph);
     }
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const Tensor out_h = out_d.to(Device::cpu()), lse_h = lse_d.to(Device::cpu());
-    const auto ref = reference::paged_attention(h.q, TensorView(), h.kv(), c.opt);
-    test::expect_close(out_h, lse_h, ref, c.q_dtype);
+    // The split batch is replayed three times with no upload in between (new queries each
+    // time): the in-kernel merge must leave its arrival counters at zero after every run.
+    for (int replay = 0; replay < (round == 0 ? 1 : 3); ++replay) {
+      SCOPED_TRACE(testing::Message() << "replay " << replay);
+      if (replay > 0) {
+        h.q = test::random_tensor(rng, {batch, c.hq, c.d}, c.q_dtype);
+        dv.q.copy_from(h.q);
+        out_d.copy_from(poison_out);
+        lse_d.copy_from(poison_lse);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      }
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const Tensor out_h = out_d.to(Device::cpu()), lse_h = lse_d.to(Device::cpu());
+      const auto ref = reference::paged_attention(h.q, TensorView(), h.kv(), c.opt);
+      test::expect_close(out_h, lse_h, ref, c.q_dtype);
+    }
   }
   cudaGraphExecDestroy(exec);
   cudaStreamDestroy(stream);

@@ -140,6 +140,8 @@ AssertionResult check_layout(const Plan& p) {
       {"items", l.items, static_cast<size_t>(l.max_items) * sizeof(WorkItem)},
       {"worker_indptr", l.worker_indptr, (p.worker_indptr.size()) * sizeof(int32_t)},
       {"merges", l.merges, static_cast<size_t>(l.max_merges) * sizeof(MergeItem)},
+      {"merge_counters", l.merge_counters,
+       static_cast<size_t>(l.max_merges * p.num_qo_heads) * sizeof(int32_t)},
       {"partial_o", l.partial_o, static_cast<size_t>(rows * p.head_dim_v) * sizeof(float)},
       {"partial_lse", l.partial_lse, static_cast<size_t>(rows) * sizeof(float)},
   };
@@ -150,9 +152,9 @@ AssertionResult check_layout(const Plan& p) {
                end, ")");
     end = r.offset + r.bytes;
     PLAN_CHECK(end <= l.total_bytes, r.name, " ends at ", end, " past total_bytes ", l.total_bytes);
-    if (std::string(r.name) == "merges")
+    if (std::string(r.name) == "merge_counters")
       PLAN_CHECK(end <= l.plan_bytes && l.plan_bytes <= l.partial_o, "plan_bytes ", l.plan_bytes,
-                 " does not end the plan part (merges end at ", end, ")");
+                 " does not end the plan part (merge counters end at ", end, ")");
   }
   return AssertionSuccess();
 }
@@ -249,12 +251,20 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
         "item ", i, ": rows [", it.q_begin, ", +", it.q_len, ") outside request ", r);
     PLAN_CHECK(0 <= it.kv_begin && it.kv_begin <= it.kv_end && it.kv_end <= b.kv_len[r], "item ", i,
                ": KV [", it.kv_begin, ", ", it.kv_end, ") outside [0, ", b.kv_len[r], ")");
-    if (p.kv_chunk > 0 && it.kv_end > it.kv_begin)
+    // Deterministic mode: chunks end at absolute multiples of kv_chunk. Automatic: no chunk is
+    // longer than kv_chunk, and each cut (not a tile's own ends) sits at a multiple of the
+    // alignment (checked in the tile loop below).
+    if (p.kv_chunk > 0 && it.kv_end > it.kv_begin && o.fixed_split_size > 0)
       PLAN_CHECK(it.kv_begin / p.kv_chunk == (it.kv_end - 1) / p.kv_chunk, "item ", i, ": KV [",
                  it.kv_begin, ", ", it.kv_end, ") crosses a multiple of kv_chunk ", p.kv_chunk);
+    if (p.kv_chunk > 0)
+      PLAN_CHECK(it.kv_end - it.kv_begin <= p.kv_chunk, "item ", i, ": KV [", it.kv_begin, ", ",
+                 it.kv_end, ") longer than kv_chunk ", p.kv_chunk);
   }
 
   // Tiles: the items of one (request, first row) are the chunks of one tile.
+  const int64_t kv_unit =
+      (int64_t{o.kv_align > 0 ? o.kv_align : 16} + s.page_size - 1) / s.page_size * s.page_size;
   std::map<int32_t, std::vector<const WorkItem*>> tiles;  // by q_begin
   for (const WorkItem& it : p.items) tiles[it.q_begin].push_back(&it);
   PLAN_CHECK(static_cast<int32_t>(tiles.size()) == p.num_tiles, "num_tiles ", p.num_tiles,
@@ -282,6 +292,9 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
         PLAN_CHECK(it.kv_begin == chunks[c - 1]->kv_end, "tile at row ", q_begin, ": chunk ", c,
                    " starts at ", it.kv_begin, ", the previous one ends at ",
                    chunks[c - 1]->kv_end);
+      if (c > 0)
+        PLAN_CHECK(it.kv_begin % kv_unit == 0, "tile at row ", q_begin, ": chunk ", c,
+                   " starts at ", it.kv_begin, ", not a multiple of the alignment ", kv_unit);
       if (num > 1) PLAN_CHECK(it.kv_end > it.kv_begin, "empty chunk ", c, " of a split tile");
     }
     auto mi = merges.find(q_begin);
@@ -299,6 +312,10 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
         const WorkItem& it = *chunks[c];
         PLAN_CHECK(it.partial == m.partial + c * m.q_len, "chunk ", c, " of row ", q_begin,
                    ": partial ", it.partial, ", merge says ", m.partial + c * m.q_len);
+        PLAN_CHECK(it.merge >= 0 && it.merge < static_cast<int32_t>(p.merges.size()) &&
+                       &p.merges[it.merge] == &m,
+                   "chunk ", c, " of row ", q_begin, ": merge index ", it.merge,
+                   " is not its tile's merge");
         PLAN_CHECK(it.partial >= 0 && it.partial + it.q_len <= p.num_partial_rows,
                    "partial rows outside [0, ", p.num_partial_rows, ")");
         for (int32_t x = it.partial; x < it.partial + it.q_len; ++x) {
@@ -603,6 +620,55 @@ TEST(Plan, ChunksAreAlignedToPagesAndKvTile) {
   }
 }
 
+TEST(Plan, AutomaticChunksOfATileDifferByAtMostOneUnit) {
+  // Equal parts, not multiples of the share: no short tail chunks (4096 at a share of ~2000 was
+  // 2000 + 2000 + 96, and the tails piled up on one worker).
+  FLASHKV_SEEDED_RNG(rng, 45);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int sms = std::vector<int>{1, 7, 66, 132}[rng.uniform_int(0, 3)];
+    const DeviceInfo gpu = cuda_like(sms);
+    const int batch = rng.uniform_int(1, 40);
+    std::vector<int32_t> kv(batch);
+    for (int32_t& x : kv)
+      x = rng.uniform_int(0, 3) == 0 ? rng.uniform_int(0, 300) : rng.uniform_int(1, 70000);
+    Batch b = make_batch(true, {}, kv);
+    b.shape.page_size = std::vector<int>{1, 1, 16, 48}[rng.uniform_int(0, 3)];
+    PlanOptions o;
+    o.kv_align = rng.uniform_int(0, 1) ? 0 : rng.uniform_int(1, 100);
+    o.min_split_size = rng.uniform_int(0, 1) ? 0 : rng.uniform_int(1, 600);
+    const int64_t unit = (int64_t{o.kv_align > 0 ? o.kv_align : 16} + b.shape.page_size - 1) /
+                         b.shape.page_size * b.shape.page_size;
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " sms " << sms << " unit " << unit);
+    const DecodePlan p = plan_decode(b.shape, gpu, o);
+    ASSERT_TRUE(check_plan(p, b, gpu, o));
+    std::map<int32_t, std::pair<int32_t, int32_t>> shortest_longest;  // by request
+    for (const WorkItem& it : p.items) {
+      if (it.partial < 0) continue;
+      auto [entry, fresh] =
+          shortest_longest.emplace(it.request, std::make_pair(INT32_MAX, INT32_MIN));
+      entry->second.first = std::min(entry->second.first, it.kv_end - it.kv_begin);
+      entry->second.second = std::max(entry->second.second, it.kv_end - it.kv_begin);
+    }
+    for (const auto& [request, range] : shortest_longest)
+      EXPECT_LE(range.second - range.first, unit)
+          << "request " << request << " of " << kv[request] << " tokens";
+  }
+  // The shapes on an H200 (132 SMs, 32/8 heads: 33 workers a KV head).
+  const DeviceInfo h200 = cuda_like(132);
+  auto chunk_lengths = [&](int batch, int32_t len) {
+    Batch b = make_batch(true, {}, std::vector<int32_t>(batch, len));
+    const DecodePlan p = plan_decode(b.shape, h200, PlanOptions{});
+    EXPECT_TRUE(check_plan(p, b, h200, PlanOptions{}));
+    std::map<int32_t, int> count;
+    for (const WorkItem& it : p.items) ++count[it.kv_end - it.kv_begin];
+    return count;
+  };
+  // 16 x 4096 fits one wave as halves, rather than two waves of thirds.
+  EXPECT_EQ(chunk_lengths(16, 4096), (std::map<int32_t, int>{{2048, 32}}));
+  // 1 x 32768: 33 parts of 62 or 63 units, one a worker.
+  EXPECT_EQ(chunk_lengths(1, 32768), (std::map<int32_t, int>{{992, 31}, {1008, 2}}));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Deterministic mode
 
@@ -614,6 +680,7 @@ std::vector<WorkItem> items_of(const Plan& p, int32_t request, int32_t first_row
     it.request = 0;
     it.q_begin -= first_row;
     it.partial = it.partial < 0 ? -1 : 0;  // where partials go depends on the batch
+    it.merge = 0;                          // and so does the merge's place in the list
     out.push_back(it);
   }
   std::sort(out.begin(), out.end(), [](const WorkItem& a, const WorkItem& b) {
@@ -691,6 +758,7 @@ void expect_same_layout(const Plan& a, const Plan& b) {
   EXPECT_EQ(x.items, y.items);
   EXPECT_EQ(x.worker_indptr, y.worker_indptr);
   EXPECT_EQ(x.merges, y.merges);
+  EXPECT_EQ(x.merge_counters, y.merge_counters);
   EXPECT_EQ(x.partial_o, y.partial_o);
   EXPECT_EQ(x.partial_lse, y.partial_lse);
   EXPECT_EQ(x.plan_bytes, y.plan_bytes);
@@ -828,6 +896,9 @@ TEST(Plan, SerializeWritesHeaderItemsAndZeroPaddedMerges) {
     ASSERT_EQ(pad.q_len, 0) << "merge slot " << m;
     ASSERT_EQ(pad.num_chunks, 0) << "merge slot " << m;
   }
+  // The merge counters start at zero in every upload (the buffer was filled with 0xcd).
+  for (size_t x = p.layout.merge_counters; x < p.layout.plan_bytes; ++x)
+    ASSERT_EQ(buf[x], 0) << "counter byte " << x - p.layout.merge_counters;
   EXPECT_THROW(serialize_plan(Plan{}, buf.data()), Error);
 }
 

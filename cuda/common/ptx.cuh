@@ -102,6 +102,18 @@ __device__ __forceinline__ float tanh_fast(float x) {
   return y;
 }
 
+// *addr += value at GPU scope with acquire-release semantics (returns the old value): after a
+// CTA barrier, one thread's release publishes the whole CTA's earlier stores, and its acquire
+// makes other CTAs' released stores visible to the CTA past the next barrier.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* addr, int value) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
+               : "=r"(old)
+               : "l"(addr), "r"(value)
+               : "memory");
+  return old;
+}
+
 // Programmatic dependent launch (sm_90): a kernel launched with programmatic stream
 // serialization may start before its predecessor ends; it must wait before reading what the
 // predecessor wrote. The predecessor lets it start early with launch_dependents. Both are

@@ -12,6 +12,13 @@
 // waits on the other; the query rows of an item ride in the stage of its first tile. The ring
 // has kStages + 1 slots: the prologue issues two tiles' copies with no barrier in between.
 //
+// Split requests: a CTA stores the partial state of each chunk of a split tile it runs; after
+// its last item it counts those chunks' arrivals in the workspace's merge counters of (tile,
+// head group); the CTA that brings a count to the tile's chunk count merges all chunks into the
+// output, reading them back in chunk order (so the result has the same bits whichever CTA comes
+// last, and in deterministic mode whatever the rest of the batch), and sets the counter back to
+// zero for the next run (a CUDA graph replays with no upload in between). No second kernel.
+//
 // Math (per warp, per 16-token block; the CTA's warps take blocks round-robin and merge their
 // softmax states at the end of an item): tokens are the M side of the mma and query heads the N
 // side, so G <= 8 heads waste no more than the N padding:
@@ -30,6 +37,7 @@
 #include <type_traits>
 
 #include "common/convert.cuh"
+#include "common/merge_state.cuh"
 #include "common/ptx.cuh"
 #include "decode/traits.h"
 #include "flashkv/core/cuda_runtime.h"
@@ -39,12 +47,21 @@ namespace flashkv::cuda::decode {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// An item as the kernel walks it.
-struct ItemView {
+// An item as the kernel walks it (the first kItemSlots items of a CTA sit in shared memory,
+// made once at the start, so that moving to the next item costs no dependent global loads).
+struct alignas(8) ItemView {
   int32_t row;         // query / output row
   int32_t partial;     // -1: write the output; else the partial row
   int32_t lo, hi;      // KV positions to attend, [lo, hi); empty when lo >= hi
   int32_t entry_base;  // kv_indptr[request]: first kv_indices entry of the request
+  int32_t merge;       // split items: the tile's MergeItem
+};
+static_assert(sizeof(ItemView) == kItemViewBytes, "ItemView size (traits.h)");
+
+// A split tile whose last chunk a CTA brought in: where its chunks' partial states are (rows
+// partial + c * q_len, c < num_chunks) and its output row.
+struct TileMerge {
+  int32_t row, partial, num_chunks, q_len;
 };
 
 __device__ __forceinline__ int32_t kv_len_of(const AttentionParams& p, int32_t r) {
@@ -53,12 +70,12 @@ __device__ __forceinline__ int32_t kv_len_of(const AttentionParams& p, int32_t r
   return (n - 1) * p.page_size + p.last_page_len[r];
 }
 
-__device__ __forceinline__ ItemView load_item(const AttentionParams& p, int32_t idx) {
-  const WorkItem it = p.items[idx];
+__device__ __forceinline__ ItemView view_of(const AttentionParams& p, const WorkItem& it) {
   const int32_t kv_len = kv_len_of(p, it.request);
   ItemView v;
   v.row = it.q_begin;
   v.partial = it.partial;
+  v.merge = it.merge;
   v.entry_base = p.kv_indptr[it.request];
   v.lo = max(it.kv_begin, 0);
   v.hi = min(it.kv_end, kv_len);
@@ -85,6 +102,7 @@ struct DecodeCta {
   unsigned char* smem;
   int tid, warp, lane, r, c;  // r = lane / 4, c = lane % 4: the mma fragment coordinates
   int kv_head, heads, qh0;    // heads handled (<= kHeads) and the first one's global index
+  int32_t first_item;         // the CTA's first item (its view is item_views()[0])
   float score_scale, softcap_in, softcap_out;  // for the whole kernel
   float item_score_scale, item_softcap_in;     // the same over the item's query scale
 
@@ -114,6 +132,15 @@ struct DecodeCta {
                                       Tr::kRedBytes) +
            (tile % Tr::kIndexSlots) * T;
   }
+  __device__ ItemView* item_views() const {
+    return reinterpret_cast<ItemView*>(smem + kStages * Tr::kStageBytes + Tr::kOutBytes +
+                                       Tr::kRedBytes + Tr::kIndexBytes);
+  }
+  // Item idx of this CTA: from shared memory for the first kItemSlots, else from the plan.
+  __device__ ItemView item(int32_t idx) const {
+    const int32_t k = idx - first_item;
+    return k < kItemSlots ? item_views()[k] : view_of(p, p.items[idx]);
+  }
 
   // ---- schedule -------------------------------------------------------------------------------
 
@@ -121,7 +148,7 @@ struct DecodeCta {
   // (finish_empty) also stores the result of every empty item it passes (O = 0, LSE = -inf).
   __device__ void seek(Cursor& c, bool finish_empty = false) {
     for (; c.item < c.last; ++c.item) {
-      c.v = load_item(p, c.item);
+      c.v = item(c.item);
       if (c.v.lo < c.v.hi) {
         c.pos = c.v.lo;
         c.first = true;
@@ -449,6 +476,123 @@ struct DecodeCta {
     }
   }
 
+  // After the CTA's last item: counts the arrival of each of its split items (items
+  // [first, last), 32 per round, one lane each) and merges the tiles whose count it completes
+  // (see the top of the file). Counting once at the end, not after each item, keeps the copy
+  // pipeline running across items: a count costs a release fence and an atomic round trip.
+  // Release and acquire at GPU scope by the counting lanes, after / before CTA barriers: the
+  // barrier orders every thread's partial stores before the release; the acquire orders the other
+  // chunks' stores before the merge's reads (which go to L2).
+  __device__ void merge_finished_tiles(int32_t first, int32_t last) {
+    // The tiles this CTA completes in a round (out_buf is free once the last item is stored).
+    TileMerge* done = reinterpret_cast<TileMerge*>(out_buf());
+    int* num_done = reinterpret_cast<int*>(red());
+    for (int32_t base = first; base < last; base += 32) {
+      __syncthreads();  // partial stores done (and the previous round's list read)
+      if (warp == 0) {
+        const int32_t i = base + lane;
+        bool completes = false;
+        TileMerge t{};
+        if (i < last) {
+          const ItemView v = item(i);
+          if (v.partial >= 0) {
+            int32_t* counter = p.merge_counters + int64_t{v.merge} * p.num_qo_heads + qh0;
+            const MergeItem m = p.merges[v.merge];
+            completes = ptx::atomic_add_acq_rel_gpu(counter, 1) == m.num_chunks - 1;
+            if (completes) *counter = 0;  // no other CTA touches it again in this run
+            t = {v.row, m.partial, m.num_chunks, m.q_len};
+          }
+        }
+        const uint32_t mask = __ballot_sync(0xffffffffu, completes);
+        if (completes) done[__popc(mask & ((1u << lane) - 1))] = t;
+        if (lane == 0) *num_done = __popc(mask);
+      }
+      __syncthreads();
+      const int n = *num_done;
+      if (n == 0) continue;
+      // (tile, head, 4-dim vector) units spread over all threads: a round's tiles cost about one
+      // L2 round trip per chunk batch, not one per tile. With more units than threads, two units
+      // a thread with their loads in flight together.
+      if (n * heads * (D / 4) <= Tr::kThreads)
+        merge_units<1, 8>(done, n);
+      else
+        merge_units<2, 4>(done, n);
+    }
+  }
+
+  // Folds the partial states of the split tiles done[0, n) (all chunks of each) into their
+  // output rows; unit u is tile u / (heads D / 4), head (u / (D / 4)) % heads, dims 4 (u % (D / 4))
+  // .. + 3. Each thread takes kUnits units at a time and keeps kBatch chunk loads of each in
+  // flight before folding them in chunk order (deterministic).
+  template <int kUnits, int kBatch>
+  __device__ void merge_units(const TileMerge* done, int n) {
+    constexpr int kVecs = D / 4;
+    const int per_tile = heads * kVecs;
+    const int total = n * per_tile;
+    for (int u0 = tid; u0 < total; u0 += kUnits * Tr::kThreads) {
+      int64_t first_row[kUnits];  // partial row of chunk 0, times Hq, plus the head
+      int64_t chunk_step[kUnits];
+      int32_t chunks[kUnits], out_row[kUnits];
+      int h[kUnits], d[kUnits];
+      int32_t most = 0;
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        const int u = min(u0 + j * Tr::kThreads, total - 1);  // past the end: a copy of the last
+        const TileMerge& t = done[u / per_tile];
+        h[j] = (u % per_tile) / kVecs;
+        d[j] = (u % kVecs) * 4;
+        first_row[j] = int64_t{t.partial} * p.num_qo_heads + qh0 + h[j];
+        chunk_step[j] = int64_t{t.q_len} * p.num_qo_heads;
+        chunks[j] = t.num_chunks;
+        out_row[j] = t.row;
+        most = max(most, chunks[j]);
+      }
+      MergeState st[kUnits];
+      float4 acc[kUnits];
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int32_t c0 = 0; c0 < most; c0 += kBatch) {
+        // L2 reads (other SMs wrote them); every load of the batch is issued before the first
+        // is used (a chunk past a unit's end reloads its last chunk).
+        float lse[kUnits][kBatch];
+        float4 x[kUnits][kBatch];
+#pragma unroll
+        for (int j = 0; j < kUnits; ++j)
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            const int64_t row = first_row[j] + min(c0 + k, chunks[j] - 1) * chunk_step[j];
+            lse[j][k] = __ldcg(p.partial_lse + row);
+            x[j][k] = __ldcg(reinterpret_cast<const float4*>(p.partial_o + row * D + d[j]));
+          }
+#pragma unroll
+        for (int j = 0; j < kUnits; ++j)
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {  // folded in chunk order: deterministic
+            if (c0 + k >= chunks[j]) break;
+            float rescale, weight;
+            st[j].add(lse[j][k], rescale, weight);
+            if (weight == 0.0f) continue;  // an empty chunk (rescale is 1 then)
+            acc[j].x = acc[j].x * rescale + weight * x[j][k].x;
+            acc[j].y = acc[j].y * rescale + weight * x[j][k].y;
+            acc[j].z = acc[j].z * rescale + weight * x[j][k].z;
+            acc[j].w = acc[j].w * rescale + weight * x[j][k].w;
+          }
+      }
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        if (u0 + j * Tr::kThreads >= total) break;
+        const float inv = st[j].inv_sum();
+        uint2 packed;
+        packed.x = pack2<QT>(acc[j].x * inv, acc[j].y * inv);
+        packed.y = pack2<QT>(acc[j].z * inv, acc[j].w * inv);
+        *reinterpret_cast<uint2*>(static_cast<QT*>(p.o) + int64_t{out_row[j]} * p.o_stride_n +
+                                  int64_t{qh0 + h[j]} * p.o_stride_h + d[j]) = packed;
+        if (d[j] == 0 && p.lse)
+          p.lse[int64_t{out_row[j]} * p.num_qo_heads + qh0 + h[j]] = st[j].lse();
+      }
+    }
+  }
+
   // Merges the warps' states of the finished item (in warp order: deterministic) and stores it.
   __device__ void finalize(const ItemView& v) {
     float* red_m = red();                              // [Tr::kWarps][kHeads]
@@ -542,11 +686,16 @@ struct DecodeCta {
         cons.first = false;
       }
       const int valid = min(T, cons.v.hi - cons.pos);
-#pragma unroll
-      for (int b = 0; b < Tr::kBlocks; ++b) {
-        if (static_cast<int>((tile_count * Tr::kBlocks + b) % Tr::kWarps) != warp) continue;
-        if (valid > 16 * b) block(st, b, valid - 16 * b);
-      }
+      // The warps take the tile's 16-token blocks round-robin, continuing from the last tile.
+      // One block body indexed by the warp (not unrolled over the blocks with a test of the
+      // warp): every warp's code would hold every block's copy, and fp8 ran instruction-fetch
+      // bound (ncu: 41% of a warp's cycles waiting on a fetch).
+      int b = warp;
+      if constexpr (Tr::kBlocks % Tr::kWarps != 0)
+        b = (warp + Tr::kWarps - static_cast<int>(tile_count * Tr::kBlocks % Tr::kWarps)) %
+            Tr::kWarps;
+#pragma unroll 1
+      for (; b < Tr::kBlocks && 16 * b < valid; b += Tr::kWarps) block(st, b, valid - 16 * b);
       stage = (stage + 1) % kStages;
       ++tile_count;
       cons.pos += T;
@@ -557,6 +706,7 @@ struct DecodeCta {
       }
     }
     ptx::cp_async_wait<0>();
+    merge_finished_tiles(first_item, last_item);
   }
 };
 
@@ -564,10 +714,25 @@ template <class Tr, typename QT, KvKind kKv>
 __global__ void __launch_bounds__(Tr::kThreads, 2)
     decode_kernel(const __grid_constant__ AttentionParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  // Every CTA of the persistent grid is resident: dependents (the merge) may be scheduled now
-  // and wait in griddepcontrol.wait.
+  // Every CTA of the persistent grid is resident: a dependent kernel launched with programmatic
+  // stream serialization may be scheduled now (it waits in griddepcontrol.wait).
   ptx::launch_dependents();
+  // Under programmatic dependent launch this grid may start while the previous kernel of the
+  // stream still runs. Only the plan's worker ranges are read before waiting for it: no kernel
+  // writes them (an upload is a copy, which a kernel never overlaps); Q, the KV and its indices,
+  // the counters and the outputs may all be another kernel's.
+  const int32_t first_item = p.worker_indptr[blockIdx.x];
+  const int32_t last_item = p.worker_indptr[blockIdx.x + 1];
+  // The CTA's first kItemSlots items, a thread each: plan data as well, so loaded before the
+  // wait too. Their views (which read kv_indptr) are made after it.
+  const bool has_item = threadIdx.x < kItemSlots && first_item + int32_t(threadIdx.x) < last_item;
+  WorkItem it{};
+  if (has_item) it = p.items[first_item + threadIdx.x];
+  ptx::grid_dependency_wait();
   DecodeCta<Tr, QT, kKv> cta{p, smem};
+  cta.first_item = first_item;
+  if (has_item) cta.item_views()[threadIdx.x] = view_of(p, it);
+  __syncthreads();
   cta.tid = threadIdx.x;
   cta.warp = threadIdx.x / 32;
   cta.lane = threadIdx.x % 32;
@@ -582,11 +747,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   cta.score_scale = qk_scale * kLog2e;
   cta.softcap_in = p.logits_soft_cap > 0.0f ? qk_scale / p.logits_soft_cap : 0.0f;
   cta.softcap_out = p.logits_soft_cap * kLog2e;
-  cta.run(p.worker_indptr[blockIdx.x], p.worker_indptr[blockIdx.x + 1]);
+  cta.run(first_item, last_item);
 }
 
 template <int D, typename QT, KvKind kKv, int kNTiles>
-void launch_decode(const AttentionParams& p, cudaStream_t stream) {
+void launch_decode(const AttentionParams& p, cudaStream_t stream, bool programmatic) {
   using Tr = Traits<D, kKv, kNTiles>;
   auto kernel = decode_kernel<Tr, QT, kKv>;
   // Raising the dynamic shared-memory limit is per device and idempotent; it is cheap, and not
@@ -600,9 +765,17 @@ void launch_decode(const AttentionParams& p, cudaStream_t stream) {
                                           cudaSharedmemCarveoutMaxShared),
                      "paged_decode: cudaFuncSetAttribute");
   const int group = p.num_qo_heads / p.num_kv_heads;
-  const dim3 grid(p.num_workers, p.num_kv_heads, (group + Tr::kHeads - 1) / Tr::kHeads);
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
-  detail::cuda_check(cudaGetLastError(), "paged_decode: kernel launch");
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(p.num_workers, p.num_kv_heads, (group + Tr::kHeads - 1) / Tr::kHeads);
+  config.blockDim = dim3(Tr::kThreads, 1, 1);
+  config.dynamicSmemBytes = Tr::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = programmatic ? 1 : 0;
+  detail::cuda_check(cudaLaunchKernelEx(&config, kernel, p), "paged_decode: kernel launch");
 }
 
 }  // namespace flashkv::cuda::decode

@@ -13,6 +13,9 @@ namespace flashkv::cuda::decode {
 constexpr int kStages = 3;  // KV tiles: one being computed, two in flight
 // Shared memory one CTA may use so that two fit on an SM (228 KB, 1 KB reserved per CTA).
 constexpr int kSmemBudget = 112 * 1024;
+// Items of a CTA whose views (decode_kernel.cuh, ItemView) are made once into shared memory.
+constexpr int kItemSlots = 32;
+constexpr int kItemViewBytes = 24;
 
 // D: head dim (Q/K and V alike); kKv: KV element kind; kNTiles: 8-head column tiles of the
 // mma (the CTA handles up to 8 * kNTiles query heads of one KV head).
@@ -42,34 +45,39 @@ struct Traits {
   // passes of the whole CTA per stage.
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kTokenStep = kRowsPerPass > 16 ? kRowsPerPass : 16;  // both powers of 2
-  static constexpr int kFitTokens = ((kSmemBudget - kOutBytes - kRedBytes) / kStages - kQBytes) /
-                                    (2 * kRowBytes + 8) / kTokenStep * kTokenStep;
+  static constexpr int kItemBytes = kItemSlots * kItemViewBytes;
+  static constexpr int kFitTokens =
+      ((kSmemBudget - kOutBytes - kRedBytes - kItemBytes) / kStages - kQBytes) /
+      (2 * kRowBytes + 8) / kTokenStep * kTokenStep;
   static constexpr int kTileTokens = kFitTokens < 8 * kRowsPerPass ? kFitTokens : 8 * kRowsPerPass;
   static constexpr int kPasses = kTileTokens / kRowsPerPass;
   static constexpr int kBlocks = kTileTokens / 16;
   static constexpr int kTileBytes = kTileTokens * kRowBytes;
   static constexpr int kStageBytes = 2 * kTileBytes + kQBytes;  // K tile, V tile, Q slot
   static constexpr int kIndexBytes = kIndexSlots * kTileTokens * 4;
-  static constexpr int kSmemBytes = kStages * kStageBytes + kOutBytes + kRedBytes + kIndexBytes;
+  static constexpr int kSmemBytes =
+      kStages * kStageBytes + kOutBytes + kRedBytes + kIndexBytes + kItemBytes;
   static_assert(kTileTokens >= 16 && kTileTokens % kRowsPerPass == 0, "tile shape");
   static_assert(kSmemBytes <= kSmemBudget, "shared memory budget");
+  // The merge at the end lists up to 32 tiles (16 bytes each) in the finalize buffer.
+  static_assert(kOutBytes >= 32 * 16 && kRedBytes >= 4, "merge list");
 };
 
-// Launches the decode kernel for p (grid: p.num_workers x Hkv x head groups).
+// Launches the decode kernel for p (grid: p.num_workers x Hkv x head groups); `programmatic`:
+// with programmatic stream serialization (sm_90: may start before the previous kernel ends).
 template <int D, typename QT, KvKind kKv, int kNTiles>
-void launch_decode(const AttentionParams& p, cudaStream_t stream);
+void launch_decode(const AttentionParams& p, cudaStream_t stream, bool programmatic);
 
 // Explicit instantiations of one head dim and head-tile count for every query / KV type pair
 // (used by cuda/inst/decode_d*.cu, one file per head dim so the builds run in parallel).
-#define FLASHKV_DECODE_INSTANTIATE(D, NT)                                                         \
-  template void launch_decode<D, __nv_bfloat16, KvKind::same16, NT>(const AttentionParams&,       \
-                                                                    cudaStream_t);                \
-  template void launch_decode<D, __nv_bfloat16, KvKind::e4m3, NT>(const AttentionParams&,         \
-                                                                  cudaStream_t);                  \
-  template void launch_decode<D, __nv_bfloat16, KvKind::e5m2, NT>(const AttentionParams&,         \
-                                                                  cudaStream_t);                  \
-  template void launch_decode<D, half, KvKind::same16, NT>(const AttentionParams&, cudaStream_t); \
-  template void launch_decode<D, half, KvKind::e4m3, NT>(const AttentionParams&, cudaStream_t);   \
-  template void launch_decode<D, half, KvKind::e5m2, NT>(const AttentionParams&, cudaStream_t);
+#define FLASHKV_DECODE_INSTANTIATE_ONE(D, QT, KV, NT) \
+  template void launch_decode<D, QT, KvKind::KV, NT>(const AttentionParams&, cudaStream_t, bool);
+#define FLASHKV_DECODE_INSTANTIATE(D, NT)                      \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, same16, NT) \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, e4m3, NT)   \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, e5m2, NT)   \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, same16, NT)          \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, e4m3, NT)            \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, e5m2, NT)
 
 }  // namespace flashkv::cuda::decode

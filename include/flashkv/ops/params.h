@@ -77,6 +77,8 @@ struct AttentionParams {
   int32_t max_merges = 0;        // merge capacity of the layout (graph mode: the merge grid's size)
   float* partial_o = nullptr;    // [partial_rows, Hq, D_v]
   float* partial_lse = nullptr;  // [partial_rows, Hq]
+  // [max_merges, Hq] arrival counters of split tiles (workspace, zero between runs).
+  int32_t* merge_counters = nullptr;
 };
 
 // merge_state / merge_states: `num_states` states of [rows, heads, dim] each.

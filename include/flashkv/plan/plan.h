@@ -30,7 +30,9 @@ struct WorkItem {
   // buffers (partial O [rows, Hq, D_v] f32, partial LSE [rows, Hq] f32).
   int32_t partial;
   int32_t chunk;
-  int32_t reserved;
+  // Split items (partial >= 0): the index in `merges` of the tile's MergeItem (its chunk count
+  // and first partial row; the CUDA decode kernel merges the chunks itself). 0 otherwise.
+  int32_t merge;
 };
 static_assert(sizeof(WorkItem) == 32, "WorkItem is uploaded as raw bytes");
 
@@ -61,20 +63,25 @@ struct PlanHeader {
 static_assert(sizeof(PlanHeader) == 32, "PlanHeader is uploaded as raw bytes");
 constexpr uint32_t kPlanMagic = 0x504b5646;  // "FVKP" in little-endian bytes
 // Bumped whenever PlanHeader, WorkItem, MergeItem or the order of the workspace pieces changes.
-constexpr uint32_t kPlanFormatVersion = 1;
+constexpr uint32_t kPlanFormatVersion = 2;
 
 // Where each piece of a plan lives inside the workspace (byte offsets, 256-byte aligned), in
-// this order: header, items, worker_indptr, merges (together the uploaded plan part, plan_bytes
-// long), then partial O and partial LSE. Sized for the capacities below: in graph mode those
-// come from PlanOptions only, so every plan of a captured graph has the same layout.
+// this order: header, items, worker_indptr, merges, merge counters (together the uploaded plan
+// part, plan_bytes long), then partial O and partial LSE. Sized for the capacities below: in
+// graph mode those come from PlanOptions only, so every plan of a captured graph has the same
+// layout.
 struct WorkspaceLayout {
   size_t header = 0;         // PlanHeader
   size_t items = 0;          // WorkItem[max_items]
   size_t worker_indptr = 0;  // int32[num_workers + 1]
   size_t merges = 0;         // MergeItem[max_merges]
-  size_t partial_o = 0;      // float[max_partial_rows, Hq, D_v]
-  size_t partial_lse = 0;    // float[max_partial_rows, Hq]
-  size_t plan_bytes = 0;     // bytes of the plan part (header .. merges), uploaded
+  // int32[max_merges, Hq]: arrival counts of a merge's chunks, per CTA head group (indexed by
+  // the group's first query head); zero in every upload, and a kernel that counts leaves them
+  // zero again when it ends (so a CUDA graph replays without an upload in between).
+  size_t merge_counters = 0;
+  size_t partial_o = 0;    // float[max_partial_rows, Hq, D_v]
+  size_t partial_lse = 0;  // float[max_partial_rows, Hq]
+  size_t plan_bytes = 0;   // bytes of the plan part (header .. merge counters), uploaded
   size_t total_bytes = 0;
   int64_t max_items = 0;         // graph mode: the capacity; otherwise this plan's count
   int64_t max_merges = 0;        // likewise
@@ -122,8 +129,8 @@ struct PlanOptions {
   // CUDA: resident CTAs per SM the kernel is sized for (0: 2). The grid's x extent is at most
   // num_sms * blocks_per_sm / Hkv workers (grid.y runs the KV heads), so one wave fills the GPU.
   int32_t blocks_per_sm = 0;
-  // Shortest KV chunk an automatic split makes (0: 256 tokens); smaller chunks cost more in
-  // merging than they gain in parallelism.
+  // Shortest KV chunk an automatic split makes (0: 256 tokens, or 128 where no tile is longer
+  // than 1024); smaller chunks cost more in merging than they gain in parallelism.
   int32_t min_split_size = 0;
 };
 
@@ -135,8 +142,9 @@ struct Plan {
   Device device;
   uint64_t id = 0;  // unique per planning call; the workspace remembers which plan it holds
   int32_t q_tile = 1;
-  // KV chunk (tokens) that split tiles were cut into, at absolute multiples of it; 0: no split.
-  // In deterministic mode the (aligned) fixed_split_size, even where no tile needed cutting.
+  // 0: no split. Deterministic mode: the (aligned) fixed_split_size, chunks cut at absolute
+  // multiples of it, even where no tile needed cutting. Automatic: the longest a part may be
+  // (each split tile is cut into equal parts of whole alignment units, at most this long).
   int32_t kv_chunk = 0;
   // CUDA: grid.x (grid.y = Hkv). CPU: max(1, threads / Hkv), so that workers x Hkv (item, KV
   // head) tasks fill the threads as the CUDA grid fills the SMs.
