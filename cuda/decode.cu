@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "common/device_cc.h"
+#include "common/kernel_launch.h"
 #include "decode/traits.h"
 #include "flashkv/core/cuda_runtime.h"
 #include "flashkv/core/error.h"

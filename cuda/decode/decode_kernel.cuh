@@ -37,6 +37,7 @@
 #include <type_traits>
 
 #include "common/convert.cuh"
+#include "common/kernel_launch.h"
 #include "common/merge_state.cuh"
 #include "common/ptx.cuh"
 #include "decode/traits.h"
@@ -765,17 +766,9 @@ void launch_decode(const AttentionParams& p, cudaStream_t stream, bool programma
                                           cudaSharedmemCarveoutMaxShared),
                      "paged_decode: cudaFuncSetAttribute");
   const int group = p.num_qo_heads / p.num_kv_heads;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(p.num_workers, p.num_kv_heads, (group + Tr::kHeads - 1) / Tr::kHeads);
-  config.blockDim = dim3(Tr::kThreads, 1, 1);
-  config.dynamicSmemBytes = Tr::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = programmatic ? 1 : 0;
-  detail::cuda_check(cudaLaunchKernelEx(&config, kernel, p), "paged_decode: kernel launch");
+  launch_kernel(kernel, dim3(p.num_workers, p.num_kv_heads, (group + Tr::kHeads - 1) / Tr::kHeads),
+                dim3(Tr::kThreads, 1, 1), Tr::kSmemBytes, stream, programmatic, p,
+                "paged_decode: kernel launch");
 }
 
 }  // namespace flashkv::cuda::decode

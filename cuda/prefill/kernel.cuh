@@ -9,7 +9,7 @@
 
 #include <cuda_runtime.h>
 
-#include "common/device_cc.h"
+#include "common/kernel_launch.h"
 #include "flashkv/core/error.h"
 #include "prefill/epilogue.cuh"
 #include "prefill/launch.h"
@@ -132,19 +132,11 @@ void launch_prefill(const AttentionParams& p, cudaStream_t stream) {
   check_cuda(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(p.num_workers, p.num_kv_heads, 1);
-  config.blockDim = dim3(kPrefillThreads, 1, 1);
-  config.dynamicSmemBytes = Cfg::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
   // Overlap with the kernel before only where the kernel waits for it (a merge state) and the
   // architecture has programmatic dependent launch.
-  config.numAttrs = p.merge_o && p.overlap_previous && current_device_cc() >= 90 ? 1 : 0;
-  check_cuda(cudaLaunchKernelEx(&config, kernel, p), "prefill: kernel launch");
+  const bool programmatic = p.merge_o && p.overlap_previous && current_device_cc() >= 90;
+  launch_kernel(kernel, dim3(p.num_workers, p.num_kv_heads, 1), dim3(kPrefillThreads, 1, 1),
+                Cfg::kSmemBytes, stream, programmatic, p, "prefill: kernel launch");
 }
 
 }  // namespace flashkv::cuda::prefill_detail

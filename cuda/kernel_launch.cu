@@ -1,9 +1,9 @@
-// current_device_cc (common/device_cc.h).
+// current_device_cc (common/kernel_launch.h): the compute capability, cached per device.
 #include <cuda_runtime.h>
 
 #include <atomic>
 
-#include "common/device_cc.h"
+#include "common/kernel_launch.h"
 #include "flashkv/core/cuda_runtime.h"
 
 namespace flashkv::cuda {
