@@ -130,7 +130,7 @@ __device__ __forceinline__ void apply_soft_cap(float (&s)[Cfg::kMTiles][Cfg::kKv
 #pragma unroll
     for (int nt = 0; nt < Cfg::kKvTile / 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[mt][nt][e] = cap * fast_tanh(s[mt][nt][e] * scale_over_cap);
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = cap * tanh_fast(s[mt][nt][e] * scale_over_cap);
 }
 
 }  // namespace flashkv::cuda::prefill_detail

@@ -1,13 +1,15 @@
-// Device primitives of the prefill kernels (sm_80+): asynchronous global-to-shared copies,
-// ldmatrix, the m16n8k16 tensor-core MMA with fp32 accumulation, fast exp2/tanh, and the
-// element conversions (16-bit pairs, fp8 to 16-bit). Private to cuda/prefill*.
+// Device primitives of the prefill kernels (sm_80+), under the names the prefill code uses:
+// the element conversions (16-bit pairs, fp8 to 16-bit) and the generic-pointer cp.async here;
+// ldmatrix, the m16n8k16 MMA, fast exp2/tanh and the cp.async groups from common/ptx.cuh.
+// Private to cuda/prefill*.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <type_traits>
+
+#include "common/ptx.cuh"
 
 namespace flashkv::cuda::prefill_detail {
 
@@ -72,60 +74,26 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
                "r"(src_bytes));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
 
 // --- ldmatrix / mma ---------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// ldmatrix on a shared-memory byte address (as from smem_addr).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t s) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t s) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
+using ptx::ldmatrix_x4;  // on a shared-memory byte address (as from smem_addr)
+using ptx::ldmatrix_x4_trans;
+using ptx::smem_addr;
 
 // d += a * b for one m16n8k16 tile: a 16x16 (row), b 16x8 (col), d 16x8 fp32.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                           uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  const uint32_t b[2] = {b0, b1};
+  ptx::mma_m16n8k16<T>(d, a, b);
 }
 
 // --- fast math --------------------------------------------------------------------------------
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float fast_tanh(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
+using ptx::exp2_fast;
+using ptx::tanh_fast;
 
 }  // namespace flashkv::cuda::prefill_detail

@@ -51,7 +51,7 @@ struct OnlineSoftmax {
         // First visible key: -inf -> finite gives +inf > threshold. Still nothing visible:
         // (-inf) - (-inf) is NaN, which compares false, and the max stays -inf.
         const bool raise = (m - row_max[mt][h]) * c > kRescaleLog2;
-        corr[mt][h] = raise ? fast_exp2(row_max[mt][h] * c - m * c) : 1.0f;
+        corr[mt][h] = raise ? exp2_fast(row_max[mt][h] * c - m * c) : 1.0f;
         if (raise) row_max[mt][h] = m;
         raise_any |= raise;
         // A row that has seen no visible key keeps max -inf; use 0 as its offset so that
@@ -60,8 +60,8 @@ struct OnlineSoftmax {
         float sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-          s[mt][nt][2 * h] = fast_exp2(fmaf(s[mt][nt][2 * h], c, -m_scaled));
-          s[mt][nt][2 * h + 1] = fast_exp2(fmaf(s[mt][nt][2 * h + 1], c, -m_scaled));
+          s[mt][nt][2 * h] = exp2_fast(fmaf(s[mt][nt][2 * h], c, -m_scaled));
+          s[mt][nt][2 * h + 1] = exp2_fast(fmaf(s[mt][nt][2 * h + 1], c, -m_scaled));
           sum += s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
         }
         row_sum[mt][h] = row_sum[mt][h] * corr[mt][h] + sum;
