@@ -288,8 +288,7 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
         const int32_t q0 = b.qo_indptr[r];
         const int32_t q_len = b.qo_indptr[r + 1] - q0;
         const int64_t kv_len = b.kv_len[r];
-        for (int32_t row = 0; row < q_len; row += q_tile) {
-          const int32_t rows = std::min(q_tile, q_len - row);
+        auto tile = [&](int32_t row, int32_t rows) {
           // Query row q of a request sits at position kv_len - q_len + q (negative: sees
           // nothing under causal masking).
           const int64_t first_pos = kv_len - q_len + row;
@@ -299,7 +298,11 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
           if constexpr (causal) hi = std::max<int64_t>(lo, first_pos + rows);
           emit({r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1, 0, 0},
                /*track_longest=*/windowed);
-        }
+        };
+        // Full tiles, then the last one (no per-tile minimum for the row count).
+        int32_t row = 0;
+        for (; row < q_len - q_tile; row += q_tile) tile(row, q_tile);
+        if (q_len > 0) tile(row, q_len - row);
         // Unwindowed, every tile's KV starts at 0 and the last one's ends at kv_len (causal:
         // its last row sits at kv_len - 1), the longest range of the request's tiles.
         if constexpr (!windowed) longest = std::max<int64_t>(longest, q_len > 0 ? kv_len : 0);
