@@ -262,13 +262,12 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
   uint64_t* cost = tiles->cost.data();
   uint8_t* key = tiles->key.data();
   int64_t longest = 0, total = 0;
-  // track_longest: false where the caller knows the longest KV range of the request's tiles.
-  auto emit = [&](const WorkItem& item, bool track_longest) {
+  auto emit = [&](const WorkItem& item) {
     *t++ = item;
     const int64_t c = item_cost(item);
     *cost++ = static_cast<uint64_t>(c);
     *key++ = cost_key(static_cast<uint64_t>(c));
-    if (track_longest) longest = std::max<int64_t>(longest, item.kv_end - item.kv_begin);
+    longest = std::max<int64_t>(longest, item.kv_end - item.kv_begin);
     total += c;
   };
   const int32_t window = b.window_left;
@@ -279,7 +278,7 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
         // The row sits at position kv_len - 1: causal trims nothing.
         int32_t lo = 0;
         if constexpr (windowed) lo = std::clamp(kv_len - 1 - window, 0, kv_len);
-        emit({r, r, 1, lo, kv_len, -1, 0, 0}, /*track_longest=*/true);
+        emit({r, r, 1, lo, kv_len, -1, 0, 0});
       }
       return;
     }
@@ -288,24 +287,16 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
         const int32_t q0 = b.qo_indptr[r];
         const int32_t q_len = b.qo_indptr[r + 1] - q0;
         const int64_t kv_len = b.kv_len[r];
-        auto tile = [&](int32_t row, int32_t rows) {
+        for (int32_t row = 0; row < q_len; row += q_tile) {
+          const int32_t rows = std::min(q_tile, q_len - row);
           // Query row q of a request sits at position kv_len - q_len + q (negative: sees
           // nothing under causal masking).
           const int64_t first_pos = kv_len - q_len + row;
           int64_t lo = 0, hi = kv_len;
           if constexpr (windowed) lo = std::clamp<int64_t>(first_pos - window, 0, kv_len);
-          // (Clamped to [lo, kv_len]: first_pos + rows <= kv_len, as row + rows <= q_len.)
-          if constexpr (causal) hi = std::max<int64_t>(lo, first_pos + rows);
-          emit({r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1, 0, 0},
-               /*track_longest=*/windowed);
-        };
-        // Full tiles, then the last one (no per-tile minimum for the row count).
-        int32_t row = 0;
-        for (; row < q_len - q_tile; row += q_tile) tile(row, q_tile);
-        if (q_len > 0) tile(row, q_len - row);
-        // Unwindowed, every tile's KV starts at 0 and the last one's ends at kv_len (causal:
-        // its last row sits at kv_len - 1), the longest range of the request's tiles.
-        if constexpr (!windowed) longest = std::max<int64_t>(longest, q_len > 0 ? kv_len : 0);
+          if constexpr (causal) hi = std::clamp<int64_t>(first_pos + rows, lo, kv_len);
+          emit({r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1, 0, 0});
+        }
       }
     });
   });
