@@ -145,48 +145,6 @@ void* thread_scratch(size_t bytes) {
   return buffer.get();
 }
 
-void store_merged_row(const AttentionParams& p, int64_t row, int head, const float* cur,
-                      float cur_scale, float cur_lse) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int dv = p.head_dim_v;
-  const float prev_lse = p.merge_lse[row * p.num_qo_heads + head];
-  const float m = std::max(prev_lse, cur_lse);
-  // Weights of the two states; an empty one (LSE -inf) weighs 0 and its values are never read.
-  const float w_prev = m == neg_inf ? 0.0f : std::exp2(prev_lse - m);
-  const float w_cur = m == neg_inf ? 0.0f : std::exp2(cur_lse - m);
-  const float sum = w_prev + w_cur;
-  const float inv = sum > 0 ? 1.0f / sum : 0.0f;
-  const int64_t prev_off = row * p.merge_stride_n + head * p.merge_stride_h;
-  const int64_t out_off = row * p.o_stride_n + head * p.o_stride_h;
-  auto merged = [&](float prev, int d) {
-    float v = 0.0f;
-    if (w_prev > 0) v += w_prev * prev;
-    if (w_cur > 0) v += w_cur * (cur[d] * cur_scale);
-    return v * inv;
-  };
-  switch (p.q_dtype) {
-    case DType::f32: {
-      const float* src = static_cast<const float*>(p.merge_o) + prev_off;
-      float* dst = static_cast<float*>(p.o) + out_off;
-      for (int d = 0; d < dv; ++d) dst[d] = merged(src[d], d);
-      break;
-    }
-    case DType::f16: {
-      const f16_t* src = static_cast<const f16_t*>(p.merge_o) + prev_off;
-      f16_t* dst = static_cast<f16_t*>(p.o) + out_off;
-      for (int d = 0; d < dv; ++d) dst[d] = to_f16(merged(to_float(src[d]), d));
-      break;
-    }
-    default: {
-      const bf16_t* src = static_cast<const bf16_t*>(p.merge_o) + prev_off;
-      bf16_t* dst = static_cast<bf16_t*>(p.o) + out_off;
-      for (int d = 0; d < dv; ++d) dst[d] = to_bf16(merged(to_float(src[d]), d));
-      break;
-    }
-  }
-  if (p.lse) p.lse[row * p.num_qo_heads + head] = sum > 0 ? m + std::log2(sum) : neg_inf;
-}
-
 const Fp8Tables& fp8_tables() {
   static const Fp8Tables tables = build_fp8_tables();
   return tables;

@@ -309,7 +309,7 @@ class ItemTask {
         if (item_.partial < 0) {
           const int64_t row = item_.q_begin + qi;
           if (p_.merge_o) {
-            store_merged_row(p_, row, qo_head, o, scale, lse);
+            store_merged_row<T>(p_, row, qo_head, o, scale, lse);
             continue;
           }
           store_row<T>(

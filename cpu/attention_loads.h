@@ -7,6 +7,8 @@
 #error "include cpu/attention_loads.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
 
+#include <algorithm>
+
 #include "attention_kernel.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
@@ -230,6 +232,47 @@ void store_row(DType dtype, const float* src, float scale, int dim, void* dst) {
       return store_row<T>(src, scale, dim, static_cast<f16_t*>(dst));
     default:
       return store_row<T>(src, scale, dim, static_cast<bf16_t*>(dst));
+  }
+}
+
+// Writes output row `row`, query head `head` of p (O and, when wanted, LSE) as the merge of the
+// state (cur * cur_scale, cur_lse), cur [D_v] fp32, with p's merge state (p.merge_o / p.merge_lse,
+// SEMANTICS.md "Merging partial states"); an empty state (LSE -inf) weighs 0 and its values are
+// never read. The merge state's row may be the output row itself: each vector of it is read
+// before the same vector is written.
+template <class T, class Elem>
+void store_merged_row_impl(const AttentionParams& p, int64_t row, int head, const float* cur,
+                           float cur_scale, float cur_lse) {
+  const int dv = p.head_dim_v;
+  const float prev_lse = p.merge_lse[row * p.num_qo_heads + head];
+  const float m = std::max(prev_lse, cur_lse);
+  const float w_prev = m == kNegInf ? 0.0f : std::exp2(prev_lse - m);
+  const float w_cur = m == kNegInf ? 0.0f : std::exp2(cur_lse - m);
+  const float sum = w_prev + w_cur;
+  const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+  const Elem* prev =
+      static_cast<const Elem*>(p.merge_o) + row * p.merge_stride_n + head * p.merge_stride_h;
+  Elem* out = static_cast<Elem*>(p.o) + row * p.o_stride_n + head * p.o_stride_h;
+  alignas(64) float buf[T::W];
+  for (int d = 0; d < dv; d += T::W) {
+    typename T::F acc = T::zero();
+    if (w_prev > 0) acc = T::fmadd(T::set1(w_prev), T::load_float(prev + d, dv - d), acc);
+    if (w_cur > 0) acc = T::fmadd(T::set1(w_cur * cur_scale), T::load_float(cur + d, dv - d), acc);
+    T::store(buf, acc);
+    store_row<T>(buf, inv, imin(T::W, dv - d), out + d);
+  }
+  if (p.lse) p.lse[row * p.num_qo_heads + head] = sum > 0 ? m + std::log2(sum) : kNegInf;
+}
+template <class T>
+void store_merged_row(const AttentionParams& p, int64_t row, int head, const float* cur,
+                      float cur_scale, float cur_lse) {
+  switch (p.q_dtype) {
+    case DType::f32:
+      return store_merged_row_impl<T, float>(p, row, head, cur, cur_scale, cur_lse);
+    case DType::f16:
+      return store_merged_row_impl<T, f16_t>(p, row, head, cur, cur_scale, cur_lse);
+    default:
+      return store_merged_row_impl<T, bf16_t>(p, row, head, cur, cur_scale, cur_lse);
   }
 }
 

@@ -46,12 +46,6 @@ struct Fp8Tables {
 };
 const Fp8Tables& fp8_tables();
 
-// Writes output row `row`, query head `head` of p (O and, when wanted, LSE) as the merge of the
-// state (cur * cur_scale, cur_lse) [D_v] fp32 with p's merge state (p.merge_o / p.merge_lse,
-// SEMANTICS.md "Merging partial states"). The merge state's row may be the output row itself.
-void store_merged_row(const AttentionParams& p, int64_t row, int head, const float* cur,
-                      float cur_scale, float cur_lse);
-
 // One task of a plan: a work item for KV heads head0 .. head0 + heads - 1; one partial-state
 // merge (all heads of one row of a merge item); one row (all heads) of merge_state /
 // merge_states.

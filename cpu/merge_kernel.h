@@ -60,7 +60,7 @@ void merge_partials_impl(const AttentionParams& p, const MergeItem& m, int32_t i
       auto* buf = static_cast<float*>(thread_scratch(dv * sizeof(float)));
       float lse = 0;
       merge_one<T, float>(states, m.num_chunks, static_cast<int>(dv), DType::f32, buf, &lse);
-      store_merged_row(p, out_row, h, buf, 1.0f, lse);
+      store_merged_row<T>(p, out_row, h, buf, 1.0f, lse);
       continue;
     }
     merge_one<T, float>(states, m.num_chunks, static_cast<int>(dv), p.q_dtype,
