@@ -22,6 +22,9 @@
 
 #include "flashkv/core/buffer.h"
 #include "flashkv/ops/attention.h"
+#ifdef FLASHKV_DECODE_TRACE
+#include "decode/trace.cuh"
+#endif
 
 namespace {
 
@@ -109,6 +112,87 @@ struct Options {
   std::string csv;
 };
 
+#ifdef FLASHKV_DECODE_TRACE
+// One replay's timeline (see cuda/decode/trace.cuh): per launch of the graph (the first left
+// out), the release gap and span, and per CTA the phase durations; medians over launches.
+void print_trace(cudaGraphExec_t exec, cudaStream_t stream, int sets) {
+  using cuda::decode::TraceRecord;
+  cuda::decode::decode_trace_reset();
+  check(cudaGraphLaunch(exec, stream), "launch");
+  check(cudaStreamSynchronize(stream), "sync");
+  const std::vector<TraceRecord> rec = cuda::decode::decode_trace_take();
+  if (rec.size() < 2 * size_t(sets) || rec.size() % sets != 0) {
+    std::printf("  trace: %zu records for %d launches\n", rec.size(), sets);
+    return;
+  }
+  const size_t per = rec.size() / sets;
+  double gt_sum = 0, clk_sum = 0;
+  for (const TraceRecord& r : rec)
+    gt_sum += double(r.gt[8] - r.gt[0]), clk_sum += double(r.clk[8] - r.clk[0]);
+  const double us_per_clk = gt_sum / clk_sum * 1e-3;
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  auto vmax = [](const std::vector<double>& v) {
+    return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end());
+  };
+  // Working CTAs (with items): views, indices, first KV, tiles, count, rest (to exit).
+  constexpr int kW = 6;
+  const int w_from[kW] = {1, 2, 3, 4, 5, 6}, w_to[kW] = {2, 3, 4, 5, 6, 8};
+  const char* w_name[kW] = {"views", "indices", "firstKV", "tiles", "count", "to-exit"};
+  // Merging CTAs: count, first merge batch, rest; and their loop end / exit from wait_first.
+  std::vector<double> period, gap, span, spread, w_med[kW], w_max[kW], m_count, m_first, m_rest,
+      m_loop_end, m_exit, n_merging;
+  for (int k = 1; k < sets; ++k) {
+    const TraceRecord* a = &rec[(k - 1) * per];
+    const TraceRecord* b = &rec[k * per];
+    uint64_t prev_exit = 0, exit = 0, wait_first = ~0ull, enter_first = ~0ull, enter_last = 0;
+    for (size_t i = 0; i < per; ++i) prev_exit = std::max(prev_exit, a[i].gt[8]);
+    for (size_t i = 0; i < per; ++i) {
+      exit = std::max(exit, b[i].gt[8]);
+      wait_first = std::min(wait_first, b[i].gt[1]);
+      enter_first = std::min(enter_first, b[i].gt[0]);
+      enter_last = std::max(enter_last, b[i].gt[0]);
+    }
+    std::vector<double> ph[kW], mc, mf, mr, ml, me;
+    for (size_t i = 0; i < per; ++i) {
+      const TraceRecord& r = b[i];
+      if (r.items == 0) continue;
+      for (int j = 0; j < kW; ++j)
+        ph[j].push_back(double(r.clk[w_to[j]] - r.clk[w_from[j]]) * us_per_clk);
+      if (r.merged > 0) {
+        mc.push_back(double(r.clk[6] - r.clk[5]) * us_per_clk);
+        mf.push_back(double(r.clk[7] - r.clk[6]) * us_per_clk);
+        mr.push_back(double(r.clk[8] - r.clk[7]) * us_per_clk);
+        ml.push_back((double(r.gt[5]) - double(wait_first)) * 1e-3);
+        me.push_back((double(r.gt[8]) - double(wait_first)) * 1e-3);
+      }
+    }
+    period.push_back((double(exit) - double(prev_exit)) * 1e-3);
+    gap.push_back((double(wait_first) - double(prev_exit)) * 1e-3);
+    span.push_back((double(exit) - double(wait_first)) * 1e-3);
+    spread.push_back((double(enter_last) - double(enter_first)) * 1e-3);
+    for (int j = 0; j < kW; ++j) w_med[j].push_back(median(ph[j])), w_max[j].push_back(vmax(ph[j]));
+    m_count.push_back(median(mc)), m_first.push_back(median(mf)), m_rest.push_back(median(mr));
+    m_loop_end.push_back(median(ml)), m_exit.push_back(vmax(me));
+    n_merging.push_back(double(mc.size()));
+  }
+  std::printf(
+      "  trace: %zu CTAs a launch; period %.2f us = release gap %.2f + span %.2f "
+      "(entries spread %.2f)\n",
+      per, median(period), median(gap), median(span), median(spread));
+  std::printf("  working CTAs, us median/max:");
+  for (int j = 0; j < kW; ++j)
+    std::printf(" %s %.2f/%.2f", w_name[j], median(w_med[j]), median(w_max[j]));
+  std::printf(
+      "\n  merging CTAs (%.0f): count %.2f, first batch %.2f, rest %.2f; loop end at %.2f, "
+      "last exit at %.2f (from the first wait release)\n",
+      median(n_merging), median(m_count), median(m_first), median(m_rest), median(m_loop_end),
+      median(m_exit));
+}
+#endif
+
 struct Result {
   double us, tbps, tokens_per_s;
 };
@@ -122,7 +206,10 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
   const int64_t slots = tokens + 64;
   const size_t pool_bytes = size_t(slots) * sh.hkv * sh.d * esz;  // one of K or V
   const double kv_bytes = 2.0 * tokens * sh.hkv * sh.d * esz;
-  const int sets = std::clamp<int>(static_cast<int>(std::ceil(3.0 * l2_bytes / kv_bytes)), 1, 64);
+  int sets = std::clamp<int>(static_cast<int>(std::ceil(3.0 * l2_bytes / kv_bytes)), 1, 64);
+#ifdef FLASHKV_DECODE_TRACE
+  sets = std::max(sets, 2);  // the trace measures a launch after another
+#endif
 
   // Shuffled slots, shared by all sets (indices stay hot in L2, as after build_kv_indices).
   std::mt19937 rng(1234);
@@ -179,6 +266,9 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
   for (int i = 0; i < 3; ++i) check(cudaGraphLaunch(exec, stream), "launch");
   const int reps = o.quick ? 5 : 20;
   const float ms = median_ms(stream, reps, [&] { check(cudaGraphLaunch(exec, stream), "launch"); });
+#ifdef FLASHKV_DECODE_TRACE
+  if (sh.d == 128) print_trace(exec, stream, sets);
+#endif
   // Sanity: the last output is finite.
   std::vector<uint16_t> h(out.numel());
   check(cudaMemcpy(h.data(), out.data(), h.size() * 2, cudaMemcpyDeviceToHost), "copy back");

@@ -47,13 +47,6 @@ std::atomic<uint64_t> g_next_plan_id{1};
 constexpr size_t kAlign = 256;
 constexpr int32_t kDefaultKvAlign = 16;
 constexpr int32_t kDefaultMinSplit = 256;
-// With the default minimum, tiles of at most kShortParts * kShortMinSplit tokens may be cut
-// into parts of kShortMinSplit: a batch of such tiles otherwise fills little of the device
-// (1 x 1024 is 4 parts of 256 on 33 workers), and up to 8 parts a tile merge in one batch of
-// loads on CUDA. Measured on an H200 (bench/NOTES.md): 1 x 1024 11.9 -> 10.4 us; 1 x 4096 at
-// 32 parts of 128 was slower (15.7 -> 17.9 us), hence the bound.
-constexpr int32_t kShortMinSplit = 128;
-constexpr int64_t kShortParts = 8;
 constexpr int32_t kDefaultBlocksPerSm = 2;
 // What an item costs beyond its KV (loading Q, writing O), in units of one KV token per row.
 constexpr int64_t kItemOverhead = 16;
@@ -311,6 +304,19 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
 // needed so that the split adds at most `workers` items; where the tiles are at most `workers`,
 // also tries the longest parts that fit in fewer waves of `workers` items, and keeps the one of
 // least estimated makespan (ties: fewer items).
+// The shortest part of an automatic split when PlanOptions::min_split_size is 0: 256 tokens,
+// shorter for batches of short tiles only, which parts of 256 leave filling little of the device
+// (1 x 1024 would be 4 parts on 33 workers a KV head). Prefill: parts of 128 for tiles of up to
+// 1024 keys. Decode, whose split merge runs inside the kernel and folds 8 parts a batch of
+// loads: parts of 64 for tiles of up to 1024 tokens, 128 for up to 4096. Measured on an H200
+// (bench/NOTES.md, decode v6): 1 x 1024 9.9 -> 8.5 us (16 parts of 64 rather than 8 of 128),
+// 1 x 4096 13.5 -> 12.0 us (32 parts of 128 rather than 16 of 256).
+int64_t default_min_split(bool decode, int64_t longest) {
+  if (decode && longest <= 1024) return 64;
+  if (longest <= (decode ? 4096 : 1024)) return 128;
+  return kDefaultMinSplit;
+}
+
 int64_t auto_part(const ItemList& tiles, int64_t longest, int64_t workers, int64_t q_tile,
                   int64_t align, int64_t min_chunk) {
   const int64_t share = ceil_div(ceil_div(tiles.total_cost, workers), q_tile);
@@ -807,11 +813,8 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   if (o.enable_split_kv && o.fixed_split_size > 0) {
     chunk = ceil_div(o.fixed_split_size, align) * align;
   } else if (o.enable_split_kv) {
-    const bool short_tiles = o.min_split_size == 0 && longest <= kShortParts * kShortMinSplit;
     part = auto_part(s.tiles, longest, max_workers, p.q_tile, align,
-                     o.min_split_size > 0 ? o.min_split_size
-                     : short_tiles        ? kShortMinSplit
-                                          : kDefaultMinSplit);
+                     o.min_split_size > 0 ? o.min_split_size : default_min_split(decode, longest));
     chunk = part * align;
   }
   p.kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));

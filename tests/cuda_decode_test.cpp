@@ -412,9 +412,9 @@ TEST(CudaDecode, GraphReplayWithANewBatch) {
   c.hq = 16;
   c.hkv = 4;
   c.page_size = 16;
-  // (No request of the first batch is longer than 128 tokens, the planner's shortest automatic
+  // (No request of the first batch is longer than 64 tokens, the planner's shortest automatic
   // split part.)
-  const std::vector<std::vector<int32_t>> batches = {{100, 0, 37, 128}, {5000, 1, 2100, 640}};
+  const std::vector<std::vector<int32_t>> batches = {{50, 0, 37, 64}, {5000, 1, 2100, 640}};
   // One pool big enough for both; each batch gets its own indices into it.
   c.kv_lens = {7008, 3008, 1008, 1008};  // whole pages: no NaN tail a later batch could reuse
   HostBatch pool = make_batch(rng, c);

@@ -667,6 +667,9 @@ TEST(Plan, AutomaticChunksOfATileDifferByAtMostOneUnit) {
   EXPECT_EQ(chunk_lengths(16, 4096), (std::map<int32_t, int>{{2048, 32}}));
   // 1 x 32768: 33 parts of 62 or 63 units, one a worker.
   EXPECT_EQ(chunk_lengths(1, 32768), (std::map<int32_t, int>{{992, 31}, {1008, 2}}));
+  // Short tiles take shorter parts (the in-kernel merge folds 8 a batch of loads).
+  EXPECT_EQ(chunk_lengths(1, 1024), (std::map<int32_t, int>{{64, 16}}));
+  EXPECT_EQ(chunk_lengths(1, 4096), (std::map<int32_t, int>{{128, 32}}));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -818,7 +821,7 @@ TEST(Plan, GraphModeGivesOneLayoutForEveryBatchThatFits) {
 // Worker counts, reuse, serialization
 
 TEST(Plan, WorkerCountsFollowTheDevice) {
-  Batch b = make_batch(true, {}, std::vector<int32_t>(5, 100));
+  Batch b = make_batch(true, {}, std::vector<int32_t>(5, 60));
   b.shape.num_qo_heads = 32;
   b.shape.num_kv_heads = 8;
   PlanOptions o;

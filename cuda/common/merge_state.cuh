@@ -17,17 +17,15 @@ struct MergeState {
   // Adds a state with base-2 LSE `lse`. Returns the factor the caller multiplies its running
   // output by (`rescale`) and the weight of the new state's output (`weight`); a state with
   // lse = -inf contributes nothing.
+  // Selects, not a branch, so that callers can fold a batch of loaded states without the
+  // compiler moving each load to its use.
   __device__ __forceinline__ void add(float lse, float& rescale, float& weight) {
-    if (lse == -INFINITY) {
-      rescale = 1.0f;
-      weight = 0.0f;
-      return;
-    }
+    const bool none = lse == -INFINITY;
     const float m = fmaxf(max, lse);
-    rescale = ptx::exp2_fast(max - m);  // max = -inf gives 0
-    weight = ptx::exp2_fast(lse - m);
+    rescale = none ? 1.0f : ptx::exp2_fast(max - m);  // max = -inf gives 0
+    weight = none ? 0.0f : ptx::exp2_fast(lse - m);
     sum = sum * rescale + weight;
-    max = m;
+    max = none ? max : m;
   }
   // 1 / sum (0 when nothing was added: the output is then 0).
   __device__ __forceinline__ float inv_sum() const { return sum > 0.0f ? 1.0f / sum : 0.0f; }

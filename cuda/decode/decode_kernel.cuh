@@ -40,6 +40,7 @@
 #include "common/kernel_launch.h"
 #include "common/merge_state.cuh"
 #include "common/ptx.cuh"
+#include "decode/trace.cuh"
 #include "decode/traits.h"
 #include "flashkv/core/cuda_runtime.h"
 #include "flashkv/plan/plan.h"
@@ -106,6 +107,7 @@ struct DecodeCta {
   int32_t first_item;         // the CTA's first item (its view is item_views()[0])
   float score_scale, softcap_in, softcap_out;  // for the whole kernel
   float item_score_scale, item_softcap_in;     // the same over the item's query scale
+  FLASHKV_TRACE(trace::Timeline* timeline; int merged_tiles = 0;)
 
   // Three walks over the same tile stream: the indices (kStages - 1 tiles ahead of the data),
   // the K/V data (kStages - 1 tiles ahead of the compute) and the compute.
@@ -510,12 +512,14 @@ struct DecodeCta {
       }
       __syncthreads();
       const int n = *num_done;
+      FLASHKV_TRACE(if (base == first) timeline->mark(6);)
       if (n == 0) continue;
+      FLASHKV_TRACE(merged_tiles += n;)
       // (tile, head, 4-dim vector) units spread over all threads: a round's tiles cost about one
       // L2 round trip per chunk batch, not one per tile. With more units than threads, two units
       // a thread with their loads in flight together.
       if (n * heads * (D / 4) <= Tr::kThreads)
-        merge_units<1, 8>(done, n);
+        merge_units<1, 16>(done, n);
       else
         merge_units<2, 4>(done, n);
     }
@@ -569,15 +573,17 @@ struct DecodeCta {
         for (int j = 0; j < kUnits; ++j)
 #pragma unroll
           for (int k = 0; k < kBatch; ++k) {  // folded in chunk order: deterministic
-            if (c0 + k >= chunks[j]) break;
+            // No branch: a chunk past the unit's end adds weight 0 like an empty one (with
+            // rescale 1; both have finite stored O). A branch here would let the compiler
+            // sink each load to its use: one L2 round trip per chunk, ~2 us a batch.
             float rescale, weight;
-            st[j].add(lse[j][k], rescale, weight);
-            if (weight == 0.0f) continue;  // an empty chunk (rescale is 1 then)
+            st[j].add(c0 + k < chunks[j] ? lse[j][k] : -INFINITY, rescale, weight);
             acc[j].x = acc[j].x * rescale + weight * x[j][k].x;
             acc[j].y = acc[j].y * rescale + weight * x[j][k].y;
             acc[j].z = acc[j].z * rescale + weight * x[j][k].z;
             acc[j].w = acc[j].w * rescale + weight * x[j][k].w;
           }
+        FLASHKV_TRACE(if (c0 == 0 && u0 == tid) timeline->mark(7);)
       }
 #pragma unroll
       for (int j = 0; j < kUnits; ++j) {
@@ -668,6 +674,7 @@ struct DecodeCta {
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     __syncthreads();
+    FLASHKV_TRACE(timeline->mark(3); timeline->mark(4);)
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) produce(s);
     seek(cons, /*finish_empty=*/true);
@@ -679,6 +686,7 @@ struct DecodeCta {
       // about to be refilled.
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
+      FLASHKV_TRACE(if (tile_count == 0) timeline->mark(4);)
       produce((stage + kStages - 1) % kStages);
       const unsigned char* st = stage_ptr(stage);
       if (cons.first) {
@@ -707,7 +715,9 @@ struct DecodeCta {
       }
     }
     ptx::cp_async_wait<0>();
+    FLASHKV_TRACE(timeline->mark(5);)
     merge_finished_tiles(first_item, last_item);
+    FLASHKV_TRACE(timeline->mark(8); timeline->commit(last_item - first_item, merged_tiles);)
   }
 };
 
@@ -715,6 +725,7 @@ template <class Tr, typename QT, KvKind kKv>
 __global__ void __launch_bounds__(Tr::kThreads, 2)
     decode_kernel(const __grid_constant__ AttentionParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
+  FLASHKV_TRACE(trace::Timeline timeline; timeline.clear(); timeline.mark(0);)
   // Every CTA of the persistent grid is resident: a dependent kernel launched with programmatic
   // stream serialization may be scheduled now (it waits in griddepcontrol.wait).
   ptx::launch_dependents();
@@ -730,10 +741,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   WorkItem it{};
   if (has_item) it = p.items[first_item + threadIdx.x];
   ptx::grid_dependency_wait();
+  FLASHKV_TRACE(timeline.mark(1);)
   DecodeCta<Tr, QT, kKv> cta{p, smem};
+  FLASHKV_TRACE(cta.timeline = &timeline;)
   cta.first_item = first_item;
   if (has_item) cta.item_views()[threadIdx.x] = view_of(p, it);
   __syncthreads();
+  FLASHKV_TRACE(timeline.mark(2);)
   cta.tid = threadIdx.x;
   cta.warp = threadIdx.x / 32;
   cta.lane = threadIdx.x % 32;

@@ -129,8 +129,9 @@ struct PlanOptions {
   // CUDA: resident CTAs per SM the kernel is sized for (0: 2). The grid's x extent is at most
   // num_sms * blocks_per_sm / Hkv workers (grid.y runs the KV heads), so one wave fills the GPU.
   int32_t blocks_per_sm = 0;
-  // Shortest KV chunk an automatic split makes (0: 256 tokens, or 128 where no tile is longer
-  // than 1024); smaller chunks cost more in merging than they gain in parallelism.
+  // Shortest KV chunk an automatic split makes (0: 256 tokens; where no tile is longer than
+  // 1024, 128 for prefill and 64 for decode; decode where none is longer than 4096: 128); smaller
+  // chunks cost more in merging than they gain in parallelism.
   int32_t min_split_size = 0;
 };
 
