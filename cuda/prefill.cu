@@ -9,8 +9,11 @@
 // kernel's two CTAs per SM. Larger items are run in several row blocks by one CTA.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
+#include "common/kernel_launch.h"
 #include "flashkv/core/error.h"
 #include "flashkv/ops/kernels.h"
 #include "prefill/launch.h"
@@ -63,6 +66,23 @@ const char* compiled_head_dims() {
       ;
 }
 
+// The sm_90a kernel runs what it supports on a compute capability 9.0 device when this build
+// has sm_90a code (FLASHKV_SM90A), unless FLASHKV_PREFILL_SM90=0 (read at every call, so a test
+// or a benchmark can compare both kernels in one process).
+LaunchFn pick_sm90(const AttentionParams& p) {
+#if defined(FLASHKV_SM90A) && defined(FLASHKV_HEAD_DIM_128)
+  if (p.head_dim_qk != 128 || p.head_dim_v != 128 || p.kv_dtype != p.q_dtype) return nullptr;
+  const char* env = std::getenv("FLASHKV_PREFILL_SM90");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return nullptr;
+  if (current_device_cc() != 90) return nullptr;
+  return p.q_dtype == DType::bf16 ? &launch_prefill_sm90<__nv_bfloat16>
+                                  : &launch_prefill_sm90<__half>;
+#else
+  (void)p;
+  return nullptr;
+#endif
+}
+
 bool aligned(const void* ptr, size_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
@@ -111,6 +131,7 @@ LaunchFn select(const AttentionParams& p) {
                                p.merge_stride_h % 2 == 0),
                 "merge_o: CUDA prefill needs a 4-byte aligned pointer and even strides, got ",
                 p.merge_stride_n, "/", p.merge_stride_h);
+  if (LaunchFn sm90 = pick_sm90(p)) return sm90;
   return fn;
 }
 

@@ -20,8 +20,6 @@
 
 namespace flashkv::cuda::prefill_detail {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // One row block: loads, the KV loop, the stores. Ends with every thread past its last read of
 // shared memory only after the caller's next __syncthreads().
 template <typename Cfg>

@@ -17,4 +17,9 @@ void check_cuda(cudaError_t status, const char* what);
 template <int DQK, int DV, typename QT, KvFormat KVF>
 void launch_prefill(const AttentionParams& p, cudaStream_t stream);
 
+// The sm_90a kernel (kernel_sm90.cuh): 16-bit Q/K/V at head dim 128, every variant of the
+// sm_80 kernel but fp8 KV. Instantiated in cuda/inst/prefill_sm90_d128.cu for bf16 and f16.
+template <typename QT>
+void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream);
+
 }  // namespace flashkv::cuda::prefill_detail

@@ -87,7 +87,7 @@ __device__ __forceinline__ void load_operand_fp8(const unsigned char* src,
 // and no warp stalls on them before its next tile of MMAs.
 template <typename Cfg>
 struct KvTileRows {
-  static constexpr int kRowsPerPass = Cfg::kFp8 ? 32 : kLoadRowsPerPass;
+  static constexpr int kRowsPerPass = Cfg::kFp8 ? 32 : Cfg::kThreads / 8;
   static constexpr int kRows = Cfg::kKvTile / kRowsPerPass;
   int32_t entry[kRows];  // paged: the kv_indices entry (slot or page) of each row
 

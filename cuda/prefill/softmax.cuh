@@ -8,6 +8,8 @@
 
 namespace flashkv::cuda::prefill_detail {
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 template <int kMTiles>
 struct OnlineSoftmax {
   float row_max[kMTiles][2];  // running max of raw logits (-inf: nothing seen yet)

@@ -31,6 +31,7 @@ struct TileConfig {
   static constexpr KvFormat kKvFormat = KVF;
   static constexpr bool kFp8 = KVF != KvFormat::kSame;
   static constexpr int kDqk = DQK, kDv = DV;
+  static constexpr int kThreads = kPrefillThreads;
   static constexpr int kMTiles = prefill_m_tiles(DV);
   static constexpr int kRowsPerWarp = 16 * kMTiles;
   static constexpr int kCtaRows = prefill_cta_rows_of(DV);

@@ -1,0 +1,227 @@
+// The Hopper (sm_90a) prefill kernel for 16-bit Q/K/V at head dim 128: the same work split,
+// masks, softmax and stores as the sm_80 kernel (kernel.cuh), with both products on warpgroup
+// MMAs (wgmma.cuh). A CTA is two warpgroups of 64 packed query rows each (128 rows, the plan's
+// row tile at head dim 128); Q.K^T reads Q and K straight from shared memory, and P.V takes P from
+// registers (the Q.K^T accumulators, packed in place) and V from shared memory. KV tiles of 128
+// keys go through a two-stage cp.async pipeline: while the warpgroups multiply tile t, tile t + 1
+// is in flight and the page indices of tile t + 2 are being read. Each warp's accumulators have
+// the mma.sync layout of 16 rows, so the sm_80 kernel's masks, online softmax and epilogue apply
+// as they are (one 16-row tile a warp).
+//
+// Included only by cuda/inst/prefill_sm90_d128.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/kernel_launch.h"
+#include "prefill/epilogue.cuh"
+#include "prefill/launch.h"
+#include "prefill/load.cuh"
+#include "prefill/mainloop.cuh"
+#include "prefill/mask.cuh"
+#include "prefill/softmax.cuh"
+#include "prefill/wgmma.cuh"
+
+namespace flashkv::cuda::prefill_detail {
+
+template <typename QT>
+struct Sm90Config {
+  using Q = QT;
+  static constexpr KvFormat kKvFormat = KvFormat::kSame;
+  static constexpr bool kFp8 = false;
+  static constexpr int kDqk = 128, kDv = 128;
+  static constexpr int kWarps = 8, kThreads = kWarps * 32;
+  static constexpr int kMTiles = 1;  // 16 rows a warp
+  static constexpr int kRowsPerWarp = 16;
+  static constexpr int kCtaRows = kWarps * kRowsPerWarp;
+  static constexpr int kKvTile = 128;
+  static constexpr int kQkChunks = kDqk / 8, kVChunks = kDv / 8;
+  static constexpr int kTileBytes = 128 * 128 * 2;  // Q, or one stage of K or V
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kTileBytes;
+  static constexpr int kVOffset = kKOffset + 2 * kTileBytes;
+  // Tiles must start on 1024-byte swizzle atoms: the dynamic allocation has that much slack.
+  static constexpr int kSmemBytes = kVOffset + 2 * kTileBytes + 1024;
+  static_assert(kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile at head dim 128");
+};
+
+// Thread t copies 16-byte chunks t % 8 and t % 8 + 8 (both halves) of rows t / 8 + 32 i.
+constexpr int kSm90RowsPerPass = 256 / 8;
+
+// The block's packed Q rows -> the swizzled Q tile; padding rows are zero-filled.
+template <typename Cfg>
+__device__ __forceinline__ void load_q_sm90(const AttentionParams& p, const RowBlock& b,
+                                            int kv_head, int group, unsigned char* tile, int tid) {
+  using QT = typename Cfg::Q;
+  const QT* q = static_cast<const QT*>(p.q);
+#pragma unroll
+  for (int i = 0; i < Cfg::kCtaRows / kSm90RowsPerPass; ++i) {
+    const int row = (tid >> 3) + i * kSm90RowsPerPass;
+    const bool valid = row < b.rows;
+    const int x = b.row0 + row;
+    const int tok = x / group;
+    const int head = kv_head * group + (x - tok * group);
+    const QT* src = valid ? q + (static_cast<int64_t>(b.q_begin) + tok) * p.q_stride_n +
+                                static_cast<int64_t>(head) * p.q_stride_h + (tid & 7) * 8
+                          : q;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      cp_async_16(tile + sm90::tile_offset(Cfg::kCtaRows, row, (tid & 7) + 8 * h),
+                  valid ? src + 64 * h : src, valid ? 16 : 0);
+  }
+}
+
+// One operand (K or V) of a KV tile: rows[i] is the element offset of key tid / 8 + 32 i in the
+// operand's tensor (head included), or -1 past the range (zero-filled).
+template <typename Cfg>
+__device__ __forceinline__ void load_operand_sm90(const typename Cfg::Q* src,
+                                                  const int64_t (&rows)[Cfg::kKvTile / 32],
+                                                  unsigned char* tile, int tid) {
+#pragma unroll
+  for (int i = 0; i < Cfg::kKvTile / kSm90RowsPerPass; ++i) {
+    const bool valid = rows[i] >= 0;
+    const typename Cfg::Q* row_src = src + (valid ? rows[i] + (tid & 7) * 8 : 0);
+    const int row = (tid >> 3) + i * kSm90RowsPerPass;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      cp_async_16(tile + sm90::tile_offset(Cfg::kKvTile, row, (tid & 7) + 8 * h),
+                  valid ? row_src + 64 * h : row_src, valid ? 16 : 0);
+  }
+}
+
+template <typename Cfg>
+__device__ __forceinline__ void load_kv_sm90(const AttentionParams& p, const RowBlock& b,
+                                             const KvTileRows<Cfg>& rows, int kv_head, int j0,
+                                             unsigned char* smem, int stage, int tid) {
+  using QT = typename Cfg::Q;
+  int64_t k_rows[KvTileRows<Cfg>::kRows], v_rows[KvTileRows<Cfg>::kRows];
+  rows.offsets(p, b, j0, tid, p.k_stride_n, kv_head * p.k_stride_h, k_rows);
+  rows.offsets(p, b, j0, tid, p.v_stride_n, kv_head * p.v_stride_h, v_rows);
+  load_operand_sm90<Cfg>(static_cast<const QT*>(p.k), k_rows,
+                         smem + Cfg::kKOffset + stage * Cfg::kTileBytes, tid);
+  load_operand_sm90<Cfg>(static_cast<const QT*>(p.v), v_rows,
+                         smem + Cfg::kVOffset + stage * Cfg::kTileBytes, tid);
+}
+
+// One row block (see run_block in kernel.cuh; the same contract).
+template <typename Cfg>
+__device__ __forceinline__ void run_block_sm90(const AttentionParams& p, const RowBlock& b,
+                                               int kv_head, int group, unsigned char* smem) {
+  using QT = typename Cfg::Q;
+  constexpr int kNTiles = Cfg::kKvTile / 8;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warpgroup = warp >> 2;
+  const int warp_row0 = warp * Cfg::kRowsPerWarp;
+
+  float o[1][Cfg::kDv / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.0f;
+  float(&o_acc)[64] = reinterpret_cast<float(&)[64]>(o);
+  OnlineSoftmax<1> softmax;
+  softmax.init();
+
+  const float logit_scale = p.sm_scale;
+  const bool soft_cap = p.logits_soft_cap > 0.0f;
+  const float c = soft_cap ? kLog2e : logit_scale * kLog2e;
+  const float scale_over_cap = soft_cap ? logit_scale / p.logits_soft_cap : 0.0f;
+
+  const uint32_t base = smem_addr(smem);
+  const uint32_t q_tile = base + Cfg::kQOffset;
+  const int num_tiles =
+      b.kv_hi > b.kv_lo ? (b.kv_hi - b.kv_lo + Cfg::kKvTile - 1) / Cfg::kKvTile : 0;
+  if (num_tiles > 0) {
+    KvTileRows<Cfg> rows;
+    rows.fetch(p, b, b.kv_lo, tid);
+    load_q_sm90<Cfg>(p, b, kv_head, group, smem + Cfg::kQOffset, tid);
+    load_kv_sm90<Cfg>(p, b, rows, kv_head, b.kv_lo, smem, 0, tid);
+    cp_async_commit();
+    if (num_tiles > 1) rows.fetch(p, b, b.kv_lo + Cfg::kKvTile, tid);
+    float s[1][kNTiles][4];
+    float(&s_acc)[64] = reinterpret_cast<float(&)[64]>(s);
+    for (int t = 0; t < num_tiles; ++t) {
+      const int stage = t & 1;
+      const int j0 = b.kv_lo + t * Cfg::kKvTile;
+      cp_async_wait<0>();
+      sm90::fence_async_shared();
+      __syncthreads();  // tile t landed for everyone; both warpgroups are done with tile t - 1
+      if (t + 1 < num_tiles) {
+        load_kv_sm90<Cfg>(p, b, rows, kv_head, j0 + Cfg::kKvTile, smem, stage ^ 1, tid);
+        cp_async_commit();
+        if (t + 2 < num_tiles) rows.fetch(p, b, j0 + 2 * Cfg::kKvTile, tid);
+      }
+      const uint32_t k_tile = base + Cfg::kKOffset + stage * Cfg::kTileBytes;
+      const uint32_t v_tile = base + Cfg::kVOffset + stage * Cfg::kTileBytes;
+      sm90::fence();
+#pragma unroll
+      for (int k = 0; k < Cfg::kDqk / 16; ++k)
+        sm90::mma_ss<QT>(s_acc, sm90::k_major(q_tile, Cfg::kCtaRows, warpgroup * 64, k),
+                         sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
+      sm90::commit();
+      sm90::wait<0>();
+      if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap);
+      if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
+        apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
+      softmax.update(s, o, c);
+      uint32_t pf[Cfg::kKvTile / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk) {
+        pf[kk][0] = Pack2<QT>::from_floats(s[0][2 * kk][0], s[0][2 * kk][1]);
+        pf[kk][1] = Pack2<QT>::from_floats(s[0][2 * kk][2], s[0][2 * kk][3]);
+        pf[kk][2] = Pack2<QT>::from_floats(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+        pf[kk][3] = Pack2<QT>::from_floats(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+      }
+      sm90::fence();
+#pragma unroll
+      for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
+        sm90::mma_rs<QT>(o_acc, pf[kk], sm90::n_major(v_tile, Cfg::kKvTile, kk));
+      sm90::commit();
+      sm90::wait<0>();
+    }
+  }
+
+  float scale[1][2], lse[1][2];
+  softmax.finish(c, scale, lse, 1.0f);
+  // A merged store stages the state in the warp's Q rows, which in this layout hold other warps'
+  // rows too: every warp must be past its last Q.K^T first.
+  if (p.merge_o != nullptr && b.partial < 0) __syncthreads();
+  store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, smem, o, scale, lse);
+}
+
+// grid (workers, Hkv), 256 threads; CTA (w, h) runs worker w's items for KV head h.
+template <typename QT>
+__global__ void __launch_bounds__(256, 1)
+    prefill_sm90_kernel(const __grid_constant__ AttentionParams p) {
+  using Cfg = Sm90Config<QT>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  ptx::launch_dependents();
+  const int worker = blockIdx.x, kv_head = blockIdx.y;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int first = p.worker_indptr[worker], last = p.worker_indptr[worker + 1];
+  for (int i = first; i < last; ++i) {
+    const WorkItem it = p.items[i];
+    const int packed_rows = it.q_len * group;
+    for (int row0 = 0; row0 < packed_rows; row0 += Cfg::kCtaRows) {
+      __syncthreads();  // the previous block's readers of shared memory are done
+      const RowBlock b = make_row_block(p, it, group, row0, Cfg::kCtaRows);
+      run_block_sm90<Cfg>(p, b, kv_head, group, smem);
+    }
+  }
+  if (p.merge_o) ptx::grid_dependency_wait();  // see prefill_kernel
+}
+
+template <typename QT>
+void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream) {
+  using Cfg = Sm90Config<QT>;
+  const auto kernel = prefill_sm90_kernel<QT>;
+  check_cuda(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
+      "prefill: cudaFuncSetAttribute");
+  const bool programmatic = p.merge_o && p.overlap_previous;
+  launch_kernel(kernel, dim3(p.num_workers, p.num_kv_heads, 1), dim3(Cfg::kThreads, 1, 1),
+                Cfg::kSmemBytes, stream, programmatic, p, "prefill: kernel launch");
+}
+
+}  // namespace flashkv::cuda::prefill_detail
