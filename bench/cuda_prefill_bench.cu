@@ -169,6 +169,8 @@ PrefillPlan make_plan(const std::vector<int32_t>& qo, const std::vector<int32_t>
   bs.causal = causal;
   PlanOptions po;
   po.q_tile = cuda::prefill_cta_rows(kD, kD) / (kHq / kHkv);
+  // FLASHKV_BENCH_BLOCKS_PER_SM: the workers the plan sizes for (default: the planner's).
+  if (const char* b = std::getenv("FLASHKV_BENCH_BLOCKS_PER_SM")) po.blocks_per_sm = std::atoi(b);
   return plan_prefill(bs, device_info(Device::cuda()), po);
 }
 

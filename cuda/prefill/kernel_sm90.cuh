@@ -37,11 +37,13 @@ struct Sm90Config {
   static constexpr int kKvTile = 128;
   static constexpr int kQkChunks = kDqk / 8, kVChunks = kDv / 8;
   static constexpr int kTileBytes = 128 * 128 * 2;  // Q, or one stage of K or V
+  // K is read by tile t's Q.K^T while V is read by tile t - 1's P.V: two K stages, three V.
+  static constexpr int kKStages = 2, kVStages = 3;
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kTileBytes;
-  static constexpr int kVOffset = kKOffset + 2 * kTileBytes;
+  static constexpr int kVOffset = kKOffset + kKStages * kTileBytes;
   // Tiles must start on 1024-byte swizzle atoms: the dynamic allocation has that much slack.
-  static constexpr int kSmemBytes = kVOffset + 2 * kTileBytes + 1024;
+  static constexpr int kSmemBytes = kVOffset + kVStages * kTileBytes + 1024;
   static_assert(kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile at head dim 128");
 };
 
@@ -92,15 +94,15 @@ __device__ __forceinline__ void load_operand_sm90(const typename Cfg::Q* src,
 template <typename Cfg>
 __device__ __forceinline__ void load_kv_sm90(const AttentionParams& p, const RowBlock& b,
                                              const KvTileRows<Cfg>& rows, int kv_head, int j0,
-                                             unsigned char* smem, int stage, int tid) {
+                                             unsigned char* smem, int tile, int tid) {
   using QT = typename Cfg::Q;
   int64_t k_rows[KvTileRows<Cfg>::kRows], v_rows[KvTileRows<Cfg>::kRows];
   rows.offsets(p, b, j0, tid, p.k_stride_n, kv_head * p.k_stride_h, k_rows);
   rows.offsets(p, b, j0, tid, p.v_stride_n, kv_head * p.v_stride_h, v_rows);
   load_operand_sm90<Cfg>(static_cast<const QT*>(p.k), k_rows,
-                         smem + Cfg::kKOffset + stage * Cfg::kTileBytes, tid);
+                         smem + Cfg::kKOffset + tile % Cfg::kKStages * Cfg::kTileBytes, tid);
   load_operand_sm90<Cfg>(static_cast<const QT*>(p.v), v_rows,
-                         smem + Cfg::kVOffset + stage * Cfg::kTileBytes, tid);
+                         smem + Cfg::kVOffset + tile % Cfg::kVStages * Cfg::kTileBytes, tid);
 }
 
 // One row block (see run_block in kernel.cuh; the same contract).
@@ -140,31 +142,46 @@ __device__ __forceinline__ void run_block_sm90(const AttentionParams& p, const R
     if (num_tiles > 1) rows.fetch(p, b, b.kv_lo + Cfg::kKvTile, tid);
     float s[1][kNTiles][4];
     float(&s_acc)[64] = reinterpret_cast<float(&)[64]>(s);
+    uint32_t pf[Cfg::kKvTile / 16][4];  // P of the previous tile, the A operand of its P.V
+    // Tile t: wait for its K/V (and retire what tile t + 1's copies overwrite), start those
+    // copies, then issue S_t = Q.K_t^T and, behind it, P_{t-1}.V_{t-1}; the softmax of S_t runs
+    // while the tensor cores still work on P_{t-1}.V_{t-1}, and O is rescaled only after it.
     for (int t = 0; t < num_tiles; ++t) {
-      const int stage = t & 1;
       const int j0 = b.kv_lo + t * Cfg::kKvTile;
       cp_async_wait<0>();
       sm90::fence_async_shared();
-      __syncthreads();  // tile t landed for everyone; both warpgroups are done with tile t - 1
+      // Tile t landed for everyone; both warpgroups are past S_{t-1} (K stage (t + 1) % 2) and
+      // P_{t-2}.V_{t-2} (V stage (t + 1) % 3).
+      __syncthreads();
       if (t + 1 < num_tiles) {
-        load_kv_sm90<Cfg>(p, b, rows, kv_head, j0 + Cfg::kKvTile, smem, stage ^ 1, tid);
+        load_kv_sm90<Cfg>(p, b, rows, kv_head, j0 + Cfg::kKvTile, smem, t + 1, tid);
         cp_async_commit();
         if (t + 2 < num_tiles) rows.fetch(p, b, j0 + 2 * Cfg::kKvTile, tid);
       }
-      const uint32_t k_tile = base + Cfg::kKOffset + stage * Cfg::kTileBytes;
-      const uint32_t v_tile = base + Cfg::kVOffset + stage * Cfg::kTileBytes;
+      const uint32_t k_tile = base + Cfg::kKOffset + t % Cfg::kKStages * Cfg::kTileBytes;
       sm90::fence();
 #pragma unroll
       for (int k = 0; k < Cfg::kDqk / 16; ++k)
         sm90::mma_ss<QT>(s_acc, sm90::k_major(q_tile, Cfg::kCtaRows, warpgroup * 64, k),
                          sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
       sm90::commit();
-      sm90::wait<0>();
+      if (t > 0) {
+        const uint32_t v_prev = base + Cfg::kVOffset + (t - 1) % Cfg::kVStages * Cfg::kTileBytes;
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
+          sm90::mma_rs<QT>(o_acc, pf[kk], sm90::n_major(v_prev, Cfg::kKvTile, kk));
+        sm90::commit();
+        sm90::wait<1>();  // S_t (P_{t-1}.V_{t-1} may still run)
+      } else {
+        sm90::wait<0>();
+      }
       if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap);
       if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
         apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
-      softmax.update(s, o, c);
-      uint32_t pf[Cfg::kKvTile / 16][4];
+      float corr[1][2];
+      const bool moved = softmax.update_scores(s, c, corr);
+      sm90::wait<0>();  // P_{t-1}.V_{t-1}: O and pf are free
+      if (moved) softmax.rescale(o, corr);
 #pragma unroll
       for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk) {
         pf[kk][0] = Pack2<QT>::from_floats(s[0][2 * kk][0], s[0][2 * kk][1]);
@@ -172,13 +189,16 @@ __device__ __forceinline__ void run_block_sm90(const AttentionParams& p, const R
         pf[kk][2] = Pack2<QT>::from_floats(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
         pf[kk][3] = Pack2<QT>::from_floats(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
       }
-      sm90::fence();
-#pragma unroll
-      for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
-        sm90::mma_rs<QT>(o_acc, pf[kk], sm90::n_major(v_tile, Cfg::kKvTile, kk));
-      sm90::commit();
-      sm90::wait<0>();
     }
+    // The last tile's P.V (its V stage is not overwritten: no copies are left).
+    const uint32_t v_last =
+        base + Cfg::kVOffset + (num_tiles - 1) % Cfg::kVStages * Cfg::kTileBytes;
+    sm90::fence();
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
+      sm90::mma_rs<QT>(o_acc, pf[kk], sm90::n_major(v_last, Cfg::kKvTile, kk));
+    sm90::commit();
+    sm90::wait<0>();
   }
 
   float scale[1][2], lse[1][2];

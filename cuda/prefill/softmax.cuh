@@ -37,8 +37,17 @@ struct OnlineSoftmax {
   template <int kNTiles, int kDvTiles>
   __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4],
                                          float (&o)[kMTiles][kDvTiles][4], float c) {
-    const float neg_inf = -__int_as_float(0x7f800000);
     float corr[kMTiles][2];
+    if (update_scores(s, c, corr)) rescale(o, corr);
+  }
+
+  // update() without the O rescale: the caller applies rescale(o, corr) before O next takes a
+  // product (the sm_90a kernel's P.V of the previous tile may still be writing O). Returns
+  // whether any row of the warp moved its reference (else every corr is 1).
+  template <int kNTiles>
+  __device__ __forceinline__ bool update_scores(float (&s)[kMTiles][kNTiles][4], float c,
+                                                float (&corr)[kMTiles][2]) {
+    const float neg_inf = -__int_as_float(0x7f800000);
     bool raise_any = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -68,17 +77,21 @@ struct OnlineSoftmax {
         }
         row_sum[mt][h] = row_sum[mt][h] * corr[mt][h] + sum;
       }
-    if (__any_sync(0xffffffffu, raise_any)) {
+    return __any_sync(0xffffffffu, raise_any);
+  }
+
+  template <int kDvTiles>
+  static __device__ __forceinline__ void rescale(float (&o)[kMTiles][kDvTiles][4],
+                                                 const float (&corr)[kMTiles][2]) {
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int dt = 0; dt < kDvTiles; ++dt)
+      for (int dt = 0; dt < kDvTiles; ++dt)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            o[mt][dt][2 * h] *= corr[mt][h];
-            o[mt][dt][2 * h + 1] *= corr[mt][h];
-          }
-    }
+        for (int h = 0; h < 2; ++h) {
+          o[mt][dt][2 * h] *= corr[mt][h];
+          o[mt][dt][2 * h + 1] *= corr[mt][h];
+        }
   }
 
   // After the last tile: the row's total over the quad, and LSE (base 2) of the logits.
