@@ -5,10 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <string>
 
 #include "flashkv/ops/attention.h"
 #include "flashkv/ops/kernels.h"
@@ -841,6 +843,42 @@ TEST(CpuPrefill, MergeStateOptionBadInputsThrow) {
 #if FLASHKV_WITH_CUDA
 // A prefill captured into a CUDA graph with a graph-mode plan replays correctly after a new plan
 // (same batch size and token count, other lengths, split differently) is uploaded.
+// On Hopper, head dim 128 with 16-bit KV runs the sm_90a kernel, and the other tests cover the
+// sm_80 kernel through the other head dims and fp8 only. Both kernels at head dim 128, over the
+// variants they share (FLASHKV_PREFILL_SM90=0 selects the sm_80 one; elsewhere both runs use it).
+TEST(CudaPrefill, BothKernelsAtHeadDim128) {
+  FLASHKV_REQUIRE_GPU();
+  const char* saved = std::getenv("FLASHKV_PREFILL_SM90");
+  const std::string restore = saved ? saved : "";
+  for (const char* sm90 : {"0", "1"}) {
+    SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << sm90);
+    ASSERT_EQ(setenv("FLASHKV_PREFILL_SM90", sm90, 1), 0);
+    FLASHKV_SEEDED_RNG(rng, 1790);
+    Problem pr = small_variant_problem();
+    check_problem(pr, rng);  // causal, paged (page size 16)
+    pr.paged = false;
+    pr.custom_mask = true;
+    check_problem(pr, rng);
+    pr.custom_mask = false;
+    pr.soft_cap = 5.0f;
+    pr.sm_scale = 0.3f;
+    pr.window_left = 40;
+    pr.dtype = pr.kv_dtype = DType::f16;
+    check_problem(pr, rng);
+    Problem split = small_variant_problem();
+    split.page_size = 1;
+    split.plan.fixed_split_size = 64;
+    split.expect_merges = true;
+    check_problem(split, rng);
+    FusedExtendCase c = fused_extend_cases()[3];  // page size 1, G 4, split prefix pass
+    check_fused_extend(c, Device::cuda(), rng);
+  }
+  if (saved)
+    setenv("FLASHKV_PREFILL_SM90", restore.c_str(), 1);
+  else
+    unsetenv("FLASHKV_PREFILL_SM90");
+}
+
 TEST(CudaPrefill, GraphCaptureReplaysNewPlan) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 770);
