@@ -73,8 +73,8 @@ struct CaseState {
   PagedKV paged;
   // prefill / new tokens of extend: contiguous K/V and their indptrs.
   Tensor new_k, new_v, qo_indptr, new_kv_indptr;
-  // extend: the two partial states merged into `out`.
-  Tensor out_new, lse_new, out_prefix, lse_prefix;
+  // extend: the ragged pass's LSE (its output is `out`, which the paged pass merges into).
+  Tensor lse_new;
   DecodePlan decode_plan;
   PrefillPlan ragged_plan, paged_plan;
   Workspace ragged_ws, paged_ws;
@@ -189,23 +189,25 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
     };
   }
 
-  // extend with a prefix: + non-causal paged attention over the prefix, merged by LSE.
+  // extend with a prefix: + non-causal paged attention over the prefix, merged by LSE, as the
+  // backend runs it: the paged pass merges each row with the ragged pass's state as it writes it
+  // (in place, launched to overlap the ragged pass where the GPU can).
   s.make_pool(c, c.prefix_len());
   const std::vector<int32_t> prefix_lens(c.batch, c.prefix_len());
   s.paged_plan = plan_prefill(batch_shape(c, &qo, prefix_lens, false, c.page_size), info, po);
   s.paged_ws.reserve(s.paged_plan.layout.total_bytes, c.device);
   s.paged_ws.upload(s.paged_plan);
-  s.out_new = s.empty({rows, c.num_qo_heads, c.head_dim}, c.dtype);
-  s.out_prefix = s.empty({rows, c.num_qo_heads, c.head_dim}, c.dtype);
   s.lse_new = s.empty({rows, c.num_qo_heads}, DType::f32);
-  s.lse_prefix = s.empty({rows, c.num_qo_heads}, DType::f32);
   synchronize(c.device);
-  return [&s, causal, non_causal](Stream st) {
+  AttentionOptions prefix = non_causal;
+  prefix.merge_o = s.out;
+  prefix.merge_lse = s.lse_new;
+  prefix.overlap_previous = true;
+  return [&s, causal, prefix](Stream st) {
     ragged_prefill(s.ragged_plan, s.q, s.new_k, s.new_v, s.qo_indptr, s.new_kv_indptr, causal,
-                   s.out_new, s.lse_new, s.ragged_ws, st);
-    paged_prefill(s.paged_plan, s.q, s.qo_indptr, s.paged, non_causal, s.out_prefix, s.lse_prefix,
-                  s.paged_ws, st);
-    merge_state(s.out_new, s.lse_new, s.out_prefix, s.lse_prefix, s.out, TensorView(), st);
+                   s.out, s.lse_new, s.ragged_ws, st);
+    paged_prefill(s.paged_plan, s.q, s.qo_indptr, s.paged, prefix, s.out, s.lse_new, s.paged_ws,
+                  st);
   };
 }
 
