@@ -105,18 +105,9 @@ __global__ void __launch_bounds__(kPrefillThreads, 2)
   // A dependent launched with programmatic stream serialization (a merged prefix pass after
   // this one) may be scheduled as this grid's CTAs retire; it waits before reading our outputs.
   ptx::launch_dependents();
-  const int worker = blockIdx.x, kv_head = blockIdx.y;
-  const int group = p.num_qo_heads / p.num_kv_heads;
-  const int first = p.worker_indptr[worker], last = p.worker_indptr[worker + 1];
-  for (int i = first; i < last; ++i) {
-    const WorkItem it = p.items[i];
-    const int packed_rows = it.q_len * group;
-    for (int row0 = 0; row0 < packed_rows; row0 += Cfg::kCtaRows) {
-      __syncthreads();  // the previous block's readers of shared memory are done
-      const RowBlock b = make_row_block(p, it, group, row0, Cfg::kCtaRows);
-      run_block<Cfg>(p, b, kv_head, group, smem);
-    }
-  }
+  for_each_row_block<Cfg::kCtaRows>(p, [&](const RowBlock& b, int kv_head, int group) {
+    run_block<Cfg>(p, b, kv_head, group, smem);
+  });
   // Launched early (programmatic dependent launch), the grid must not finish before the kernel
   // it overlaps: the next launch in the stream (the split merge, which reads the merge state)
   // waits only for this grid.

@@ -55,17 +55,11 @@ template <typename Cfg>
 __device__ __forceinline__ void load_q_sm90(const AttentionParams& p, const RowBlock& b,
                                             int kv_head, int group, unsigned char* tile, int tid) {
   using QT = typename Cfg::Q;
-  const QT* q = static_cast<const QT*>(p.q);
 #pragma unroll
   for (int i = 0; i < Cfg::kCtaRows / kSm90RowsPerPass; ++i) {
     const int row = (tid >> 3) + i * kSm90RowsPerPass;
-    const bool valid = row < b.rows;
-    const int x = b.row0 + row;
-    const int tok = x / group;
-    const int head = kv_head * group + (x - tok * group);
-    const QT* src = valid ? q + (static_cast<int64_t>(b.q_begin) + tok) * p.q_stride_n +
-                                static_cast<int64_t>(head) * p.q_stride_h + (tid & 7) * 8
-                          : q;
+    bool valid;
+    const QT* src = q_row_source<QT>(p, b, kv_head, group, row, (tid & 7) * 8, valid);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       cp_async_16(tile + sm90::tile_offset(Cfg::kCtaRows, row, (tid & 7) + 8 * h),
@@ -217,18 +211,9 @@ __global__ void __launch_bounds__(256, 1)
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   ptx::launch_dependents();
-  const int worker = blockIdx.x, kv_head = blockIdx.y;
-  const int group = p.num_qo_heads / p.num_kv_heads;
-  const int first = p.worker_indptr[worker], last = p.worker_indptr[worker + 1];
-  for (int i = first; i < last; ++i) {
-    const WorkItem it = p.items[i];
-    const int packed_rows = it.q_len * group;
-    for (int row0 = 0; row0 < packed_rows; row0 += Cfg::kCtaRows) {
-      __syncthreads();  // the previous block's readers of shared memory are done
-      const RowBlock b = make_row_block(p, it, group, row0, Cfg::kCtaRows);
-      run_block_sm90<Cfg>(p, b, kv_head, group, smem);
-    }
-  }
+  for_each_row_block<Cfg::kCtaRows>(p, [&](const RowBlock& b, int kv_head, int group) {
+    run_block_sm90<Cfg>(p, b, kv_head, group, smem);
+  });
   if (p.merge_o) ptx::grid_dependency_wait();  // see prefill_kernel
 }
 

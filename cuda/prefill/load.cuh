@@ -21,23 +21,34 @@ constexpr int kLoadRowsPerPass = kPrefillThreads / 8;
 __device__ __forceinline__ int load_row_of(int tid) { return tid >> 3; }
 __device__ __forceinline__ int load_swizzled_chunk_of(int tid) { return (tid ^ (tid >> 3)) & 7; }
 
+// Element `col` of packed Q row `row` of the block (token row / G of query head kv_head * G +
+// row % G); `valid` false for a padding row past the block, whose copies read q itself and
+// zero-fill.
+template <typename QT>
+__device__ __forceinline__ const QT* q_row_source(const AttentionParams& p, const RowBlock& b,
+                                                  int kv_head, int group, int row, int col,
+                                                  bool& valid) {
+  const QT* q = static_cast<const QT*>(p.q);
+  valid = row < b.rows;
+  if (!valid) return q;
+  const int x = b.row0 + row;
+  const int tok = x / group;
+  const int head = kv_head * group + (x - tok * group);
+  return q + (static_cast<int64_t>(b.q_begin) + tok) * p.q_stride_n +
+         static_cast<int64_t>(head) * p.q_stride_h + col;
+}
+
 // Q rows of the block -> swizzled sQ [kCtaRows, D_qk]. Padding rows are zero-filled.
 template <typename Cfg>
 __device__ __forceinline__ void load_q(const AttentionParams& p, const RowBlock& b, int kv_head,
                                        int group, typename Cfg::Q* sq, int tid) {
   using QT = typename Cfg::Q;
-  const QT* q = static_cast<const QT*>(p.q);
   const int r0 = load_row_of(tid), sw = load_swizzled_chunk_of(tid);
 #pragma unroll
   for (int i = 0; i < Cfg::kCtaRows / kLoadRowsPerPass; ++i) {
     const int row = r0 + i * kLoadRowsPerPass;
-    const bool valid = row < b.rows;
-    const int x = b.row0 + row;
-    const int tok = x / group;
-    const int head = kv_head * group + (x - tok * group);
-    const QT* src = valid ? q + (static_cast<int64_t>(b.q_begin) + tok) * p.q_stride_n +
-                                static_cast<int64_t>(head) * p.q_stride_h + (tid & 7) * 8
-                          : q;
+    bool valid;
+    const QT* src = q_row_source<QT>(p, b, kv_head, group, row, (tid & 7) * 8, valid);
 #pragma unroll
     for (int k = 0; k < Cfg::kQkChunks / 8; ++k)
       cp_async_16(sq + row * Cfg::kDqk + (sw + 8 * k) * 8, valid ? src + 64 * k : src,

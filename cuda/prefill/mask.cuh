@@ -60,6 +60,24 @@ __device__ __forceinline__ RowBlock make_row_block(const AttentionParams& p, con
   return b;
 }
 
+// The persistent CTA's walk (grid (workers, Hkv)): every row block of kCtaRows packed rows of
+// worker blockIdx.x's items, for KV head blockIdx.y, each after a __syncthreads (the previous
+// block's readers of shared memory are done): run(block, kv_head, group).
+template <int kCtaRows, typename Run>
+__device__ __forceinline__ void for_each_row_block(const AttentionParams& p, Run&& run) {
+  const int worker = blockIdx.x, kv_head = blockIdx.y;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int first = p.worker_indptr[worker], last = p.worker_indptr[worker + 1];
+  for (int i = first; i < last; ++i) {
+    const WorkItem it = p.items[i];
+    const int packed_rows = it.q_len * group;
+    for (int row0 = 0; row0 < packed_rows; row0 += kCtaRows) {
+      __syncthreads();
+      run(make_row_block(p, it, group, row0, kCtaRows), kv_head, group);
+    }
+  }
+}
+
 // True when every element of the KV tile [j0, j0 + tile) is visible to every row of the block,
 // so the tile needs no per-element mask (uniform across the CTA).
 __device__ __forceinline__ bool tile_is_full(const AttentionParams& p, const RowBlock& b, int group,
