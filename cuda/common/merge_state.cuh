@@ -1,7 +1,8 @@
 // An attention state being folded from partial states over disjoint KV sets (SEMANTICS.md,
 // "Merging partial states"): the running max of the base-2 LSEs, the sum of 2^(lse - max), and
-// the weighted output accumulated by the caller. Shared by the merge of split decode items and
-// merge_state(s).
+// the weighted output accumulated by the caller, one state at a time. Used by the decode
+// kernel's merge of split items (merge_state(s) in cuda/merge.cu take the max over all states
+// first instead).
 #pragma once
 
 #include <cmath>

@@ -136,7 +136,7 @@ __device__ __forceinline__ void run_block_sm90(const AttentionParams& p, const R
     if (num_tiles > 1) rows.fetch(p, b, b.kv_lo + Cfg::kKvTile, tid);
     float s[1][kNTiles][4];
     float(&s_acc)[64] = reinterpret_cast<float(&)[64]>(s);
-    uint32_t pf[Cfg::kKvTile / 16][4];  // P of the previous tile, the A operand of its P.V
+    PFragments<Cfg> pf;  // P of the previous tile, the A operand of its P.V
     // Tile t: wait for its K/V (and retire what tile t + 1's copies overwrite), start those
     // copies, then issue S_t = Q.K_t^T and, behind it, P_{t-1}.V_{t-1}; the softmax of S_t runs
     // while the tensor cores still work on P_{t-1}.V_{t-1}, and O is rescaled only after it.
@@ -163,7 +163,7 @@ __device__ __forceinline__ void run_block_sm90(const AttentionParams& p, const R
         const uint32_t v_prev = base + Cfg::kVOffset + (t - 1) % Cfg::kVStages * Cfg::kTileBytes;
 #pragma unroll
         for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
-          sm90::mma_rs<QT>(o_acc, pf[kk], sm90::n_major(v_prev, Cfg::kKvTile, kk));
+          sm90::mma_rs<QT>(o_acc, pf[0][kk], sm90::n_major(v_prev, Cfg::kKvTile, kk));
         sm90::commit();
         sm90::wait<1>();  // S_t (P_{t-1}.V_{t-1} may still run)
       } else {
@@ -176,13 +176,7 @@ __device__ __forceinline__ void run_block_sm90(const AttentionParams& p, const R
       const bool moved = softmax.update_scores(s, c, corr);
       sm90::wait<0>();  // P_{t-1}.V_{t-1}: O and pf are free
       if (moved) softmax.rescale(o, corr);
-#pragma unroll
-      for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk) {
-        pf[kk][0] = Pack2<QT>::from_floats(s[0][2 * kk][0], s[0][2 * kk][1]);
-        pf[kk][1] = Pack2<QT>::from_floats(s[0][2 * kk][2], s[0][2 * kk][3]);
-        pf[kk][2] = Pack2<QT>::from_floats(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-        pf[kk][3] = Pack2<QT>::from_floats(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-      }
+      pack_p<Cfg>(s, pf);
     }
     // The last tile's P.V (its V stage is not overwritten: no copies are left).
     const uint32_t v_last =
@@ -190,7 +184,7 @@ __device__ __forceinline__ void run_block_sm90(const AttentionParams& p, const R
     sm90::fence();
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
-      sm90::mma_rs<QT>(o_acc, pf[kk], sm90::n_major(v_last, Cfg::kKvTile, kk));
+      sm90::mma_rs<QT>(o_acc, pf[0][kk], sm90::n_major(v_last, Cfg::kKvTile, kk));
     sm90::commit();
     sm90::wait<0>();
   }
