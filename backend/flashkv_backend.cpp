@@ -579,6 +579,15 @@ struct LayerIO {
   AttentionOptions opt;
 };
 
+// The decode operator's options: the layer's, plus layout_ready. The request layout of a
+// decode batch (kv_indptr, kv_indices, last page lengths) is built in init_forward_metadata*
+// by copies and by kernels that never let a successor start early, before any layer runs; the
+// kernel just ahead of the decode call is this layer's K/V append, which writes the pool only.
+AttentionOptions decode_options(AttentionOptions opt) {
+  opt.layout_ready = true;
+  return opt;
+}
+
 // Resolves everything a layer call needs, validating before anything is written.
 LayerIO layer_io(const BackendOptions& o, const LayerSpec& layer, const ForwardBatch& b,
                  const TensorView& q, const TensorView& k, const TensorView& v,
@@ -703,7 +712,8 @@ TensorView FlashKVBackend::forward_decode(const TensorView& q, const TensorView&
       n.decode_via_prefill
           ? prepare_paged_prefill(wr.paged, io.q, s.d_qo_indptr.view().rows(0, n.batch_size + 1),
                                   kv, io.opt, io.out, TensorView(), buf.ws_paged)
-          : prepare_paged_decode(wr.decode, io.q, kv, io.opt, io.out, TensorView(), buf.ws_decode);
+          : prepare_paged_decode(wr.decode, io.q, kv, decode_options(io.opt), io.out, TensorView(),
+                                 buf.ws_decode);
   if (save_kv_cache && io.k.defined()) prepare_save(io, layer).run(options_.stream);
   attention.run(options_.stream);
   return flat_output(io.out);

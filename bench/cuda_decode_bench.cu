@@ -2,6 +2,7 @@
 // the device-to-device copy bandwidth measured in the same run.
 //
 //   cuda_decode_bench [--quick] [--small] [--csv FILE] [--min-split N] [--blocks-per-sm N]
+//                     [--layout-after-wait]  (without AttentionOptions::layout_ready)
 //
 // Per shape: one KV pool per input set (enough sets that they do not fit in L2 together), each a
 // shuffled page-size-1 layout; the plan is made in CUDA-graph mode and one graph holds one
@@ -109,6 +110,7 @@ struct Options {
   bool small_only = false;  // the four shapes with < 1M tokens x heads (bf16 only)
   int min_split = 0;
   int blocks_per_sm = 0;
+  bool layout_ready = true;  // as the backend calls it
   std::string csv;
 };
 
@@ -248,6 +250,7 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
   check(cudaStreamSynchronize(stream), "sync");
 
   AttentionOptions opt;
+  opt.layout_ready = o.layout_ready;  // the indices were copied before the graph
   auto run_set = [&](int s) {
     auto* base = static_cast<unsigned char*>(pools[s].data());
     TensorView k(base, sh.kv_dtype, {slots, sh.hkv, sh.d}, gpu);
@@ -316,11 +319,13 @@ int main(int argc, char** argv) {
       o.min_split = std::atoi(argv[++i]);
     else if (a == "--blocks-per-sm" && i + 1 < argc)
       o.blocks_per_sm = std::atoi(argv[++i]);
+    else if (a == "--layout-after-wait")
+      o.layout_ready = false;
     else {
-      std::fprintf(
-          stderr,
-          "usage: %s [--quick] [--small] [--csv FILE] [--min-split N] [--blocks-per-sm N]\n",
-          argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--quick] [--small] [--csv FILE] [--min-split N] [--blocks-per-sm N] "
+                   "[--layout-after-wait]\n",
+                   argv[0]);
       return 2;
     }
   }

@@ -387,6 +387,7 @@ PreparedAttention prepare_paged_decode(const DecodePlan& plan, const TensorView&
                 "merge_o/merge_lse: paged_decode does not take a state to merge with (use "
                 "merge_state)");
   AttentionParams p = common_params(plan, "paged_decode", q, out, lse, opt, kv.v.shape[2], ws);
+  p.layout_ready = opt.layout_ready;
   set_paged(p, kv, q, q.shape[0]);
   check_plan_matches(plan, "paged_decode", q, q.shape[0], kv.k.shape[1], q.shape[2], kv.v.shape[2],
                      ws);

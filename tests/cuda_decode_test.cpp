@@ -337,6 +337,30 @@ TEST(CudaDecode, ManyItemsPerWorker) {
   }
 }
 
+// AttentionOptions::layout_ready: the item views and the first tiles' indices are read before
+// the kernel waits for its predecessor. The indices here were copied before the call, as the
+// option asks; results must match the reference as without it (empty, one-token and split items,
+// more items than the CTA keeps views of, page sizes 1 and 16, windows the plan does not see).
+TEST(CudaDecode, LayoutReadyMatchesReference) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 613);
+  DecodeCase c;
+  c.opt.layout_ready = true;
+  c.kv_lens = kAwkwardLens;
+  EXPECT_GT(run_case(rng, c), 0u);
+  c.page_size = 16;
+  c.fixed_split_size = 64;
+  c.opt.window_left = 40;
+  c.plan_sees_window = false;
+  EXPECT_GT(run_case(rng, c), 0u);
+  c.page_size = 1;
+  c.opt.window_left = -1;
+  c.kv_lens.clear();
+  for (int i = 0; i < 60; ++i) c.kv_lens.push_back(std::vector<int32_t>{0, 33, 1, 70, 65}[i % 5]);
+  c.fixed_split_size = 32;
+  EXPECT_GT(run_case(rng, c, /*plan_sms=*/1), 32u);
+}
+
 TEST(CudaDecode, LongContexts) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 606);

@@ -66,19 +66,31 @@ struct TileMerge {
   int32_t row, partial, num_chunks, q_len;
 };
 
-__device__ __forceinline__ int32_t kv_len_of(const AttentionParams& p, int32_t r) {
-  const int32_t n = p.kv_indptr[r + 1] - p.kv_indptr[r];
-  if (p.page_size == 1 || n <= 0) return n > 0 ? n : 0;
-  return (n - 1) * p.page_size + p.last_page_len[r];
+// Request-layout reads. kL2: from L2 (ld.global.cg), for reads made before griddepcontrol.wait
+// (AttentionParams::layout_ready), which must not see lines this SM's L1 kept from earlier work.
+template <bool kL2 = false>
+__device__ __forceinline__ int32_t layout_load(const int32_t* ptr) {
+  if constexpr (kL2)
+    return __ldcg(ptr);
+  else
+    return *ptr;
 }
 
+template <bool kL2 = false>
+__device__ __forceinline__ int32_t kv_len_of(const AttentionParams& p, int32_t r) {
+  const int32_t n = layout_load<kL2>(p.kv_indptr + r + 1) - layout_load<kL2>(p.kv_indptr + r);
+  if (p.page_size == 1 || n <= 0) return n > 0 ? n : 0;
+  return (n - 1) * p.page_size + layout_load<kL2>(p.last_page_len + r);
+}
+
+template <bool kL2 = false>
 __device__ __forceinline__ ItemView view_of(const AttentionParams& p, const WorkItem& it) {
-  const int32_t kv_len = kv_len_of(p, it.request);
+  const int32_t kv_len = kv_len_of<kL2>(p, it.request);
   ItemView v;
   v.row = it.q_begin;
   v.partial = it.partial;
   v.merge = it.merge;
-  v.entry_base = p.kv_indptr[it.request];
+  v.entry_base = layout_load<kL2>(p.kv_indptr + it.request);
   v.lo = max(it.kv_begin, 0);
   v.hi = min(it.kv_end, kv_len);
   // The one query sits at position kv_len - 1: the window starts window_left before it.
@@ -142,7 +154,7 @@ struct DecodeCta {
   // Item idx of this CTA: from shared memory for the first kItemSlots, else from the plan.
   __device__ ItemView item(int32_t idx) const {
     const int32_t k = idx - first_item;
-    return k < kItemSlots ? item_views()[k] : view_of(p, p.items[idx]);
+    return k < kItemSlots ? item_views()[k] : view_of<true>(p, p.items[idx]);
   }
 
   // ---- schedule -------------------------------------------------------------------------------
@@ -186,6 +198,25 @@ struct DecodeCta {
     }
     ++ind_tile;
     advance(ind);
+  }
+
+  // The index walk's first kStages - 1 tiles, read from L2 into the ring with plain loads and
+  // stores: for layout_ready, before griddepcontrol.wait (see the kernel). The caller's barrier
+  // publishes the ring.
+  __device__ void fetch_first_indices_early(int32_t first_item, int32_t last_item) {
+    ind.item = first_item;
+    ind.last = last_item;
+    seek(ind);
+    for (int t = 0; t < kStages - 1 && ind.item < ind.last; ++t) {
+      int32_t* ring = index_ring(ind_tile);
+      for (int row = tid; row < T; row += Tr::kThreads) {
+        const int32_t j = ind.pos + row;
+        const int32_t e = p.page_size == 1 ? j : j / p.page_size;
+        ring[row] = j < ind.v.hi ? __ldcg(p.kv_indices + ind.v.entry_base + e) : 0;
+      }
+      ++ind_tile;
+      advance(ind);
+    }
   }
 
   // Issues the K/V copies of the data walk's tile into stage s (and the item's query rows when
@@ -663,17 +694,22 @@ struct DecodeCta {
 
   // ---- the whole CTA --------------------------------------------------------------------------
 
-  __device__ void run(int32_t first_item, int32_t last_item) {
-    ind.item = prod.item = cons.item = first_item;
-    ind.last = prod.last = cons.last = last_item;
-    seek(ind);
+  // indices_ready: fetch_first_indices_early ran (and a barrier followed it).
+  __device__ void run(int32_t first_item, int32_t last_item, bool indices_ready) {
+    prod.item = cons.item = first_item;
+    prod.last = cons.last = last_item;
     seek(prod);
     // Prologue: the indices of the first kStages - 1 tiles (waited for: nothing else can start),
     // then their K/V copies, each with the indices kStages - 1 tiles further on.
-    for (int t = 0; t < kStages - 1; ++t) fetch_indices();
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<0>();
-    __syncthreads();
+    if (!indices_ready) {
+      ind.item = first_item;
+      ind.last = last_item;
+      seek(ind);
+      for (int t = 0; t < kStages - 1; ++t) fetch_indices();
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<0>();
+      __syncthreads();
+    }
     FLASHKV_TRACE(timeline->mark(3); timeline->mark(4);)
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) produce(s);
@@ -740,14 +776,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   const bool has_item = threadIdx.x < kItemSlots && first_item + int32_t(threadIdx.x) < last_item;
   WorkItem it{};
   if (has_item) it = p.items[first_item + threadIdx.x];
-  ptx::grid_dependency_wait();
-  FLASHKV_TRACE(timeline.mark(1);)
   DecodeCta<Tr, QT, kKv> cta{p, smem};
   FLASHKV_TRACE(cta.timeline = &timeline;)
   cta.first_item = first_item;
-  if (has_item) cta.item_views()[threadIdx.x] = view_of(p, it);
-  __syncthreads();
-  FLASHKV_TRACE(timeline.mark(2);)
   cta.tid = threadIdx.x;
   cta.warp = threadIdx.x / 32;
   cta.lane = threadIdx.x % 32;
@@ -762,7 +793,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   cta.score_scale = qk_scale * kLog2e;
   cta.softcap_in = p.logits_soft_cap > 0.0f ? qk_scale / p.logits_soft_cap : 0.0f;
   cta.softcap_out = p.logits_soft_cap * kLog2e;
-  cta.run(first_item, last_item);
+  // layout_ready: the caller promises the request layout (kv_indptr, kv_indices, last_page_len)
+  // was written before the kernel ahead of this one started, so the item views and the first
+  // tiles' indices are read now, under that kernel, from L2: two dependent round trips less
+  // after the wait.
+  if (p.layout_ready) {
+    if (has_item) cta.item_views()[threadIdx.x] = view_of<true>(p, it);
+    __syncthreads();
+    cta.fetch_first_indices_early(first_item, last_item);
+    __syncthreads();
+  }
+  ptx::grid_dependency_wait();
+  FLASHKV_TRACE(timeline.mark(1);)
+  if (!p.layout_ready) {
+    if (has_item) cta.item_views()[threadIdx.x] = view_of(p, it);
+    __syncthreads();
+  }
+  FLASHKV_TRACE(timeline.mark(2);)
+  cta.run(first_item, last_item, p.layout_ready);
 }
 
 template <int D, typename QT, KvKind kKv, int kNTiles>

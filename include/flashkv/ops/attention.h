@@ -49,6 +49,12 @@ struct AttentionOptions {
   // this call reads (q, the KV and index tensors, the mask, the workspace) and reads nothing it
   // writes, as when it is the ragged_prefill that produced merge_o / merge_lse.
   bool overlap_previous = false;
+  // paged_decode on CUDA sm_90 only (elsewhere ignored): the caller promises that kv_indptr,
+  // kv_indices and last_page_len were written before the kernel ahead of this call on the stream
+  // started (by copies, or by kernels that do not let their successors start early, as the
+  // backend's index builders), so the decode kernel reads them while that kernel still runs.
+  // Two dependent memory round trips less per call; matters on small batches.
+  bool layout_ready = false;
 };
 
 // Scratch memory an operator's plan needs: the uploaded plan and the partial states of split

@@ -28,6 +28,9 @@ struct AttentionParams {
   // preceding kernel only before it reads merge_o / merge_lse or writes o / lse
   // (AttentionOptions::overlap_previous).
   bool overlap_previous = false;
+  // Decode, CUDA sm_90: the request layout may be read before griddepcontrol.wait
+  // (AttentionOptions::layout_ready).
+  bool layout_ready = false;
 
   // K [slots, Hkv, D_qk], V [slots, Hkv, D_v]: f32/f16/bf16 (the same as q) or fp8.
   const void* k = nullptr;
