@@ -3,6 +3,8 @@
 //
 //   cuda_decode_bench [--quick] [--small] [--csv FILE] [--min-split N] [--blocks-per-sm N]
 //                     [--layout-after-wait]  (without AttentionOptions::layout_ready)
+//                     [--shape BxL]  (only batch B x KV length L of 32/8/128, bf16 then fp8;
+//                                     e.g. for a profiler)
 //
 // Per shape: one KV pool per input set (enough sets that they do not fit in L2 together), each a
 // shuffled page-size-1 layout; the plan is made in CUDA-graph mode and one graph holds one
@@ -110,7 +112,8 @@ struct Options {
   bool small_only = false;  // the four shapes with < 1M tokens x heads (bf16 only)
   int min_split = 0;
   int blocks_per_sm = 0;
-  bool layout_ready = true;  // as the backend calls it
+  bool layout_ready = true;          // as the backend calls it
+  int only_batch = 0, only_len = 0;  // --shape: one batch x length of 32/8/128
   std::string csv;
 };
 
@@ -321,10 +324,14 @@ int main(int argc, char** argv) {
       o.blocks_per_sm = std::atoi(argv[++i]);
     else if (a == "--layout-after-wait")
       o.layout_ready = false;
+    else if (a == "--shape" && i + 1 < argc &&
+             std::sscanf(argv[++i], "%dx%d", &o.only_batch, &o.only_len) == 2 && o.only_batch > 0 &&
+             o.only_len > 0)
+      continue;
     else {
       std::fprintf(stderr,
                    "usage: %s [--quick] [--small] [--csv FILE] [--min-split N] [--blocks-per-sm N] "
-                   "[--layout-after-wait]\n",
+                   "[--layout-after-wait] [--shape BxL]\n",
                    argv[0]);
       return 2;
     }
@@ -347,8 +354,9 @@ int main(int argc, char** argv) {
     std::fprintf(csv,
                  "hq,hkv,d,kv_dtype,batch,kv_len,kv_bytes,sets,items,merges,us,floor_us,"
                  "tbps,frac_copy\n");
-  const std::vector<std::pair<int, int>> bl = {{1, 1024},  {1, 4096},   {1, 32768},  {16, 4096},
-                                               {64, 4096}, {256, 2048}, {64, 16384}, {8, 65536}};
+  std::vector<std::pair<int, int>> bl = {{1, 1024},  {1, 4096},   {1, 32768},  {16, 4096},
+                                         {64, 4096}, {256, 2048}, {64, 16384}, {8, 65536}};
+  if (o.only_batch > 0) bl = {{o.only_batch, o.only_len}};
   std::vector<Result> bf16;
   for (auto [b, l] : bl) {
     if (o.small_only && int64_t{b} * l > 65536) break;
@@ -356,12 +364,14 @@ int main(int argc, char** argv) {
         run_shape({32, 8, 128, b, l, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv));
   }
   if (o.small_only) return 0;
-  run_shape({8, 1, 128, 64, 4096, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv);
-  run_shape({32, 32, 128, 64, 4096, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv);
+  if (o.only_batch == 0) {
+    run_shape({8, 1, 128, 64, 4096, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv);
+    run_shape({32, 32, 128, 64, 4096, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv);
+  }
   std::printf("fp8 e4m3 KV (tokens/s vs bf16):\n");
   for (size_t i = 0; i < bl.size(); ++i) {
     const auto [b, l] = bl[i];
-    if (o.quick && int64_t{b} * l < 65536) continue;
+    if (o.quick && o.only_batch == 0 && int64_t{b} * l < 65536) continue;
     const Result r =
         run_shape({32, 8, 128, b, l, DType::fp8_e4m3}, o, copy_bps, prop.l2CacheSize, stream, csv);
     std::printf("    -> %.2fx bf16 tokens/s\n", r.tokens_per_s / bf16[i].tokens_per_s);

@@ -3,7 +3,7 @@
 // (4 * Hq * D * (new * prefix + new * (new + 1) / 2) per request) and the fraction of two
 // ceilings measured in the same run: a cuBLAS bf16 GEMM and a pure mma.sync loop.
 //
-//   cuda_prefill_bench [--iters N] [--csv FILE]
+//   cuda_prefill_bench [--iters N] [--csv FILE] [--case causal|extend]  (only that kind)
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -329,11 +329,14 @@ std::vector<Row> bench_extend(int batch, int prefix, int fresh, int iters) {
 int main(int argc, char** argv) {
   int iters = 20;
   const char* csv = nullptr;
+  std::string only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--iters") && i + 1 < argc)
       iters = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--csv") && i + 1 < argc)
       csv = argv[++i];
+    else if (!std::strcmp(argv[i], "--case") && i + 1 < argc)
+      only = argv[++i];
   }
   try {
     const DeviceInfo dev = device_info(Device::cuda());
@@ -345,8 +348,9 @@ int main(int argc, char** argv) {
         gemm, mma);
     std::vector<Row> rows;
     for (auto [b, n] : {std::pair{1, 8192}, std::pair{4, 4096}, std::pair{1, 16384}})
-      rows.push_back(bench_causal(b, n, iters));
+      if (only.empty() || only == "causal") rows.push_back(bench_causal(b, n, iters));
     for (auto [b, pre, fresh] : {std::tuple{4, 3072, 1024}, std::tuple{16, 4096, 256}}) {
+      if (!only.empty() && only != "extend") continue;
       auto r = bench_extend(b, pre, fresh, iters);
       rows.insert(rows.end(), r.begin(), r.end());
     }

@@ -10,6 +10,8 @@
 // FLASHKV_DECODE_PDL=0 in the environment turns that off (to measure what it brings).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -95,6 +97,10 @@ LaunchFn select(const AttentionParams& p) {
                     (p.k_stride_h * kv_bytes) % 16 == 0 && (p.v_stride_n * kv_bytes) % 16 == 0 &&
                     (p.v_stride_h * kv_bytes) % 16 == 0,
                 "paged_decode (CUDA): k/v rows must be 16-byte aligned");
+  FLASHKV_CHECK(p.k_stride_n >= 0 && p.v_stride_n >= 0 &&
+                    std::max(p.k_stride_n, p.v_stride_n) * kv_bytes <= int64_t{UINT32_MAX},
+                "paged_decode (CUDA): k/v token strides: expected 0 .. 4 GiB in bytes, got ",
+                p.k_stride_n * kv_bytes, " and ", p.v_stride_n * kv_bytes);
   const int group = p.num_qo_heads / p.num_kv_heads;
   switch (p.head_dim_qk) {
 #if FLASHKV_HEAD_DIM_64

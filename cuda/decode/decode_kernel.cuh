@@ -233,17 +233,23 @@ struct DecodeCta {
       const char* vbase = static_cast<const char*>(p.v) +
                           (int64_t{kv_head} * p.v_stride_h) * Tr::kKvBytes + chunk * 16;
       const int32_t* ring = index_ring(prod_tile);
+      // 32-bit row arithmetic (the launcher checks that a token row's stride fits): a row is
+      // one multiply-add off the operand's base. The slot is clamped into the pool as unsigned,
+      // so a negative or too-large index (or a slot past the range) never addresses outside it.
+      const uint32_t k_row_bytes = static_cast<uint32_t>(p.k_stride_n) * Tr::kKvBytes;
+      const uint32_t v_row_bytes = static_cast<uint32_t>(p.v_stride_n) * Tr::kKvBytes;
+      const uint32_t last_row = static_cast<uint32_t>(min(p.num_kv_rows - 1, int64_t{UINT32_MAX}));
 #pragma unroll
       for (int i = 0; i < Tr::kPasses; ++i) {
         const int row = tid / Tr::kChunks + i * Tr::kRowsPerPass;
         const int32_t j = prod.pos + row;
         const bool valid = j < prod.v.hi;
-        int64_t slot = ring[row];
+        uint32_t slot = static_cast<uint32_t>(ring[row]);
         if (p.page_size > 1) slot = slot * p.page_size + j % p.page_size;
-        slot = valid ? min(max(slot, int64_t{0}), p.num_kv_rows - 1) : 0;  // never out of bounds
+        slot = min(slot, last_row);
         const uint32_t off = swizzled<Tr>(row, chunk);
-        ptx::cp_async_16(k_smem + off, kbase + slot * p.k_stride_n * Tr::kKvBytes, valid);
-        ptx::cp_async_16(v_smem + off, vbase + slot * p.v_stride_n * Tr::kKvBytes, valid);
+        ptx::cp_async_16(k_smem + off, kbase + uint64_t{slot} * k_row_bytes, valid);
+        ptx::cp_async_16(v_smem + off, vbase + uint64_t{slot} * v_row_bytes, valid);
       }
       if (prod.first) {
         // Q rows [kHeads, D] of the item; heads past `heads` are zero (they pad the mma N side).
@@ -448,6 +454,8 @@ struct DecodeCta {
       }
     // Online softmax per head column; the 8 lanes sharing c hold one column's 16 tokens.
     uint32_t pb[NT][2];
+    float corr[NT][2];
+    bool moved = false;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       float pr[4];
@@ -458,35 +466,62 @@ struct DecodeCta {
         bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 8));
         bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 16));
         const float m_new = fmaxf(m[n][j], bm);  // finite: the block has a valid token
-        const float corr = ptx::exp2_fast(m[n][j] - m_new);
+        corr[n][j] = ptx::exp2_fast(m[n][j] - m_new);
+        moved |= m_new != m[n][j];
         m[n][j] = m_new;
         pr[j] = ptx::exp2_fast(s[n][j] - m_new);
         pr[j + 2] = ptx::exp2_fast(s[n][j + 2] - m_new);
-        l[n][j] = l[n][j] * corr + pr[j] + pr[j + 2];
-#pragma unroll
-        for (int i = 0; i < Tr::kMTiles; ++i) {
-          o[i][n][j] *= corr;
-          o[i][n][j + 2] *= corr;
-        }
+        l[n][j] = l[n][j] * corr[n][j] + pr[j] + pr[j + 2];
       }
       pb[n][0] = ptx::movmatrix_trans(pack2<MT>(pr[0], pr[1]));
       pb[n][1] = ptx::movmatrix_trans(pack2<MT>(pr[2], pr[3]));
+    }
+    // O is rescaled only when some column's maximum moved (else every factor is exactly 1), which
+    // after a request's first blocks is rare.
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int i = 0; i < Tr::kMTiles; ++i)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            o[i][n][j] *= corr[n][j];
+            o[i][n][j + 2] *= corr[n][j];
+          }
     }
     accumulate(k_smem + Tr::kTileBytes, b, pb);
   }
 
   // ---- end of an item -------------------------------------------------------------------------
 
-  // Stores heads [0, heads) of an item's result: out_buf (un-normalised, [kHeads][kOutStride])
-  // times inv[h], and lse[h]; or zeros and -inf when `empty`.
-  __device__ void store(const ItemView& v, const float* inv, const float* lse, bool empty) {
+  // Stores heads [0, heads) of an item's result: the sum, in order, of `parts` un-normalised
+  // [kHeads][kOutStride] buffers from `src` on (default: out_buf) times inv[h], and lse[h]; or
+  // zeros and -inf when `empty`.
+  __device__ void store(const ItemView& v, const float* inv, const float* lse, bool empty,
+                        const float* src = nullptr, int parts = 1) {
     constexpr int kPerHead = D / 8;
-    const float* ob = out_buf();
+    const float* ob = src != nullptr ? src : out_buf();
     for (int i = tid; i < heads * kPerHead; i += Tr::kThreads) {
       const int h = i / kPerHead, d = (i % kPerHead) * 8;
       float x[8];
+      if (empty) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) x[k] = empty ? 0.0f : ob[h * Tr::kOutStride + d + k] * inv[h];
+        for (int k = 0; k < 8; ++k) x[k] = 0.0f;
+      } else {
+        const float* part = ob + h * Tr::kOutStride + d;
+        float4 a = *reinterpret_cast<const float4*>(part);
+        float4 b = *reinterpret_cast<const float4*>(part + 4);
+        for (int w = 1; w < parts; ++w) {
+          part += Tr::kHeads * Tr::kOutStride;
+          const float4 a2 = *reinterpret_cast<const float4*>(part);
+          const float4 b2 = *reinterpret_cast<const float4*>(part + 4);
+          a.x += a2.x, a.y += a2.y, a.z += a2.z, a.w += a2.w;
+          b.x += b2.x, b.y += b2.y, b.z += b2.z, b.w += b2.w;
+        }
+        const float inv_h = inv[h];
+        x[0] = a.x * inv_h, x[1] = a.y * inv_h, x[2] = a.z * inv_h, x[3] = a.w * inv_h;
+        x[4] = b.x * inv_h, x[5] = b.y * inv_h, x[6] = b.z * inv_h, x[7] = b.w * inv_h;
+      }
       if (v.partial < 0) {
         uint4 w;
         w.x = pack2<QT>(x[0], x[1]), w.y = pack2<QT>(x[2], x[3]);
@@ -632,7 +667,10 @@ struct DecodeCta {
   }
 
   // Merges the warps' states of the finished item (in warp order: deterministic) and stores it.
-  __device__ void finalize(const ItemView& v) {
+  // `stage` held the item's last tile; it is free once every warp is past its blocks (its next
+  // refill follows the loop's next barrier). When the warps' scaled outputs fit there, each warp
+  // writes its own and store() sums them; else they are added into out_buf a warp at a time.
+  __device__ void finalize(const ItemView& v, unsigned char* stage) {
     float* red_m = red();                              // [Tr::kWarps][kHeads]
     float* red_l = red_m + Tr::kWarps * Tr::kHeads;    // [Tr::kWarps][kHeads]
     float* fin_inv = red_l + Tr::kWarps * Tr::kHeads;  // [kHeads]
@@ -673,6 +711,20 @@ struct DecodeCta {
           fin_lse[h] = sum > 0.0f ? mx + __log2f(sum) : -INFINITY;
         }
       }
+    if constexpr (Tr::kWarps * Tr::kOutBytes <= Tr::kStageBytes) {
+      float* ob = reinterpret_cast<float*>(stage) + warp * Tr::kHeads * Tr::kOutStride;
+#pragma unroll
+      for (int i = 0; i < Tr::kMTiles; ++i)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            ob[(8 * n + 2 * c + (e & 1)) * Tr::kOutStride + out_dim(i, e)] =
+                o[i][n][e] * scale[n][e & 1];
+      __syncthreads();
+      store(v, fin_inv, fin_lse, false, reinterpret_cast<const float*>(stage), Tr::kWarps);
+      return;
+    }
     float* ob = out_buf();
     for (int w = 0; w < Tr::kWarps; ++w) {
       if (warp == w) {
@@ -724,7 +776,7 @@ struct DecodeCta {
       __syncthreads();
       FLASHKV_TRACE(if (tile_count == 0) timeline->mark(4);)
       produce((stage + kStages - 1) % kStages);
-      const unsigned char* st = stage_ptr(stage);
+      unsigned char* st = stage_ptr(stage);
       if (cons.first) {
         load_q_frags(st);
         reset_state();
@@ -745,7 +797,7 @@ struct DecodeCta {
       ++tile_count;
       cons.pos += T;
       if (cons.pos >= cons.v.hi) {
-        finalize(cons.v);
+        finalize(cons.v, st);
         ++cons.item;
         seek(cons, /*finish_empty=*/true);
       }
