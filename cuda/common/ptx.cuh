@@ -14,6 +14,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// p, as a value the compiler cannot take apart: a sum formed before the call stays one 64-bit
+// register, so `opaque(base) + 32-bit x 32-bit` is a single wide multiply-add.
+template <typename T>
+__device__ __forceinline__ const T* opaque(const T* p) {
+  asm("" : "+l"(p));
+  return p;
+}
+
 // 16 bytes global -> shared, bypassing L1 (.cg). valid == false zero-fills the destination
 // without reading `src` (which must still be a mapped address).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {

@@ -228,10 +228,12 @@ struct DecodeCta {
       const uint32_t k_smem = ptx::smem_addr(st);
       const uint32_t v_smem = k_smem + Tr::kTileBytes;
       const int chunk = tid % Tr::kChunks;
-      const char* kbase = static_cast<const char*>(p.k) +
-                          (int64_t{kv_head} * p.k_stride_h) * Tr::kKvBytes + chunk * 16;
-      const char* vbase = static_cast<const char*>(p.v) +
-                          (int64_t{kv_head} * p.v_stride_h) * Tr::kKvBytes + chunk * 16;
+      const char* kbase =
+          ptx::opaque(static_cast<const char*>(p.k) +
+                      (int64_t{kv_head} * p.k_stride_h) * Tr::kKvBytes + chunk * 16);
+      const char* vbase =
+          ptx::opaque(static_cast<const char*>(p.v) +
+                      (int64_t{kv_head} * p.v_stride_h) * Tr::kKvBytes + chunk * 16);
       const int32_t* ring = index_ring(prod_tile);
       // 32-bit row arithmetic (the launcher checks that a token row's stride fits): a row is
       // one multiply-add off the operand's base. The slot is clamped into the pool as unsigned,
@@ -364,10 +366,9 @@ struct DecodeCta {
       }
 #pragma unroll
       for (int ks = 0; ks < Tr::kKSteps; ++ks) {
-        const uint32_t a[4] = {fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(ka[ks])),
-                               fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(kb[ks])),
-                               fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(ka[ks] >> 16)),
-                               fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(kb[ks] >> 16))};
+        const uint32_t a[4] = {
+            fp8_pair_to_f16x2<kKv, false>(ka[ks]), fp8_pair_to_f16x2<kKv, false>(kb[ks]),
+            fp8_pair_to_f16x2<kKv, true>(ka[ks]), fp8_pair_to_f16x2<kKv, true>(kb[ks])};
 #pragma unroll
         for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<MT>(ks % 2 ? s2[n] : s[n], a, q_frag[ks][n]);
       }
@@ -419,10 +420,9 @@ struct DecodeCta {
           const uint32_t sel = e == 0 ? 0x5140u : 0x7362u;
           const uint32_t lo = __byte_perm(x[0][w], x[1][w], sel);
           const uint32_t hi = __byte_perm(x[2][w], x[3][w], sel);
-          const uint32_t a[4] = {fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(lo)),
-                                 fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(lo >> 16)),
-                                 fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(hi)),
-                                 fp8x2_to_f16x2<kKv>(static_cast<uint16_t>(hi >> 16))};
+          const uint32_t a[4] = {
+              fp8_pair_to_f16x2<kKv, false>(lo), fp8_pair_to_f16x2<kKv, true>(lo),
+              fp8_pair_to_f16x2<kKv, false>(hi), fp8_pair_to_f16x2<kKv, true>(hi)};
 #pragma unroll
           for (int n = 0; n < NT; ++n) ptx::mma_m16n8k16<MT>(o[2 * w + e][n], a, pb[n]);
         }
