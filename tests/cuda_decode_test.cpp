@@ -388,7 +388,8 @@ TEST(CudaDecode, LargeBatch) {
 TEST(CudaDecode, UnsupportedInputsThrow) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 608);
-  auto expect_throw = [&](DecodeCase c, const char* what, bool with_mask = false) {
+  auto expect_throw = [&](DecodeCase c, const char* what, bool with_mask = false,
+                          int64_t k_token_stride = 0) {
     SCOPED_TRACE(what);
     c.kv_lens = {5, 9};
     const HostBatch h = make_batch(rng, c);
@@ -409,8 +410,11 @@ TEST(CudaDecode, UnsupportedInputsThrow) {
       opt.custom_mask = m;
       opt.mask_indptr = mask_indptr;
     }
+    PagedKV kv = dv.kv(h);
+    // Only the launcher's checks run (no kernel is launched), so the stride need not be real.
+    if (k_token_stride > 0) kv.k.stride[0] = k_token_stride;
     try {
-      paged_decode(plan, dv.q, dv.kv(h), opt, out, TensorView(), ws);
+      paged_decode(plan, dv.q, kv, opt, out, TensorView(), ws);
       ADD_FAILURE() << "expected flashkv::Error";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("CUDA"), std::string::npos) << e.what();
@@ -423,6 +427,8 @@ TEST(CudaDecode, UnsupportedInputsThrow) {
   d96.d = 96;
   expect_throw(d96, "head dim 96");
   expect_throw(DecodeCase(), "custom mask", /*with_mask=*/true);
+  // A token row more than 4 GiB apart: the kernel's row addresses are 32-bit multiply-adds.
+  expect_throw(DecodeCase(), "k token stride over 4 GiB", false, int64_t{1} << 31);
 }
 
 #if FLASHKV_WITH_CUDA

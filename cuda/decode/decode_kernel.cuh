@@ -443,15 +443,25 @@ struct DecodeCta {
     float s[NT][4];
     scores(k_smem, b, s);
     // Scale to base-2 logits, soft cap, and mask tokens past the tile's end.
+    // Two loops under one kernel-wide condition (not a select per score: that issues both
+    // paths' instructions for every score).
+    if (softcap_in > 0.0f) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[n][e] = softcap_out * ptx::tanh_fast(s[n][e] * item_softcap_in);
+    } else {
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] *= item_score_scale;
+    }
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[n][e];
-        x = softcap_in > 0.0f ? softcap_out * ptx::tanh_fast(x * item_softcap_in)
-                              : x * item_score_scale;
-        s[n][e] = (r + (e >= 2 ? 8 : 0)) < valid ? x : -INFINITY;
-      }
+      for (int e = 0; e < 4; ++e)
+        if ((r + (e >= 2 ? 8 : 0)) >= valid) s[n][e] = -INFINITY;
     // Online softmax per head column; the 8 lanes sharing c hold one column's 16 tokens.
     uint32_t pb[NT][2];
     float corr[NT][2];
