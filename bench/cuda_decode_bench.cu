@@ -5,6 +5,7 @@
 //                     [--layout-after-wait]  (without AttentionOptions::layout_ready)
 //                     [--shape BxL]  (only batch B x KV length L of 32/8/128, bf16 then fp8;
 //                                     e.g. for a profiler)
+//                     [--in-order]   (slots in token order instead of shuffled)
 //
 // Per shape: one KV pool per input set (enough sets that they do not fit in L2 together), each a
 // shuffled page-size-1 layout; the plan is made in CUDA-graph mode and one graph holds one
@@ -114,6 +115,7 @@ struct Options {
   int blocks_per_sm = 0;
   bool layout_ready = true;          // as the backend calls it
   int only_batch = 0, only_len = 0;  // --shape: one batch x length of 32/8/128
+  bool in_order = false;             // --in-order: slots in token order (adjacent rows)
   std::string csv;
 };
 
@@ -216,11 +218,12 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
   sets = std::max(sets, 2);  // the trace measures a launch after another
 #endif
 
-  // Shuffled slots, shared by all sets (indices stay hot in L2, as after build_kv_indices).
+  // Shuffled slots (token order with --in-order), shared by all sets (indices stay hot in L2, as
+  // after build_kv_indices).
   std::mt19937 rng(1234);
   std::vector<int32_t> perm(slots);
   std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
+  if (!o.in_order) std::shuffle(perm.begin(), perm.end(), rng);
   std::vector<int32_t> lens(sh.batch, sh.kv_len), indptr(sh.batch + 1);
   for (int i = 0; i <= sh.batch; ++i) indptr[i] = i * sh.kv_len;
   Tensor indices = Tensor::from_i32(std::vector<int32_t>(perm.begin(), perm.begin() + tokens), gpu);
@@ -324,6 +327,8 @@ int main(int argc, char** argv) {
       o.blocks_per_sm = std::atoi(argv[++i]);
     else if (a == "--layout-after-wait")
       o.layout_ready = false;
+    else if (a == "--in-order")
+      o.in_order = true;
     else if (a == "--shape" && i + 1 < argc &&
              std::sscanf(argv[++i], "%dx%d", &o.only_batch, &o.only_len) == 2 && o.only_batch > 0 &&
              o.only_len > 0)
@@ -331,7 +336,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--quick] [--small] [--csv FILE] [--min-split N] [--blocks-per-sm N] "
-                   "[--layout-after-wait] [--shape BxL]\n",
+                   "[--layout-after-wait] [--shape BxL] [--in-order]\n",
                    argv[0]);
       return 2;
     }
