@@ -92,33 +92,14 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint16_t pair) {
   return y;
 }
 
-// fp8x2_to_f16x2 of the low (kHigh false) or high fp8 pair of a 32-bit word. On sm_89+ the
-// conversion reads the half-word in place, so the high pair costs no shift.
+// fp8x2_to_f16x2 of the low (kHigh false) or high fp8 pair of a 32-bit word. The word is split
+// into its half-words (a register view, no instruction): on sm_89+ the conversion then reads the
+// high half in place, so that pair costs no shift.
 template <KvKind kKind, bool kHigh>
 __device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t word) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  static_assert(kKind == KvKind::e4m3 || kKind == KvKind::e5m2, "fp8 kinds only");
-  uint32_t y;
-  if constexpr (kKind == KvKind::e4m3 && kHigh)
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;\n}\n"
-        : "=r"(y)
-        : "r"(word));
-  else if constexpr (kKind == KvKind::e4m3)
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;\n}\n"
-        : "=r"(y)
-        : "r"(word));
-  else if constexpr (kHigh)
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, h;\n}\n"
-        : "=r"(y)
-        : "r"(word));
-  else
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, l;\n}\n"
-        : "=r"(y)
-        : "r"(word));
-  return y;
-#else
-  return fp8x2_to_f16x2<kKind>(static_cast<uint16_t>(kHigh ? word >> 16 : word));
-#endif
+  uint16_t lo, hi;
+  asm("mov.b32 {%0, %1}, %2;\n" : "=h"(lo), "=h"(hi) : "r"(word));
+  return fp8x2_to_f16x2<kKind>(kHigh ? hi : lo);
 }
 
 }  // namespace flashkv::cuda

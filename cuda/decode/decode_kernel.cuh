@@ -184,17 +184,25 @@ struct DecodeCta {
     }
   }
 
+  // The kv_indices entry of the index walk's tile row `row` (token ind.pos + row; entry
+  // j / page_size for page size > 1), and whether that token is in the item's range (else the
+  // entry is the first one, a mapped address).
+  __device__ const int32_t* index_entry(int row, bool& valid) const {
+    const int32_t j = ind.pos + row;
+    valid = j < ind.v.hi;
+    const int32_t e = p.page_size == 1 ? j : j / p.page_size;
+    return p.kv_indices + (valid ? ind.v.entry_base + e : 0);
+  }
+
   // Copies the kv_indices entries of the index walk's tile into its ring slot (one 4-byte copy
-  // per token; entry j / page_size for page size > 1), and advances the walk.
+  // per token), and advances the walk.
   __device__ void fetch_indices() {
     if (ind.item >= ind.last) return;
     int32_t* ring = index_ring(ind_tile);
     for (int row = tid; row < T; row += Tr::kThreads) {
-      const int32_t j = ind.pos + row;
-      const bool valid = j < ind.v.hi;
-      const int32_t e = p.page_size == 1 ? j : j / p.page_size;
-      ptx::cp_async_4(ptx::smem_addr(ring + row), p.kv_indices + (valid ? ind.v.entry_base + e : 0),
-                      valid);
+      bool valid;
+      const int32_t* src = index_entry(row, valid);
+      ptx::cp_async_4(ptx::smem_addr(ring + row), src, valid);
     }
     ++ind_tile;
     advance(ind);
@@ -210,9 +218,9 @@ struct DecodeCta {
     for (int t = 0; t < kStages - 1 && ind.item < ind.last; ++t) {
       int32_t* ring = index_ring(ind_tile);
       for (int row = tid; row < T; row += Tr::kThreads) {
-        const int32_t j = ind.pos + row;
-        const int32_t e = p.page_size == 1 ? j : j / p.page_size;
-        ring[row] = j < ind.v.hi ? __ldcg(p.kv_indices + ind.v.entry_base + e) : 0;
+        bool valid;
+        const int32_t* src = index_entry(row, valid);
+        ring[row] = valid ? __ldcg(src) : 0;
       }
       ++ind_tile;
       advance(ind);
