@@ -298,16 +298,10 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
   return longest;
 }
 
-// The automatic split (see the top of the file): the longest part, in alignment units, that the
-// tiles are cut into (each tile into num_parts(units, part) equal parts); 0 when no tile is
-// longer than one worker's share. Starts from the share (aligned, >= min_chunk), raised where
-// needed so that the split adds at most `workers` items; where the tiles are at most `workers`,
-// also tries the longest parts that fit in fewer waves of `workers` items, and keeps the one of
-// least estimated makespan (ties: fewer items).
 // The shortest part of an automatic split when PlanOptions::min_split_size is 0: 256 tokens,
 // shorter for batches of short tiles only, which parts of 256 leave filling little of the device
 // (1 x 1024 would be 4 parts on 33 workers a KV head). Prefill: parts of 128 for tiles of up to
-// 1024 keys. Decode, whose split merge runs inside the kernel and folds 8 parts a batch of
+// 1024 keys. Decode, whose split merge runs inside the kernel and folds up to 16 parts a batch of
 // loads: parts of 64 for tiles of up to 1024 tokens, 128 for up to 4096. Measured on an H200
 // (bench/NOTES.md, decode v6): 1 x 1024 9.9 -> 8.5 us (16 parts of 64 rather than 8 of 128),
 // 1 x 4096 13.5 -> 12.0 us (32 parts of 128 rather than 16 of 256).
@@ -317,6 +311,12 @@ int64_t default_min_split(bool decode, int64_t longest) {
   return kDefaultMinSplit;
 }
 
+// The automatic split (see the top of the file): the longest part, in alignment units, that the
+// tiles are cut into (each tile into num_parts(units, part) equal parts); 0 when no tile is
+// longer than one worker's share. Starts from the share (aligned, >= min_chunk), raised where
+// needed so that the split adds at most `workers` items; where the tiles are at most `workers`,
+// also tries the longest parts that fit in fewer waves of `workers` items, and keeps the one of
+// least estimated makespan (ties: fewer items).
 int64_t auto_part(const ItemList& tiles, int64_t longest, int64_t workers, int64_t q_tile,
                   int64_t align, int64_t min_chunk) {
   const int64_t share = ceil_div(ceil_div(tiles.total_cost, workers), q_tile);
