@@ -348,6 +348,30 @@ TEST(CudaPrefill, EmptyRequestsAndEmptyBatch) {
   EXPECT_TRUE(plan.items.empty());
 }
 
+// Sets an environment variable for the scope, restoring its previous value (or absence).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* saved = std::getenv(name);
+    had_ = saved != nullptr;
+    if (had_) saved_ = saved;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      setenv(name_, saved_.c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string saved_;
+};
+
 TEST(CudaPrefill, LongSequencesSampled) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 707);
@@ -843,16 +867,20 @@ TEST(CpuPrefill, MergeStateOptionBadInputsThrow) {
 #if FLASHKV_WITH_CUDA
 // A prefill captured into a CUDA graph with a graph-mode plan replays correctly after a new plan
 // (same batch size and token count, other lengths, split differently) is uploaded.
-// On Hopper, head dim 128 with 16-bit KV runs the sm_90a kernel, and the other tests cover the
-// sm_80 kernel through the other head dims and fp8 only. Both kernels at head dim 128, over the
-// variants they share (FLASHKV_PREFILL_SM90=0 selects the sm_80 one; elsewhere both runs use it).
-TEST(CudaPrefill, BothKernelsAtHeadDim128) {
+
+// On Hopper, head dim 128 with 16-bit KV runs an sm_90a kernel (the warp-specialized one for
+// ragged K/V, the cp.async one for paged), and the other tests cover the sm_80 kernel through
+// the other head dims and fp8 only. All three kernels at head dim 128, over the variants they
+// share (FLASHKV_PREFILL_SM90=0 selects the sm_80 one, FLASHKV_PREFILL_SM90_WS=0 the cp.async
+// sm_90a one for ragged K/V too; elsewhere every run uses the sm_80 kernel).
+TEST(CudaPrefill, AllKernelsAtHeadDim128) {
   FLASHKV_REQUIRE_GPU();
-  const char* saved = std::getenv("FLASHKV_PREFILL_SM90");
-  const std::string restore = saved ? saved : "";
-  for (const char* sm90 : {"0", "1"}) {
-    SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << sm90);
-    ASSERT_EQ(setenv("FLASHKV_PREFILL_SM90", sm90, 1), 0);
+  const char* configs[][2] = {{"0", "0"}, {"1", "0"}, {"1", "1"}};
+  for (const auto& config : configs) {
+    SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << config[0]
+                                    << " FLASHKV_PREFILL_SM90_WS=" << config[1]);
+    ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
+    ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
     FLASHKV_SEEDED_RNG(rng, 1790);
     Problem pr = small_variant_problem();
     check_problem(pr, rng);  // causal, paged (page size 16)
@@ -872,11 +900,21 @@ TEST(CudaPrefill, BothKernelsAtHeadDim128) {
     check_problem(split, rng);
     FusedExtendCase c = fused_extend_cases()[3];  // page size 1, G 4, split prefix pass
     check_fused_extend(c, Device::cuda(), rng);
+    // Ragged: many row blocks a worker (the rings' phases wrap), empty and one-token requests,
+    // lengths off the 128-key tile, both dtypes.
+    Problem ragged;
+    ragged.q_lens = {300, 0, 1, 129, 517, 64};
+    ragged.kv_lens = ragged.q_lens;
+    ragged.hq = 32;
+    ragged.hkv = 8;
+    ragged.paged = false;
+    ragged.samples = 96;
+    check_problem(ragged, rng);
+    ragged.causal = false;
+    ragged.dtype = ragged.kv_dtype = DType::f16;
+    ragged.kv_lens = {700, 5, 1, 129, 517, 0};
+    check_problem(ragged, rng);
   }
-  if (saved)
-    setenv("FLASHKV_PREFILL_SM90", restore.c_str(), 1);
-  else
-    unsetenv("FLASHKV_PREFILL_SM90");
 }
 
 TEST(CudaPrefill, GraphCaptureReplaysNewPlan) {

@@ -44,7 +44,36 @@ __device__ __forceinline__ uint64_t n_major(uint32_t tile, int rows, int k) {
   return descriptor(tile + k * 16 * 128, rows * 128, 1024);
 }
 
+// Named barriers (ids 1..15; 0 is __syncthreads): `threads` threads (a multiple of 32) meet.
+__device__ __forceinline__ void barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Shared-memory mbarriers (8 bytes each, at a shared address): init with an arrival count,
+// plain arrivals, the arrival a thread's earlier cp.async copies make when they complete (not
+// counted by the call: the init count includes it), and a wait for the phase of a parity.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_on_copies(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
 __device__ __forceinline__ void fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -67,7 +96,20 @@ __device__ __forceinline__ void commit() {}
 template <int N>
 __device__ __forceinline__ void wait() {}
 __device__ __forceinline__ void fence_async_shared() {}
+__device__ __forceinline__ void mbar_init(uint32_t, int) {}
+__device__ __forceinline__ void mbar_arrive(uint32_t) {}
+__device__ __forceinline__ void mbar_arrive_on_copies(uint32_t) {}
+__device__ __forceinline__ void mbar_wait(uint32_t, uint32_t) {}
 #endif
+
+// Pins accumulators at this point of the program: an empty asm that reads and rewrites each one.
+// The compiler sees an MMA's accumulators as ready when its asm returns, so without this it may
+// move their readers above the wgmma.wait_group that makes them valid, or their producers (the
+// softmax writing S in place) below a wait meant to run after them.
+__device__ __forceinline__ void pin(float (&r)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
 
 #define FLASHKV_WG_ACC8(a, i)                                                                 \
   "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3]), "+f"(a[i + 4]), "+f"(a[i + 5]), \

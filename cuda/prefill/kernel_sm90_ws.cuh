@@ -1,0 +1,495 @@
+// The warp-specialized Hopper (sm_90a) prefill kernel for ragged (contiguous) 16-bit K/V at head
+// dim 128. A CTA is three warpgroups:
+//   - a producer: one thread issues the tensor-memory-access (TMA) copies of every 128-key K and
+//     V tile into two-stage rings, each stage handed over on mbarriers (full: the bytes landed;
+//     empty: every consumer warp is done reading it); the warpgroup's 128 threads copy the
+//     block's packed Q rows (two Q stages, so the next block's Q arrives while this one runs)
+//     and, with zero-filled cp.async copies, a KV tile that runs past the block's keys, so that
+//     no key outside the range can put a NaN into P.V;
+//   - two consumers of 64 packed query rows each (the plan's 128-row tile), with the overlap of
+//     kernel_sm90.cuh: S_t = Q.K_t^T is issued with P_{t-1}.V_{t-1} behind it, and the softmax
+//     of S_t runs while P.V does. The two take turns to issue their products (two named
+//     barriers), so one warpgroup's softmax runs under the other's products.
+// No barrier spans the CTA inside the KV loop: the warpgroups only meet through the rings.
+// Masks, the online softmax and the epilogue are the sm_80 kernel's, one 16-row tile a warp.
+//
+// Included only by cuda/inst/prefill_sm90_d128.cu.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "common/kernel_launch.h"
+#include "prefill/epilogue.cuh"
+#include "prefill/launch.h"
+#include "prefill/load.cuh"
+#include "prefill/mainloop.cuh"
+#include "prefill/mask.cuh"
+#include "prefill/softmax.cuh"
+#include "prefill/wgmma.cuh"
+
+namespace flashkv::cuda::prefill_detail {
+
+template <typename QT>
+struct Sm90WsConfig {
+  using Q = QT;
+  static constexpr KvFormat kKvFormat = KvFormat::kSame;
+  static constexpr bool kFp8 = false;
+  static constexpr int kDqk = 128, kDv = 128;
+  static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
+  static constexpr int kMTiles = 1;     // 16 rows a consumer warp
+  static constexpr int kRowsPerWarp = 16;
+  static constexpr int kCtaRows = 128;
+  static constexpr int kWgRows = 64;  // a consumer warpgroup's rows
+  static constexpr int kKvTile = 128;
+  static constexpr int kQkChunks = kDqk / 8, kVChunks = kDv / 8;
+  static constexpr int kTileBytes = 128 * 128 * 2;  // a Q stage, or one stage of K or V
+  static constexpr int kStages = 2;                 // of Q, of K and of V
+  // Offsets from a Q stage (the epilogue stages a merge state in its warp's 16 Q rows, which
+  // lie inside its warpgroup's own [64, 128] Q tile: warp w's 4 KB at w * 4 KB).
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kStages * kTileBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
+  static constexpr int kBarOffset = kVOffset + kStages * kTileBytes;
+  static constexpr int kBars = 6 * kStages;
+  // Tiles must start on 1024-byte swizzle atoms: the dynamic allocation has that much slack.
+  static constexpr int kSmemBytes = kBarOffset + kBars * 8 + 1024;
+  static_assert(kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile at head dim 128");
+};
+
+// The two tensor maps of the TMA copies: K and V as [rows, Hkv, 128] with the 128-byte swizzle,
+// boxes of 128 rows x 64 dims (one half of a tile).
+struct Sm90TmaMaps {
+  CUtensorMap k, v;
+};
+
+namespace ws {
+
+// Named barriers (0 is __syncthreads): the producer warpgroup, each consumer warpgroup, and the
+// two consumers' turns to issue products.
+constexpr int kProducerBarrier = 1;
+constexpr int kConsumerBarrier0 = 2;  // + consumer warpgroup
+constexpr int kTurnBarrier0 = 4;      // + consumer warpgroup: that warpgroup's turn
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// Box (dims c0.., head h, rows from r) of a 3-d tensor map into shared memory, completing on bar.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int h,
+                                            int r, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(h), "r"(r), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+template <int kRegs>
+__device__ __forceinline__ void release_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void claim_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+#else
+__device__ __forceinline__ void arrive_expect_tx(uint32_t, uint32_t) {}
+__device__ __forceinline__ void tma_load_3d(uint32_t, const CUtensorMap*, int, int, int,
+                                            uint32_t) {}
+__device__ __forceinline__ void fence_barrier_init() {}
+template <int kRegs>
+__device__ __forceinline__ void release_registers() {}
+template <int kRegs>
+__device__ __forceinline__ void claim_registers() {}
+#endif
+
+// A ring of kStages stages: use n of the ring is stage n % kStages, and its full/empty barriers
+// complete phase n / kStages; waits are on that phase's parity (empty: the phase before, which
+// a fresh barrier counts as complete).
+template <int kStages>
+struct Ring {
+  static __device__ __forceinline__ int stage(int n) { return n % kStages; }
+  static __device__ __forceinline__ uint32_t full_parity(int n) { return (n / kStages) & 1; }
+  static __device__ __forceinline__ uint32_t empty_parity(int n) { return full_parity(n) ^ 1; }
+};
+
+}  // namespace ws
+
+// The barriers, 8 bytes each from kBarOffset: Q full/empty, K full/empty, V full/empty.
+template <typename Cfg>
+struct WsBarriers {
+  uint32_t base;
+  __device__ __forceinline__ uint32_t at(int kind, int stage) const {
+    return base + (kind * Cfg::kStages + stage) * 8;
+  }
+  __device__ __forceinline__ uint32_t q_full(int s) const { return at(0, s); }
+  __device__ __forceinline__ uint32_t q_empty(int s) const { return at(1, s); }
+  __device__ __forceinline__ uint32_t k_full(int s) const { return at(2, s); }
+  __device__ __forceinline__ uint32_t k_empty(int s) const { return at(3, s); }
+  __device__ __forceinline__ uint32_t v_full(int s) const { return at(4, s); }
+  __device__ __forceinline__ uint32_t v_empty(int s) const { return at(5, s); }
+};
+
+// Every row block of this CTA's worker and KV head, in order (for_each_row_block without the
+// CTA barrier between blocks: producer and consumers walk the same blocks at their own pace).
+template <typename Run>
+__device__ __forceinline__ void for_each_row_block_ws(const AttentionParams& p, Run&& run) {
+  const int worker = blockIdx.x, kv_head = blockIdx.y;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int first = p.worker_indptr[worker], last = p.worker_indptr[worker + 1];
+  for (int i = first; i < last; ++i) {
+    const WorkItem it = p.items[i];
+    const int packed_rows = it.q_len * group;
+    for (int row0 = 0; row0 < packed_rows; row0 += 128)
+      run(make_row_block(p, it, group, row0, 128), kv_head, group);
+  }
+}
+
+__device__ __forceinline__ int num_kv_tiles(const RowBlock& b) {
+  return b.kv_hi > b.kv_lo ? (b.kv_hi - b.kv_lo + 127) / 128 : 0;
+}
+
+// Byte offset of 16-byte chunk `chunk` of packed row `row` in a Q stage: the consumer warpgroup
+// row / 64's own swizzled [64, 128] tile.
+__device__ __forceinline__ uint32_t q_stage_offset(int row, int chunk) {
+  return (row >> 6) * (64 * 128 * 2) + sm90::tile_offset(64, row & 63, chunk);
+}
+
+// The producer warpgroup (threads 0..127 of the CTA; `tid` is the thread's index in it).
+template <typename Cfg>
+__device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaMaps& maps,
+                                        unsigned char* smem, const WsBarriers<Cfg>& bars,
+                                        int tid) {
+  using QT = typename Cfg::Q;
+  using Ring = ws::Ring<Cfg::kStages>;
+  const uint32_t base = smem_addr(smem);
+  int block_n = 0, tile_n = 0;
+  for_each_row_block_ws(p, [&](const RowBlock& b, int kv_head, int group) {
+    const int num_tiles = num_kv_tiles(b);
+    // Q: 128 packed rows, 8 threads a row, 16 chunks each; padding rows zero-filled. A block
+    // without keys takes a Q stage too, unfilled (its epilogue may stage a merge state there).
+    const int qs = Ring::stage(block_n);
+    sm90::mbar_wait(bars.q_empty(qs), Ring::empty_parity(block_n));
+#pragma unroll
+    for (int i = 0; i < (num_tiles > 0 ? Cfg::kCtaRows / 16 : 0); ++i) {
+      const int row = (tid >> 3) + 16 * i;
+      bool valid;
+      const QT* src = q_row_source<QT>(p, b, kv_head, group, row, (tid & 7) * 8, valid);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        cp_async_16(smem + qs * Cfg::kTileBytes + q_stage_offset(row, (tid & 7) + 8 * h),
+                    valid ? src + 64 * h : src, valid ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    sm90::fence_async_shared();  // generic-proxy writes -> the consumers' wgmma reads
+    sm90::barrier_sync(ws::kProducerBarrier, 128);
+    if (tid == 0) sm90::mbar_arrive(bars.q_full(qs));
+    ++block_n;
+
+    for (int t = 0; t < num_tiles; ++t, ++tile_n) {
+      const int j0 = b.kv_lo + t * Cfg::kKvTile;
+      const int s = Ring::stage(tile_n);
+      const uint32_t k_dst = base + Cfg::kKOffset + s * Cfg::kTileBytes;
+      const uint32_t v_dst = base + Cfg::kVOffset + s * Cfg::kTileBytes;
+      const int row = b.kv_base + j0;  // ragged: K/V row of key j0
+      if (j0 + Cfg::kKvTile <= b.kv_hi) {
+        if (tid == 0) {
+          sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
+          ws::arrive_expect_tx(bars.k_full(s), Cfg::kTileBytes);
+          ws::tma_load_3d(k_dst, &maps.k, 0, kv_head, row, bars.k_full(s));
+          ws::tma_load_3d(k_dst + Cfg::kTileBytes / 2, &maps.k, 64, kv_head, row, bars.k_full(s));
+          sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
+          ws::arrive_expect_tx(bars.v_full(s), Cfg::kTileBytes);
+          ws::tma_load_3d(v_dst, &maps.v, 0, kv_head, row, bars.v_full(s));
+          ws::tma_load_3d(v_dst + Cfg::kTileBytes / 2, &maps.v, 64, kv_head, row, bars.v_full(s));
+        }
+        continue;
+      }
+      // The block's last tile runs past its keys: copy the keys in range, zero the rest. Only
+      // thread 0 has waited for every earlier use of the ring (a parity wait tells phases apart
+      // only one apart), so it waits for the stage and the others follow it.
+      if (tid == 0) {
+        sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
+        sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
+      }
+      sm90::barrier_sync(ws::kProducerBarrier, 128);
+      const QT* k = static_cast<const QT*>(p.k) + static_cast<int64_t>(kv_head) * p.k_stride_h;
+      const QT* v = static_cast<const QT*>(p.v) + static_cast<int64_t>(kv_head) * p.v_stride_h;
+#pragma unroll 2
+      for (int i = 0; i < Cfg::kKvTile / 16; ++i) {
+        const int key = (tid >> 3) + 16 * i;
+        const bool valid = j0 + key < b.kv_hi;
+        const int64_t r = valid ? static_cast<int64_t>(row) + key : 0;
+        const QT* k_src = k + r * p.k_stride_n + (tid & 7) * 8;
+        const QT* v_src = v + r * p.v_stride_n + (tid & 7) * 8;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t off = sm90::tile_offset(Cfg::kKvTile, key, (tid & 7) + 8 * h);
+          cp_async_16(smem + (k_dst - base) + off, k_src + 64 * h, valid ? 16 : 0);
+          cp_async_16(smem + (v_dst - base) + off, v_src + 64 * h, valid ? 16 : 0);
+        }
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      sm90::fence_async_shared();
+      sm90::barrier_sync(ws::kProducerBarrier, 128);
+      if (tid == 0) {
+        sm90::mbar_arrive(bars.k_full(s));
+        sm90::mbar_arrive(bars.v_full(s));
+      }
+    }
+  });
+}
+
+// A consumer warpgroup's turn to issue its products: wait for it, then (after issuing) pass it.
+// kTurns false: the warpgroups issue whenever they are ready.
+template <bool kTurns>
+__device__ __forceinline__ void take_turn(int wg) {
+  if (kTurns) sm90::barrier_sync(ws::kTurnBarrier0 + wg, 256);
+}
+template <bool kTurns>
+__device__ __forceinline__ void pass_turn(int wg) {
+  if (kTurns) sm90::barrier_arrive(ws::kTurnBarrier0 + (wg ^ 1), 256);
+}
+
+// The consumer warpgroups (threads 128..383; `ctid` is the thread's index among them).
+template <typename Cfg, bool kTurns>
+__device__ __forceinline__ void consume(const AttentionParams& p, unsigned char* smem,
+                                        const WsBarriers<Cfg>& bars, int ctid) {
+  using QT = typename Cfg::Q;
+  using Ring = ws::Ring<Cfg::kStages>;
+  constexpr int kNTiles = Cfg::kKvTile / 8;
+  const int lane = ctid & 31, cwarp = ctid >> 5, wg = cwarp >> 2;
+  const int warp_row0 = cwarp * Cfg::kRowsPerWarp;
+  const uint32_t base = smem_addr(smem);
+
+  const float logit_scale = p.sm_scale;
+  const bool soft_cap = p.logits_soft_cap > 0.0f;
+  const float c = soft_cap ? kLog2e : logit_scale * kLog2e;
+  const float scale_over_cap = soft_cap ? logit_scale / p.logits_soft_cap : 0.0f;
+
+  // Warpgroup 1 lets warpgroup 0 go first.
+  if (wg == 1) pass_turn<kTurns>(1);
+  int block_n = 0, tile_n = 0;
+  for_each_row_block_ws(p, [&](const RowBlock& b, int kv_head, int group) {
+    const int num_tiles = num_kv_tiles(b);
+    float o[1][Cfg::kDv / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.0f;
+    float(&o_acc)[64] = reinterpret_cast<float(&)[64]>(o);
+    OnlineSoftmax<1> softmax;
+    softmax.init();
+    const int qs = Ring::stage(block_n);
+    unsigned char* q_stage = smem + qs * Cfg::kTileBytes;
+    sm90::mbar_wait(bars.q_full(qs), Ring::full_parity(block_n));
+    if (num_tiles > 0) {
+      const uint32_t q_tile = base + qs * Cfg::kTileBytes + wg * (Cfg::kTileBytes / 2);
+      float s[1][kNTiles][4];
+      float(&s_acc)[64] = reinterpret_cast<float(&)[64]>(s);
+      PFragments<Cfg> pf;  // P of the previous tile, the A operand of its P.V
+      // S_t = Q.K_t^T into s (K stage n, once it has landed).
+      const auto issue_qk = [&](int n) {
+        sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
+        const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kTileBytes;
+        sm90::fence();
+#pragma unroll
+        for (int k = 0; k < Cfg::kDqk / 16; ++k)
+          sm90::mma_ss<QT>(s_acc, sm90::k_major(q_tile, Cfg::kWgRows, 0, k),
+                           sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
+        sm90::commit();
+      };
+      // O += P_{n}.V_{n} (pf, V stage n).
+      const auto issue_pv = [&](int n) {
+        const uint32_t v_tile = base + Cfg::kVOffset + Ring::stage(n) * Cfg::kTileBytes;
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
+          sm90::mma_rs<QT>(o_acc, pf[0][kk], sm90::n_major(v_tile, Cfg::kKvTile, kk));
+        sm90::commit();
+      };
+      // The soft cap, the mask and the online softmax of tile t: s becomes P (in place).
+      const auto scores = [&](int t, float (&corr)[1][2]) {
+        const int j0 = b.kv_lo + t * Cfg::kKvTile;
+        if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap);
+        if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
+          apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
+        return softmax.update_scores(s, c, corr);
+      };
+
+      // Tile 0: S_0 alone.
+      take_turn<kTurns>(wg);
+      issue_qk(tile_n);
+      pass_turn<kTurns>(wg);
+      sm90::wait<0>();
+      sm90::pin(s_acc);
+      if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(tile_n)));
+      {
+        float corr[1][2];
+        scores(0, corr);  // O is still 0: nothing to rescale
+        pack_p<Cfg>(s, pf);
+      }
+      // Tile t: S_t, then P_{t-1}.V_{t-1} behind it, which runs while S_t is read.
+      // (ptxas retires P.V before the softmax writes S in place: the two products form one
+      // pipeline stage for it, so the overlap left is between the warpgroups.)
+      for (int t = 1; t < num_tiles; ++t) {
+        const int n = tile_n + t;
+        sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
+        take_turn<kTurns>(wg);
+        issue_qk(n);
+        issue_pv(n - 1);
+        pass_turn<kTurns>(wg);
+        sm90::wait<1>();  // S_t
+        sm90::pin(s_acc);
+        if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(n)));
+        float corr[1][2];
+        const bool moved = scores(t, corr);
+        sm90::wait<0>();  // P_{t-1}.V_{t-1}: O, pf and V stage n - 1 are free
+        sm90::pin(o_acc);
+        if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));
+        if (moved) softmax.rescale(o, corr);
+        pack_p<Cfg>(s, pf);
+      }
+      // The last tile's P.V.
+      const int n = tile_n + num_tiles - 1;
+      sm90::mbar_wait(bars.v_full(Ring::stage(n)), Ring::full_parity(n));
+      take_turn<kTurns>(wg);
+      sm90::fence();
+      issue_pv(n);
+      pass_turn<kTurns>(wg);
+      sm90::wait<0>();
+      sm90::pin(o_acc);
+      if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n)));
+    }
+    float scale[1][2], lse[1][2];
+    softmax.finish(c, scale, lse, 1.0f);
+    // A merged store stages the state in the warp's Q rows, which hold other warps' rows of the
+    // same warpgroup: the warpgroup must be past its last Q.K^T first.
+    if (p.merge_o != nullptr && b.partial < 0)
+      sm90::barrier_sync(ws::kConsumerBarrier0 + wg, 128);
+    store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, q_stage, o, scale, lse);
+    if (lane == 0) sm90::mbar_arrive(bars.q_empty(qs));
+    ++block_n;
+    tile_n += num_tiles;
+  });
+  // Balance the turns: warpgroup 1 passed one more than warpgroup 0 took.
+  if (wg == 0) take_turn<kTurns>(0);
+}
+
+// grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h.
+template <typename QT, bool kTurns>
+__global__ void __launch_bounds__(384, 1)
+    prefill_sm90_ws_kernel(const __grid_constant__ AttentionParams p,
+                           const __grid_constant__ Sm90TmaMaps maps) {
+  using Cfg = Sm90WsConfig<QT>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  const WsBarriers<Cfg> bars{smem_addr(smem + Cfg::kBarOffset)};
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      sm90::mbar_init(bars.q_full(s), 1);
+      sm90::mbar_init(bars.q_empty(s), 8);
+      sm90::mbar_init(bars.k_full(s), 1);
+      sm90::mbar_init(bars.k_empty(s), 8);
+      sm90::mbar_init(bars.v_full(s), 1);
+      sm90::mbar_init(bars.v_empty(s), 8);
+    }
+    ws::fence_barrier_init();
+  }
+  __syncthreads();
+  ptx::launch_dependents();
+  if (tid < 128) {
+    ws::release_registers<40>();
+    produce<Cfg>(p, maps, smem, bars, tid);
+  } else {
+    ws::claim_registers<232>();
+    consume<Cfg, kTurns>(p, smem, bars, tid - 128);
+    if (p.merge_o) ptx::grid_dependency_wait();  // see prefill_kernel
+  }
+}
+
+// The driver's cuTensorMapEncodeTiled, through the runtime (no link against the driver library).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t status =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                         cudaEnableDefault, &found);
+    return status == cudaSuccess && found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr)
+               : nullptr;
+  }();
+  return fn;
+}
+
+// K or V (16-bit, [num_kv_rows, Hkv, 128] with the given element strides) as a TMA tensor map
+// of 128-row x 64-dim boxes; false where the layout does not allow one (the caller then runs
+// the sm_90a kernel that copies with cp.async).
+inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataType type,
+                          const AttentionParams& p, int64_t stride_n, int64_t stride_h) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || p.num_kv_rows <= 0 || p.num_kv_rows > (int64_t{1} << 31) - 1)
+    return false;
+  if (reinterpret_cast<uintptr_t>(data) % 16 != 0) return false;
+  const uint64_t dims[3] = {128, static_cast<uint64_t>(p.num_kv_heads),
+                            static_cast<uint64_t>(p.num_kv_rows)};
+  const uint64_t strides[2] = {static_cast<uint64_t>(stride_h) * 2,
+                               static_cast<uint64_t>(stride_n) * 2};
+  for (const uint64_t st : strides)
+    if (st % 16 != 0 || st >= (uint64_t{1} << 40)) return false;
+  const uint32_t box[3] = {64, 1, 128};
+  const uint32_t element_strides[3] = {1, 1, 1};
+  return encode(map, type, 3, const_cast<void*>(data), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Launches the warp-specialized kernel for ragged K/V; false (nothing launched) where it does
+// not apply: paged K/V, or a layout no tensor map can describe.
+template <typename QT>
+bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
+  using Cfg = Sm90WsConfig<QT>;
+  if (p.paged) return false;
+  const CUtensorMapDataType type = std::is_same<QT, __half>::value
+                                       ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  Sm90TmaMaps maps;
+  if (!encode_kv_map(&maps.k, p.k, type, p, p.k_stride_n, p.k_stride_h) ||
+      !encode_kv_map(&maps.v, p.v, type, p, p.v_stride_n, p.v_stride_h))
+    return false;
+  // FLASHKV_PREFILL_SM90_TURNS=0: the consumers issue without taking turns (for comparison).
+  const char* turns_env = std::getenv("FLASHKV_PREFILL_SM90_TURNS");
+  const bool turns = turns_env == nullptr || std::strcmp(turns_env, "0") != 0;
+  const auto kernel = turns ? prefill_sm90_ws_kernel<QT, true> : prefill_sm90_ws_kernel<QT, false>;
+  check_cuda(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
+      "prefill: cudaFuncSetAttribute");
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(p.num_workers, p.num_kv_heads, 1);
+  config.blockDim = dim3(Cfg::kThreads, 1, 1);
+  config.dynamicSmemBytes = Cfg::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = p.merge_o && p.overlap_previous ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, p, maps), "prefill: kernel launch");
+  return true;
+}
+
+}  // namespace flashkv::cuda::prefill_detail
