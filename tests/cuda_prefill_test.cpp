@@ -914,6 +914,14 @@ TEST(CudaPrefill, AllKernelsAtHeadDim128) {
     ragged.dtype = ragged.kv_dtype = DType::f16;
     ragged.kv_lens = {700, 5, 1, 129, 517, 0};
     check_problem(ragged, rng);
+    // Many blocks a worker (the Q ring wraps too), every block with a partial last tile.
+    Problem many = ragged;
+    many.causal = true;
+    many.q_lens.clear();
+    for (int i = 0; i < 48; ++i) many.q_lens.push_back(150 + 37 * (i % 7));
+    many.kv_lens = many.q_lens;
+    many.samples = 4;
+    check_problem(many, rng);
   }
 }
 

@@ -18,12 +18,12 @@
 
 #include "common/kernel_launch.h"
 #include "prefill/epilogue.cuh"
+#include "prefill/kernel_sm90_ws.cuh"
 #include "prefill/launch.h"
 #include "prefill/load.cuh"
 #include "prefill/mainloop.cuh"
 #include "prefill/mask.cuh"
 #include "prefill/softmax.cuh"
-#include "prefill/kernel_sm90_ws.cuh"
 #include "prefill/wgmma.cuh"
 
 namespace flashkv::cuda::prefill_detail {

@@ -6,10 +6,11 @@
 //     block's packed Q rows (two Q stages, so the next block's Q arrives while this one runs)
 //     and, with zero-filled cp.async copies, a KV tile that runs past the block's keys, so that
 //     no key outside the range can put a NaN into P.V;
-//   - two consumers of 64 packed query rows each (the plan's 128-row tile), with the overlap of
-//     kernel_sm90.cuh: S_t = Q.K_t^T is issued with P_{t-1}.V_{t-1} behind it, and the softmax
-//     of S_t runs while P.V does. The two take turns to issue their products (two named
-//     barriers), so one warpgroup's softmax runs under the other's products.
+//   - two consumers of 64 packed query rows each (the plan's 128-row tile), issuing as
+//     kernel_sm90.cuh does S_t = Q.K_t^T with P_{t-1}.V_{t-1} behind it. They take turns to issue
+//     their products (two named barriers), so one warpgroup's softmax runs under the other's
+//     products. (Inside a warpgroup ptxas retires P.V before the softmax rewrites S in place: it
+//     counts both products as one pipeline stage.)
 // No barrier spans the CTA inside the KV loop: the warpgroups only meet through the rings.
 // Masks, the online softmax and the epilogue are the sm_80 kernel's, one 16-row tile a warp.
 //
@@ -50,17 +51,21 @@ struct Sm90WsConfig {
   static constexpr int kKvTile = 128;
   static constexpr int kQkChunks = kDqk / 8, kVChunks = kDv / 8;
   static constexpr int kTileBytes = 128 * 128 * 2;  // a Q stage, or one stage of K or V
-  static constexpr int kStages = 2;                 // of Q, of K and of V
+  // Two stages of Q, of K and of V. (One Q stage and three of K and V measured slower: the
+  // next block's Q then waits for this block's epilogue.)
+  static constexpr int kQStages = 2;
+  static constexpr int kKvStages = 2;
   // Offsets from a Q stage (the epilogue stages a merge state in its warp's 16 Q rows, which
   // lie inside its warpgroup's own [64, 128] Q tile: warp w's 4 KB at w * 4 KB).
   static constexpr int kQOffset = 0;
-  static constexpr int kKOffset = kStages * kTileBytes;
-  static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
-  static constexpr int kBarOffset = kVOffset + kStages * kTileBytes;
-  static constexpr int kBars = 6 * kStages;
+  static constexpr int kKOffset = kQStages * kTileBytes;
+  static constexpr int kVOffset = kKOffset + kKvStages * kTileBytes;
+  static constexpr int kBarOffset = kVOffset + kKvStages * kTileBytes;
+  static constexpr int kBars = 2 * kQStages + 4 * kKvStages;
   // Tiles must start on 1024-byte swizzle atoms: the dynamic allocation has that much slack.
   static constexpr int kSmemBytes = kBarOffset + kBars * 8 + 1024;
   static_assert(kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile at head dim 128");
+  static_assert(kSmemBytes <= 227 * 1024, "an SM's shared memory");
 };
 
 // The two tensor maps of the TMA copies: K and V as [rows, Hkv, 128] with the 128-byte swizzle,
@@ -104,8 +109,8 @@ __device__ __forceinline__ void claim_registers() {
 }
 #else
 __device__ __forceinline__ void arrive_expect_tx(uint32_t, uint32_t) {}
-__device__ __forceinline__ void tma_load_3d(uint32_t, const CUtensorMap*, int, int, int,
-                                            uint32_t) {}
+__device__ __forceinline__ void tma_load_3d(uint32_t, const CUtensorMap*, int, int, int, uint32_t) {
+}
 __device__ __forceinline__ void fence_barrier_init() {}
 template <int kRegs>
 __device__ __forceinline__ void release_registers() {}
@@ -115,7 +120,8 @@ __device__ __forceinline__ void claim_registers() {}
 
 // A ring of kStages stages: use n of the ring is stage n % kStages, and its full/empty barriers
 // complete phase n / kStages; waits are on that phase's parity (empty: the phase before, which
-// a fresh barrier counts as complete).
+// a fresh barrier counts as complete). A parity tells apart only neighbouring phases, so a
+// thread must wait for every use of a stage in turn, never skip ahead two.
 template <int kStages>
 struct Ring {
   static __device__ __forceinline__ int stage(int n) { return n % kStages; }
@@ -125,19 +131,21 @@ struct Ring {
 
 }  // namespace ws
 
-// The barriers, 8 bytes each from kBarOffset: Q full/empty, K full/empty, V full/empty.
+// The barriers, 8 bytes each from kBarOffset: Q full/empty, then K full/empty, V full/empty.
 template <typename Cfg>
 struct WsBarriers {
   uint32_t base;
-  __device__ __forceinline__ uint32_t at(int kind, int stage) const {
-    return base + (kind * Cfg::kStages + stage) * 8;
+  __device__ __forceinline__ uint32_t q_full(int s) const { return base + s * 8; }
+  __device__ __forceinline__ uint32_t q_empty(int s) const {
+    return base + (Cfg::kQStages + s) * 8;
   }
-  __device__ __forceinline__ uint32_t q_full(int s) const { return at(0, s); }
-  __device__ __forceinline__ uint32_t q_empty(int s) const { return at(1, s); }
-  __device__ __forceinline__ uint32_t k_full(int s) const { return at(2, s); }
-  __device__ __forceinline__ uint32_t k_empty(int s) const { return at(3, s); }
-  __device__ __forceinline__ uint32_t v_full(int s) const { return at(4, s); }
-  __device__ __forceinline__ uint32_t v_empty(int s) const { return at(5, s); }
+  __device__ __forceinline__ uint32_t kv(int kind, int s) const {
+    return base + (2 * Cfg::kQStages + kind * Cfg::kKvStages + s) * 8;
+  }
+  __device__ __forceinline__ uint32_t k_full(int s) const { return kv(0, s); }
+  __device__ __forceinline__ uint32_t k_empty(int s) const { return kv(1, s); }
+  __device__ __forceinline__ uint32_t v_full(int s) const { return kv(2, s); }
+  __device__ __forceinline__ uint32_t v_empty(int s) const { return kv(3, s); }
 };
 
 // Every row block of this CTA's worker and KV head, in order (for_each_row_block without the
@@ -168,18 +176,18 @@ __device__ __forceinline__ uint32_t q_stage_offset(int row, int chunk) {
 // The producer warpgroup (threads 0..127 of the CTA; `tid` is the thread's index in it).
 template <typename Cfg>
 __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaMaps& maps,
-                                        unsigned char* smem, const WsBarriers<Cfg>& bars,
-                                        int tid) {
+                                        unsigned char* smem, const WsBarriers<Cfg>& bars, int tid) {
   using QT = typename Cfg::Q;
-  using Ring = ws::Ring<Cfg::kStages>;
+  using QRing = ws::Ring<Cfg::kQStages>;
+  using Ring = ws::Ring<Cfg::kKvStages>;
   const uint32_t base = smem_addr(smem);
   int block_n = 0, tile_n = 0;
   for_each_row_block_ws(p, [&](const RowBlock& b, int kv_head, int group) {
     const int num_tiles = num_kv_tiles(b);
     // Q: 128 packed rows, 8 threads a row, 16 chunks each; padding rows zero-filled. A block
     // without keys takes a Q stage too, unfilled (its epilogue may stage a merge state there).
-    const int qs = Ring::stage(block_n);
-    sm90::mbar_wait(bars.q_empty(qs), Ring::empty_parity(block_n));
+    const int qs = QRing::stage(block_n);
+    sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
 #pragma unroll
     for (int i = 0; i < (num_tiles > 0 ? Cfg::kCtaRows / 16 : 0); ++i) {
       const int row = (tid >> 3) + 16 * i;
@@ -253,22 +261,20 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
 }
 
 // A consumer warpgroup's turn to issue its products: wait for it, then (after issuing) pass it.
-// kTurns false: the warpgroups issue whenever they are ready.
-template <bool kTurns>
 __device__ __forceinline__ void take_turn(int wg) {
-  if (kTurns) sm90::barrier_sync(ws::kTurnBarrier0 + wg, 256);
+  sm90::barrier_sync(ws::kTurnBarrier0 + wg, 256);
 }
-template <bool kTurns>
 __device__ __forceinline__ void pass_turn(int wg) {
-  if (kTurns) sm90::barrier_arrive(ws::kTurnBarrier0 + (wg ^ 1), 256);
+  sm90::barrier_arrive(ws::kTurnBarrier0 + (wg ^ 1), 256);
 }
 
 // The consumer warpgroups (threads 128..383; `ctid` is the thread's index among them).
-template <typename Cfg, bool kTurns>
+template <typename Cfg>
 __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char* smem,
                                         const WsBarriers<Cfg>& bars, int ctid) {
   using QT = typename Cfg::Q;
-  using Ring = ws::Ring<Cfg::kStages>;
+  using QRing = ws::Ring<Cfg::kQStages>;
+  using Ring = ws::Ring<Cfg::kKvStages>;
   constexpr int kNTiles = Cfg::kKvTile / 8;
   const int lane = ctid & 31, cwarp = ctid >> 5, wg = cwarp >> 2;
   const int warp_row0 = cwarp * Cfg::kRowsPerWarp;
@@ -280,7 +286,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   const float scale_over_cap = soft_cap ? logit_scale / p.logits_soft_cap : 0.0f;
 
   // Warpgroup 1 lets warpgroup 0 go first.
-  if (wg == 1) pass_turn<kTurns>(1);
+  if (wg == 1) pass_turn(1);
   int block_n = 0, tile_n = 0;
   for_each_row_block_ws(p, [&](const RowBlock& b, int kv_head, int group) {
     const int num_tiles = num_kv_tiles(b);
@@ -292,9 +298,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     float(&o_acc)[64] = reinterpret_cast<float(&)[64]>(o);
     OnlineSoftmax<1> softmax;
     softmax.init();
-    const int qs = Ring::stage(block_n);
+    const int qs = QRing::stage(block_n);
     unsigned char* q_stage = smem + qs * Cfg::kTileBytes;
-    sm90::mbar_wait(bars.q_full(qs), Ring::full_parity(block_n));
+    sm90::mbar_wait(bars.q_full(qs), QRing::full_parity(block_n));
     if (num_tiles > 0) {
       const uint32_t q_tile = base + qs * Cfg::kTileBytes + wg * (Cfg::kTileBytes / 2);
       float s[1][kNTiles][4];
@@ -320,7 +326,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         sm90::commit();
       };
       // The soft cap, the mask and the online softmax of tile t: s becomes P (in place).
-      const auto scores = [&](int t, float (&corr)[1][2]) {
+      const auto scores = [&](int t, float(&corr)[1][2]) {
         const int j0 = b.kv_lo + t * Cfg::kKvTile;
         if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap);
         if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
@@ -329,9 +335,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       };
 
       // Tile 0: S_0 alone.
-      take_turn<kTurns>(wg);
+      take_turn(wg);
       issue_qk(tile_n);
-      pass_turn<kTurns>(wg);
+      pass_turn(wg);
       sm90::wait<0>();
       sm90::pin(s_acc);
       if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(tile_n)));
@@ -346,10 +352,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       for (int t = 1; t < num_tiles; ++t) {
         const int n = tile_n + t;
         sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
-        take_turn<kTurns>(wg);
+        take_turn(wg);
         issue_qk(n);
         issue_pv(n - 1);
-        pass_turn<kTurns>(wg);
+        pass_turn(wg);
         sm90::wait<1>();  // S_t
         sm90::pin(s_acc);
         if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(n)));
@@ -364,10 +370,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       // The last tile's P.V.
       const int n = tile_n + num_tiles - 1;
       sm90::mbar_wait(bars.v_full(Ring::stage(n)), Ring::full_parity(n));
-      take_turn<kTurns>(wg);
+      take_turn(wg);
       sm90::fence();
       issue_pv(n);
-      pass_turn<kTurns>(wg);
+      pass_turn(wg);
       sm90::wait<0>();
       sm90::pin(o_acc);
       if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n)));
@@ -376,19 +382,18 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     softmax.finish(c, scale, lse, 1.0f);
     // A merged store stages the state in the warp's Q rows, which hold other warps' rows of the
     // same warpgroup: the warpgroup must be past its last Q.K^T first.
-    if (p.merge_o != nullptr && b.partial < 0)
-      sm90::barrier_sync(ws::kConsumerBarrier0 + wg, 128);
+    if (p.merge_o != nullptr && b.partial < 0) sm90::barrier_sync(ws::kConsumerBarrier0 + wg, 128);
     store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, q_stage, o, scale, lse);
     if (lane == 0) sm90::mbar_arrive(bars.q_empty(qs));
     ++block_n;
     tile_n += num_tiles;
   });
   // Balance the turns: warpgroup 1 passed one more than warpgroup 0 took.
-  if (wg == 0) take_turn<kTurns>(0);
+  if (wg == 0) take_turn(0);
 }
 
 // grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h.
-template <typename QT, bool kTurns>
+template <typename QT>
 __global__ void __launch_bounds__(384, 1)
     prefill_sm90_ws_kernel(const __grid_constant__ AttentionParams p,
                            const __grid_constant__ Sm90TmaMaps maps) {
@@ -398,9 +403,11 @@ __global__ void __launch_bounds__(384, 1)
   const WsBarriers<Cfg> bars{smem_addr(smem + Cfg::kBarOffset)};
   const int tid = threadIdx.x;
   if (tid == 0) {
-    for (int s = 0; s < Cfg::kStages; ++s) {
+    for (int s = 0; s < Cfg::kQStages; ++s) {
       sm90::mbar_init(bars.q_full(s), 1);
       sm90::mbar_init(bars.q_empty(s), 8);
+    }
+    for (int s = 0; s < Cfg::kKvStages; ++s) {
       sm90::mbar_init(bars.k_full(s), 1);
       sm90::mbar_init(bars.k_empty(s), 8);
       sm90::mbar_init(bars.v_full(s), 1);
@@ -415,7 +422,7 @@ __global__ void __launch_bounds__(384, 1)
     produce<Cfg>(p, maps, smem, bars, tid);
   } else {
     ws::claim_registers<232>();
-    consume<Cfg, kTurns>(p, smem, bars, tid - 128);
+    consume<Cfg>(p, smem, bars, tid - 128);
     if (p.merge_o) ptx::grid_dependency_wait();  // see prefill_kernel
   }
 }
@@ -425,9 +432,8 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* ptr = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    const cudaError_t status =
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                         cudaEnableDefault, &found);
+    const cudaError_t status = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr,
+                                                                12000, cudaEnableDefault, &found);
     return status == cudaSuccess && found == cudaDriverEntryPointSuccess
                ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr)
                : nullptr;
@@ -458,8 +464,11 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// Launches the warp-specialized kernel; false (nothing launched) where ragged K/V has a layout
+// no tensor map can describe (paged K/V needs none).
 // Launches the warp-specialized kernel for ragged K/V; false (nothing launched) where it does
-// not apply: paged K/V, or a layout no tensor map can describe.
+// not apply: paged K/V (the cp.async kernel runs it faster than a gathering producer
+// warpgroup did), or a layout no tensor map can describe.
 template <typename QT>
 bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = Sm90WsConfig<QT>;
@@ -471,10 +480,7 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   if (!encode_kv_map(&maps.k, p.k, type, p, p.k_stride_n, p.k_stride_h) ||
       !encode_kv_map(&maps.v, p.v, type, p, p.v_stride_n, p.v_stride_h))
     return false;
-  // FLASHKV_PREFILL_SM90_TURNS=0: the consumers issue without taking turns (for comparison).
-  const char* turns_env = std::getenv("FLASHKV_PREFILL_SM90_TURNS");
-  const bool turns = turns_env == nullptr || std::strcmp(turns_env, "0") != 0;
-  const auto kernel = turns ? prefill_sm90_ws_kernel<QT, true> : prefill_sm90_ws_kernel<QT, false>;
+  const auto kernel = prefill_sm90_ws_kernel<QT>;
   check_cuda(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");
