@@ -899,8 +899,8 @@ void launch_decode(const AttentionParams& p, cudaStream_t stream, bool programma
                      "paged_decode: cudaFuncSetAttribute");
   const int group = p.num_qo_heads / p.num_kv_heads;
   launch_kernel(kernel, dim3(p.num_workers, p.num_kv_heads, (group + Tr::kHeads - 1) / Tr::kHeads),
-                dim3(Tr::kThreads, 1, 1), Tr::kSmemBytes, stream, programmatic, p,
-                "paged_decode: kernel launch");
+                dim3(Tr::kThreads, 1, 1), Tr::kSmemBytes, stream, programmatic,
+                "paged_decode: kernel launch", p);
 }
 
 }  // namespace flashkv::cuda::decode

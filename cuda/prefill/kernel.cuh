@@ -125,7 +125,7 @@ void launch_prefill(const AttentionParams& p, cudaStream_t stream) {
   // architecture has programmatic dependent launch.
   const bool programmatic = p.merge_o && p.overlap_previous && current_device_cc() >= 90;
   launch_kernel(kernel, dim3(p.num_workers, p.num_kv_heads, 1), dim3(kPrefillThreads, 1, 1),
-                Cfg::kSmemBytes, stream, programmatic, p, "prefill: kernel launch");
+                Cfg::kSmemBytes, stream, programmatic, "prefill: kernel launch", p);
 }
 
 }  // namespace flashkv::cuda::prefill_detail

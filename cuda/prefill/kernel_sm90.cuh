@@ -228,7 +228,7 @@ void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream) {
       "prefill: cudaFuncSetAttribute");
   const bool programmatic = p.merge_o && p.overlap_previous;
   launch_kernel(kernel, dim3(p.num_workers, p.num_kv_heads, 1), dim3(Cfg::kThreads, 1, 1),
-                Cfg::kSmemBytes, stream, programmatic, p, "prefill: kernel launch");
+                Cfg::kSmemBytes, stream, programmatic, "prefill: kernel launch", p);
 }
 
 }  // namespace flashkv::cuda::prefill_detail

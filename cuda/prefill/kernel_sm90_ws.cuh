@@ -148,21 +148,6 @@ struct WsBarriers {
   __device__ __forceinline__ uint32_t v_empty(int s) const { return kv(3, s); }
 };
 
-// Every row block of this CTA's worker and KV head, in order (for_each_row_block without the
-// CTA barrier between blocks: producer and consumers walk the same blocks at their own pace).
-template <typename Run>
-__device__ __forceinline__ void for_each_row_block_ws(const AttentionParams& p, Run&& run) {
-  const int worker = blockIdx.x, kv_head = blockIdx.y;
-  const int group = p.num_qo_heads / p.num_kv_heads;
-  const int first = p.worker_indptr[worker], last = p.worker_indptr[worker + 1];
-  for (int i = first; i < last; ++i) {
-    const WorkItem it = p.items[i];
-    const int packed_rows = it.q_len * group;
-    for (int row0 = 0; row0 < packed_rows; row0 += 128)
-      run(make_row_block(p, it, group, row0, 128), kv_head, group);
-  }
-}
-
 __device__ __forceinline__ int num_kv_tiles(const RowBlock& b) {
   return b.kv_hi > b.kv_lo ? (b.kv_hi - b.kv_lo + 127) / 128 : 0;
 }
@@ -182,7 +167,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
   using Ring = ws::Ring<Cfg::kKvStages>;
   const uint32_t base = smem_addr(smem);
   int block_n = 0, tile_n = 0;
-  for_each_row_block_ws(p, [&](const RowBlock& b, int kv_head, int group) {
+  for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
     const int num_tiles = num_kv_tiles(b);
     // Q: 128 packed rows, 8 threads a row, 16 chunks each; padding rows zero-filled. A block
     // without keys takes a Q stage too, unfilled (its epilogue may stage a merge state there).
@@ -288,7 +273,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   // Warpgroup 1 lets warpgroup 0 go first.
   if (wg == 1) pass_turn(1);
   int block_n = 0, tile_n = 0;
-  for_each_row_block_ws(p, [&](const RowBlock& b, int kv_head, int group) {
+  for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
     const int num_tiles = num_kv_tiles(b);
     float o[1][Cfg::kDv / 8][4];
 #pragma unroll
@@ -484,17 +469,9 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   check_cuda(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(p.num_workers, p.num_kv_heads, 1);
-  config.blockDim = dim3(Cfg::kThreads, 1, 1);
-  config.dynamicSmemBytes = Cfg::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = p.merge_o && p.overlap_previous ? 1 : 0;
-  check_cuda(cudaLaunchKernelEx(&config, kernel, p, maps), "prefill: kernel launch");
+  launch_kernel(kernel, dim3(p.num_workers, p.num_kv_heads, 1), dim3(Cfg::kThreads, 1, 1),
+                Cfg::kSmemBytes, stream, p.merge_o && p.overlap_previous, "prefill: kernel launch",
+                p, maps);
   return true;
 }
 

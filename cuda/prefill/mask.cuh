@@ -62,8 +62,9 @@ __device__ __forceinline__ RowBlock make_row_block(const AttentionParams& p, con
 
 // The persistent CTA's walk (grid (workers, Hkv)): every row block of kCtaRows packed rows of
 // worker blockIdx.x's items, for KV head blockIdx.y, each after a __syncthreads (the previous
-// block's readers of shared memory are done): run(block, kv_head, group).
-template <int kCtaRows, typename Run>
+// block's readers of shared memory are done) unless kSync is false (warp-specialized kernels,
+// whose warps walk the same blocks at their own pace): run(block, kv_head, group).
+template <int kCtaRows, bool kSync = true, typename Run>
 __device__ __forceinline__ void for_each_row_block(const AttentionParams& p, Run&& run) {
   const int worker = blockIdx.x, kv_head = blockIdx.y;
   const int group = p.num_qo_heads / p.num_kv_heads;
@@ -72,7 +73,7 @@ __device__ __forceinline__ void for_each_row_block(const AttentionParams& p, Run
     const WorkItem it = p.items[i];
     const int packed_rows = it.q_len * group;
     for (int row0 = 0; row0 < packed_rows; row0 += kCtaRows) {
-      __syncthreads();
+      if (kSync) __syncthreads();
       run(make_row_block(p, it, group, row0, kCtaRows), kv_head, group);
     }
   }
