@@ -31,12 +31,7 @@ __device__ __forceinline__ void run_block(const AttentionParams& p, const RowBlo
   const int warp_row0 = warp * Cfg::kRowsPerWarp;
 
   float o[Cfg::kMTiles][Cfg::kDv / 8][4];
-#pragma unroll
-  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
-#pragma unroll
-    for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.0f;
+  zero_output(o);
   OnlineSoftmax<Cfg::kMTiles> softmax;
   softmax.init();
 

@@ -29,18 +29,10 @@
 namespace flashkv::cuda::prefill_detail {
 
 template <typename QT>
-struct Sm90Config {
-  using Q = QT;
-  static constexpr KvFormat kKvFormat = KvFormat::kSame;
-  static constexpr bool kFp8 = false;
-  static constexpr int kDqk = 128, kDv = 128;
+struct Sm90Config : Sm90Shape<QT> {
+  using Base = Sm90Shape<QT>;
   static constexpr int kWarps = 8, kThreads = kWarps * 32;
-  static constexpr int kMTiles = 1;  // 16 rows a warp
-  static constexpr int kRowsPerWarp = 16;
-  static constexpr int kCtaRows = kWarps * kRowsPerWarp;
-  static constexpr int kKvTile = 128;
-  static constexpr int kQkChunks = kDqk / 8, kVChunks = kDv / 8;
-  static constexpr int kTileBytes = 128 * 128 * 2;  // Q, or one stage of K or V
+  static constexpr int kTileBytes = Base::kTileBytes;
   // K is read by tile t's Q.K^T while V is read by tile t - 1's P.V: two K stages, three V.
   static constexpr int kKStages = 2, kVStages = 3;
   static constexpr int kQOffset = 0;
@@ -48,7 +40,6 @@ struct Sm90Config {
   static constexpr int kVOffset = kKOffset + kKStages * kTileBytes;
   // Tiles must start on 1024-byte swizzle atoms: the dynamic allocation has that much slack.
   static constexpr int kSmemBytes = kVOffset + kVStages * kTileBytes + 1024;
-  static_assert(kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile at head dim 128");
 };
 
 // Thread t copies 16-byte chunks t % 8 and t % 8 + 8 (both halves) of rows t / 8 + 32 i.
@@ -114,10 +105,7 @@ __device__ __forceinline__ void run_block_sm90(const AttentionParams& p, const R
   const int warp_row0 = warp * Cfg::kRowsPerWarp;
 
   float o[1][Cfg::kDv / 8][4];
-#pragma unroll
-  for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.0f;
+  zero_output(o);
   float(&o_acc)[64] = reinterpret_cast<float(&)[64]>(o);
   OnlineSoftmax<1> softmax;
   softmax.init();

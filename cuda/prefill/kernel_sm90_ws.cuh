@@ -37,20 +37,30 @@
 
 namespace flashkv::cuda::prefill_detail {
 
+// What both sm_90a kernels share: 16-bit Q/K/V at head dim 128, 128-row blocks of 16 rows a
+// consumer warp (one mma.sync-layout tile, so the sm_80 masks, softmax and epilogue apply), and
+// 128-key tiles of 32 KB.
 template <typename QT>
-struct Sm90WsConfig {
+struct Sm90Shape {
   using Q = QT;
   static constexpr KvFormat kKvFormat = KvFormat::kSame;
   static constexpr bool kFp8 = false;
   static constexpr int kDqk = 128, kDv = 128;
-  static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
-  static constexpr int kMTiles = 1;     // 16 rows a consumer warp
+  static constexpr int kMTiles = 1;  // 16 rows a warp
   static constexpr int kRowsPerWarp = 16;
   static constexpr int kCtaRows = 128;
-  static constexpr int kWgRows = 64;  // a consumer warpgroup's rows
   static constexpr int kKvTile = 128;
   static constexpr int kQkChunks = kDqk / 8, kVChunks = kDv / 8;
-  static constexpr int kTileBytes = 128 * 128 * 2;  // a Q stage, or one stage of K or V
+  static constexpr int kTileBytes = 128 * 128 * 2;  // Q, or one stage of K or V
+  static_assert(kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile at head dim 128");
+};
+
+template <typename QT>
+struct Sm90WsConfig : Sm90Shape<QT> {
+  using Base = Sm90Shape<QT>;
+  static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
+  static constexpr int kWgRows = 64;    // a consumer warpgroup's rows
+  static constexpr int kTileBytes = Base::kTileBytes;
   // Two stages of Q, of K and of V. (One Q stage and three of K and V measured slower: the
   // next block's Q then waits for this block's epilogue.)
   static constexpr int kQStages = 2;
@@ -64,7 +74,6 @@ struct Sm90WsConfig {
   static constexpr int kBars = 2 * kQStages + 4 * kKvStages;
   // Tiles must start on 1024-byte swizzle atoms: the dynamic allocation has that much slack.
   static constexpr int kSmemBytes = kBarOffset + kBars * 8 + 1024;
-  static_assert(kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile at head dim 128");
   static_assert(kSmemBytes <= 227 * 1024, "an SM's shared memory");
 };
 
@@ -276,10 +285,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
     const int num_tiles = num_kv_tiles(b);
     float o[1][Cfg::kDv / 8][4];
-#pragma unroll
-    for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.0f;
+    zero_output(o);
     float(&o_acc)[64] = reinterpret_cast<float(&)[64]>(o);
     OnlineSoftmax<1> softmax;
     softmax.init();

@@ -75,6 +75,17 @@ __device__ __forceinline__ void qk_product(const FragmentAddresses<Cfg>& fa, uin
   }
 }
 
+// O = 0 before a block's first tile.
+template <int kMTiles, int kDvTiles>
+__device__ __forceinline__ void zero_output(float (&o)[kMTiles][kDvTiles][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kDvTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.0f;
+}
+
 // P (the softmax numerators s) rounded to the 16-bit type, as MMA A fragments: the C fragments
 // of key tiles 2kk and 2kk+1 are exactly the A fragment of k16 step kk.
 template <typename Cfg>
