@@ -54,16 +54,12 @@ __device__ __forceinline__ void barrier_arrive(int id, int threads) {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Shared-memory mbarriers (8 bytes each, at a shared address): init with an arrival count,
-// plain arrivals, the arrival a thread's earlier cp.async copies make when they complete (not
-// counted by the call: the init count includes it), and a wait for the phase of a parity.
+// plain arrivals, and a wait for the phase of a parity.
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_on_copies(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
@@ -98,7 +94,6 @@ __device__ __forceinline__ void wait() {}
 __device__ __forceinline__ void fence_async_shared() {}
 __device__ __forceinline__ void mbar_init(uint32_t, int) {}
 __device__ __forceinline__ void mbar_arrive(uint32_t) {}
-__device__ __forceinline__ void mbar_arrive_on_copies(uint32_t) {}
 __device__ __forceinline__ void mbar_wait(uint32_t, uint32_t) {}
 #endif
 
