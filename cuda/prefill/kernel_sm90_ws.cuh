@@ -22,8 +22,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "common/kernel_launch.h"
@@ -60,7 +58,7 @@ struct Sm90WsConfig : Sm90Shape<QT> {
   using Base = Sm90Shape<QT>;
   static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
   static constexpr int kWgRows = 64;    // a consumer warpgroup's rows
-  static constexpr int kTileBytes = Base::kTileBytes;
+  using Base::kTileBytes;
   // Two stages of Q, of K and of V. (One Q stage and three of K and V measured slower: the
   // next block's Q then waits for this block's epilogue.)
   static constexpr int kQStages = 2;

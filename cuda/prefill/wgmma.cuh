@@ -98,9 +98,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t, uint32_t) {}
 #endif
 
 // Pins accumulators at this point of the program: an empty asm that reads and rewrites each one.
-// The compiler sees an MMA's accumulators as ready when its asm returns, so without this it may
-// move their readers above the wgmma.wait_group that makes them valid, or their producers (the
-// softmax writing S in place) below a wait meant to run after them.
+// The compiler sees an MMA's accumulators as ready when its asm returns, so without a pin after
+// the wgmma.wait_group that makes them valid it may move their readers above it.
 __device__ __forceinline__ void pin(float (&r)[64]) {
 #pragma unroll
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(r[i])::"memory");
