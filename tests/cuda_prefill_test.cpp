@@ -348,30 +348,6 @@ TEST(CudaPrefill, EmptyRequestsAndEmptyBatch) {
   EXPECT_TRUE(plan.items.empty());
 }
 
-// Sets an environment variable for the scope, restoring its previous value (or absence).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* saved = std::getenv(name);
-    had_ = saved != nullptr;
-    if (had_) saved_ = saved;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_)
-      setenv(name_, saved_.c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string saved_;
-};
-
 TEST(CudaPrefill, LongSequencesSampled) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 707);
@@ -879,8 +855,8 @@ TEST(CudaPrefill, AllKernelsAtHeadDim128) {
   for (const auto& config : configs) {
     SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << config[0]
                                     << " FLASHKV_PREFILL_SM90_WS=" << config[1]);
-    ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
-    ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
+    test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
+    test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
     FLASHKV_SEEDED_RNG(rng, 1790);
     Problem pr = small_variant_problem();
     check_problem(pr, rng);  // causal, paged (page size 16)

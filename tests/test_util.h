@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <string>
@@ -70,6 +71,30 @@ std::string error_of(Fn&& fn) {
   }
   return "";
 }
+
+// Sets an environment variable for the scope, restoring its previous value (or absence).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* saved = std::getenv(name);
+    had_ = saved != nullptr;
+    if (had_) saved_ = saved;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      setenv(name_, saved_.c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string saved_;
+};
 
 // Skips the current test when no GPU is visible.
 #define FLASHKV_REQUIRE_GPU()                                           \
