@@ -110,6 +110,13 @@ __device__ __forceinline__ float tanh_fast(float x) {
   return y;
 }
 
+// Prefetches the 128-byte line holding addr into L2 (a hint: no register, no completion). The
+// L2 is the point of coherence of every SM's global accesses, so a line prefetched before
+// another kernel writes it is updated in place: a prefetch may be issued at any time.
+__device__ __forceinline__ void prefetch_l2(const void* addr) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(addr));
+}
+
 // *addr += value at GPU scope with acquire-release semantics (returns the old value): after a
 // CTA barrier, one thread's release publishes the whole CTA's earlier stores, and its acquire
 // makes other CTAs' released stores visible to the CTA past the next barrier.

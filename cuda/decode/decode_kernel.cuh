@@ -187,11 +187,20 @@ struct DecodeCta {
   // The kv_indices entry of the index walk's tile row `row` (token ind.pos + row; entry
   // j / page_size for page size > 1), and whether that token is in the item's range (else the
   // entry is the first one, a mapped address).
-  __device__ const int32_t* index_entry(int row, bool& valid) const {
-    const int32_t j = ind.pos + row;
-    valid = j < ind.v.hi;
+  __device__ const int32_t* index_entry(const Cursor& w, int row, bool& valid) const {
+    const int32_t j = w.pos + row;
+    valid = j < w.v.hi;
     const int32_t e = p.page_size == 1 ? j : j / p.page_size;
-    return p.kv_indices + (valid ? ind.v.entry_base + e : 0);
+    return p.kv_indices + (valid ? w.v.entry_base + e : 0);
+  }
+
+  // The pool row of token j whose kv_indices entry is `entry`, clamped into the pool as
+  // unsigned, so that a negative or too-large index never addresses outside it.
+  __device__ uint32_t pool_row(int32_t entry, int32_t j) const {
+    uint32_t slot = static_cast<uint32_t>(entry);
+    if (p.page_size > 1) slot = slot * p.page_size + j % p.page_size;
+    const uint32_t last_row = static_cast<uint32_t>(min(p.num_kv_rows - 1, int64_t{UINT32_MAX}));
+    return min(slot, last_row);
   }
 
   // Copies the kv_indices entries of the index walk's tile into its ring slot (one 4-byte copy
@@ -201,7 +210,7 @@ struct DecodeCta {
     int32_t* ring = index_ring(ind_tile);
     for (int row = tid; row < T; row += Tr::kThreads) {
       bool valid;
-      const int32_t* src = index_entry(row, valid);
+      const int32_t* src = index_entry(ind, row, valid);
       ptx::cp_async_4(ptx::smem_addr(ring + row), src, valid);
     }
     ++ind_tile;
@@ -210,20 +219,57 @@ struct DecodeCta {
 
   // The index walk's first kStages - 1 tiles, read from L2 into the ring with plain loads and
   // stores: for layout_ready, before griddepcontrol.wait (see the kernel). The caller's barrier
-  // publishes the ring.
+  // publishes the ring. The K and V rows of the first kEarlyTiles tiles (these and the next ones,
+  // whose indices are read but not kept) are prefetched into L2, so that the first copies after
+  // the wait hit L2 instead of DRAM: the previous kernel's tail hides their DRAM latency.
   __device__ void fetch_first_indices_early(int32_t first_item, int32_t last_item) {
     ind.item = first_item;
     ind.last = last_item;
     seek(ind);
     for (int t = 0; t < kStages - 1 && ind.item < ind.last; ++t) {
-      int32_t* ring = index_ring(ind_tile);
-      for (int row = tid; row < T; row += Tr::kThreads) {
-        bool valid;
-        const int32_t* src = index_entry(row, valid);
-        ring[row] = valid ? __ldcg(src) : 0;
-      }
+      early_tile(ind, index_ring(ind_tile), t < kEarlyTiles);
       ++ind_tile;
       advance(ind);
+    }
+    if constexpr (kEarlyTiles > kStages - 1) {
+      Cursor ahead = ind;
+      for (int t = kStages - 1; t < kEarlyTiles && ahead.item < ahead.last; ++t) {
+        early_tile(ahead, nullptr, true);
+        advance(ahead);
+      }
+    }
+  }
+
+  // One tile of the early walk w: its indices read from L2 (kept in `ring` unless null), its
+  // K and V rows prefetched into L2 if `prefetch`.
+  __device__ void early_tile(const Cursor& w, int32_t* ring, bool prefetch) const {
+    for (int row = tid; row < T; row += Tr::kThreads) {
+      bool valid;
+      const int32_t* src = index_entry(w, row, valid);
+      const int32_t entry = valid ? __ldcg(src) : 0;
+      if (ring) ring[row] = entry;
+      if (valid && prefetch) prefetch_rows(pool_row(entry, w.pos + row));
+    }
+  }
+
+  // K/V base pointers of this CTA's KV head, offset by `chunk` 16-byte chunks.
+  __device__ const char* k_base(int chunk) const {
+    return static_cast<const char*>(p.k) + (int64_t{kv_head} * p.k_stride_h) * Tr::kKvBytes +
+           chunk * 16;
+  }
+  __device__ const char* v_base(int chunk) const {
+    return static_cast<const char*>(p.v) + (int64_t{kv_head} * p.v_stride_h) * Tr::kKvBytes +
+           chunk * 16;
+  }
+
+  // Prefetches pool row `row`'s K and V rows of this CTA's KV head into L2.
+  __device__ void prefetch_rows(uint32_t row) const {
+    const char* k = k_base(0) + uint64_t{row} * (static_cast<uint32_t>(p.k_stride_n) * Tr::kKvBytes);
+    const char* v = v_base(0) + uint64_t{row} * (static_cast<uint32_t>(p.v_stride_n) * Tr::kKvBytes);
+#pragma unroll
+    for (int b = 0; b < Tr::kRowBytes; b += 128) {
+      ptx::prefetch_l2(k + b);
+      ptx::prefetch_l2(v + b);
     }
   }
 
@@ -236,27 +282,19 @@ struct DecodeCta {
       const uint32_t k_smem = ptx::smem_addr(st);
       const uint32_t v_smem = k_smem + Tr::kTileBytes;
       const int chunk = tid % Tr::kChunks;
-      const char* kbase =
-          ptx::opaque(static_cast<const char*>(p.k) +
-                      (int64_t{kv_head} * p.k_stride_h) * Tr::kKvBytes + chunk * 16);
-      const char* vbase =
-          ptx::opaque(static_cast<const char*>(p.v) +
-                      (int64_t{kv_head} * p.v_stride_h) * Tr::kKvBytes + chunk * 16);
+      const char* kbase = ptx::opaque(k_base(chunk));
+      const char* vbase = ptx::opaque(v_base(chunk));
       const int32_t* ring = index_ring(prod_tile);
       // 32-bit row arithmetic (the launcher checks that a token row's stride fits): a row is
-      // one multiply-add off the operand's base. The slot is clamped into the pool as unsigned,
-      // so a negative or too-large index (or a slot past the range) never addresses outside it.
+      // one multiply-add off the operand's base. A slot past the range is clamped too.
       const uint32_t k_row_bytes = static_cast<uint32_t>(p.k_stride_n) * Tr::kKvBytes;
       const uint32_t v_row_bytes = static_cast<uint32_t>(p.v_stride_n) * Tr::kKvBytes;
-      const uint32_t last_row = static_cast<uint32_t>(min(p.num_kv_rows - 1, int64_t{UINT32_MAX}));
 #pragma unroll
       for (int i = 0; i < Tr::kPasses; ++i) {
         const int row = tid / Tr::kChunks + i * Tr::kRowsPerPass;
         const int32_t j = prod.pos + row;
         const bool valid = j < prod.v.hi;
-        uint32_t slot = static_cast<uint32_t>(ring[row]);
-        if (p.page_size > 1) slot = slot * p.page_size + j % p.page_size;
-        slot = min(slot, last_row);
+        const uint32_t slot = pool_row(ring[row], j);
         const uint32_t off = swizzled<Tr>(row, chunk);
         ptx::cp_async_16(k_smem + off, kbase + uint64_t{slot} * k_row_bytes, valid);
         ptx::cp_async_16(v_smem + off, vbase + uint64_t{slot} * v_row_bytes, valid);
