@@ -176,6 +176,135 @@ void few_rows_pv(const Tile<T>& t, int rows, const char* const* values, int n, i
   }
 }
 
+// ---- bf16 K/V split into even and odd lanes (units with T::kSplitBf16: AVX2) -----------------
+//
+// Without bf16 dot products, each bf16 value must become an fp32 lane. Widening costs two
+// operations per 8 values (and, for K, a staged fp32 copy of the block); split_bf16 makes two
+// fp32 vectors out of 16 values with one operation each: the even-indexed values and the
+// odd-indexed ones. Dot products do not care about the order of the dims, so Q is kept with
+// each group of 16 dims in that order (even dims, then odd dims), and so is O, which
+// few_rows_split_unpermute puts back in order before it is stored. Rows go 4 at a time (the
+// path is taken when a task's rows are a multiple of 4: GQA groups of 4 and 8).
+
+template <class T, class = void>
+struct HasSplitBf16 : std::false_type {};
+template <class T>
+struct HasSplitBf16<T, std::void_t<decltype(T::kSplitBf16)>>
+    : std::integral_constant<bool, T::kSplitBf16> {};
+
+// Whether the split path runs a task of `rows` rows per head and these head dims.
+template <class T, class KvType>
+bool few_rows_split_applies(int rows, int dim_qk, int dim_v) {
+  if constexpr (HasSplitBf16<T>::value && std::is_same_v<KvType, bf16_t>)
+    return rows % 4 == 0 && dim_qk % 16 == 0 && dim_v % 16 == 0;
+  return false;
+}
+
+// Row x [dim] (dim % 16 == 0) from natural order to the split order, and back.
+inline void split_order(float* x, int dim) {
+  for (int g = 0; g < dim; g += 16) {
+    float tmp[16];
+    for (int i = 0; i < 8; ++i) {
+      tmp[i] = x[g + 2 * i];
+      tmp[8 + i] = x[g + 2 * i + 1];
+    }
+    std::memcpy(x + g, tmp, sizeof(tmp));
+  }
+}
+inline void natural_order(float* x, int dim) {
+  for (int g = 0; g < dim; g += 16) {
+    float tmp[16];
+    for (int i = 0; i < 8; ++i) {
+      tmp[2 * i] = x[g + i];
+      tmp[2 * i + 1] = x[g + 8 + i];
+    }
+    std::memcpy(x + g, tmp, sizeof(tmp));
+  }
+}
+
+// Scores of n keys for every row (Q in split order): 4 rows x 2 keys of accumulators, each
+// K vector pair used by the 4 rows; two such tiles make 4 keys' scores of the 4 rows.
+template <class T>
+void few_rows_qk_split(const Tile<T>& t, int rows, const char* const* keys, int n, int dim,
+                       float* scores, SlotPrefetcher& pf) {
+  using F = typename T::F;
+  static_assert(T::W == 8, "split path: 8 fp32 lanes");
+  for (int k0 = 0; k0 < n; k0 += 4) {
+    if (k0 % T::W == 0) pf.step();
+    const bf16_t* kr[4];
+    FLASHKV_UNROLL
+    for (int i = 0; i < 4; ++i)  // past n: a copy of the last key (scores masked off)
+      kr[i] = reinterpret_cast<const bf16_t*>(keys[k0 + i < n ? k0 + i : n - 1]);
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+      const float* q = t.q + r0 * t.q_pitch;
+      F pairs[2];
+      FLASHKV_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const bf16_t* a = kr[2 * half];
+        const bf16_t* b = kr[2 * half + 1];
+        F acc[4][2];
+        FLASHKV_UNROLL
+        for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = T::zero();
+        for (int d = 0; d < dim; d += 16) {
+          F ae, ao, be, bo;
+          T::split_bf16(a + d, ae, ao);
+          T::split_bf16(b + d, be, bo);
+          FLASHKV_UNROLL
+          for (int r = 0; r < 4; ++r) {
+            const F qe = T::load(q + r * t.q_pitch + d), qo = T::load(q + r * t.q_pitch + d + 8);
+            acc[r][0] = T::fmadd(qo, ao, T::fmadd(qe, ae, acc[r][0]));
+            acc[r][1] = T::fmadd(qo, bo, T::fmadd(qe, be, acc[r][1]));
+          }
+        }
+        const F lo[4] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1]};
+        const F hi[4] = {acc[2][0], acc[2][1], acc[3][0], acc[3][1]};
+        const F quads[2] = {T::reduce_quad(lo), T::reduce_quad(hi)};
+        pairs[half] = T::finish_quads(quads);  // lane 2r + k: row r, key 2 half + k
+      }
+      T::store_scores_4x4(pairs[0], pairs[1], scores + r0 * T::kBlockKeys + k0, T::kBlockKeys);
+    }
+  }
+}
+
+// O = O * corr + P V over n bf16 V rows (O in split order): per 4 rows and 16 dims, the 8
+// accumulators take one V row pair of vectors per key.
+template <class T>
+void few_rows_pv_split(const Tile<T>& t, int rows, const char* const* values, int n, int dim,
+                       SlotPrefetcher& pf) {
+  using F = typename T::F;
+  constexpr int kPSteps = Tile<T>::kPSteps;
+  for (int r0 = 0; r0 < rows; r0 += 4) {
+    for (int d = 0; d < dim; d += 16) {
+      pf.step();
+      F acc[4][2];
+      FLASHKV_UNROLL
+      for (int r = 0; r < 4; ++r) {
+        const F c = T::set1(t.corr[r0 + r]);
+        float* o = t.o + (r0 + r) * t.dv_pad + d;
+        acc[r][0] = T::mul(T::load(o), c);
+        acc[r][1] = T::mul(T::load(o + 8), c);
+      }
+      const float* p = t.p + r0 * kPSteps;
+      for (int j = 0; j < n; ++j) {
+        F ve, vo;
+        T::split_bf16(reinterpret_cast<const bf16_t*>(values[j]) + d, ve, vo);
+        FLASHKV_UNROLL
+        for (int r = 0; r < 4; ++r) {
+          const F pr = T::set1(p[r * kPSteps + j]);
+          acc[r][0] = T::fmadd(pr, ve, acc[r][0]);
+          acc[r][1] = T::fmadd(pr, vo, acc[r][1]);
+        }
+      }
+      FLASHKV_UNROLL
+      for (int r = 0; r < 4; ++r) {
+        float* o = t.o + (r0 + r) * t.dv_pad + d;
+        T::store(o, acc[r][0]);
+        T::store(o + 8, acc[r][1]);
+      }
+    }
+  }
+}
+
 // Loads the score rows back into registers for the shared softmax.
 template <class T>
 void few_rows_softmax(const Tile<T>& t, int rows, const float* scores) {

@@ -89,6 +89,7 @@ class ItemTask {
     total_rows_ = item.q_len * group_;
     chunk_ = imin(total_rows_, kMaxRows);
     few_ = chunk_ <= kFewRows;
+    split_ = few_ && few_rows_split_applies<T, KvType>(chunk_, p.head_dim_qk, p.head_dim_v);
     causal_ = p.causal && !p.custom_mask;
     mask_base_ = p.custom_mask ? p.custom_mask + p.mask_indptr[req] : nullptr;
     q_esz_ = static_cast<int64_t>(dtype_size(p.q_dtype));
@@ -116,6 +117,7 @@ class ItemTask {
           run_head_block(h, rows, n, block_rows_[cur], block_rows_[cur ^ 1], n_next);
         if (few_) prefetch_.finish();
       }
+      if (split_) unsplit_outputs(rows);
       store_outputs(row0, rows);
     }
   }
@@ -216,8 +218,11 @@ class ItemTask {
             static_cast<const char*>(p_.q) +
             ((item_.q_begin + qi) * p_.q_stride_n + ((head0_ + h) * group_ + g) * p_.q_stride_h) *
                 q_esz_;
-        load_q_row<T>(p_.q_dtype, src, p_.head_dim_qk, t.q_pitch,
-                      const_cast<Step*>(t.q) + r * t.q_pitch, tables_);
+        Step* q = const_cast<Step*>(t.q) + r * t.q_pitch;
+        load_q_row<T>(p_.q_dtype, src, p_.head_dim_qk, t.q_pitch, q, tables_);
+        if constexpr (HasSplitBf16<T>::value) {
+          if (split_) split_order(q, p_.head_dim_qk);
+        }
         t.m[r] = kNegInf;
       }
       std::memset(t.o, 0, sizeof(float) * rows * t.dv_pad);
@@ -279,6 +284,14 @@ class ItemTask {
       key_rows[i] = k.row(i);
       value_rows[i] = v.row(i);
     }
+    if constexpr (HasSplitBf16<T>::value && std::is_same_v<KvType, bf16_t>) {
+      if (split_) {
+        few_rows_qk_split<T>(t, rows, key_rows, n, dqk, scores_, prefetch_);
+        few_rows_softmax(t, rows, scores_);
+        few_rows_pv_split<T>(t, rows, value_rows, n, dv, prefetch_);
+        return;
+      }
+    }
     if constexpr (kConvertK) {
       for (int i = 0; i < n; ++i) {
         Step* dst = staged_ + i * t.q_pitch;
@@ -291,6 +304,16 @@ class ItemTask {
     }
     few_rows_softmax(t, rows, scores_);
     few_rows_pv<T, KvType>(t, rows, value_rows, n, dv, tables_, prefetch_);
+  }
+
+  // The split path's outputs back in natural dim order.
+  void unsplit_outputs(int rows) {
+    if constexpr (HasSplitBf16<T>::value) {
+      for (int h = 0; h < heads_; ++h) {
+        const Tile<T> t = state_.tile(base_, h);
+        for (int r = 0; r < rows; ++r) natural_order(t.o + r * t.dv_pad, p_.head_dim_v);
+      }
+    }
   }
 
   // O / l (times the V scale) and LSE = m + log2(l); empty rows: O = 0, LSE = -inf. Split
@@ -334,6 +357,7 @@ class ItemTask {
   int64_t q_first_, q_len_, kv_len_, kv_begin_, kv_end_, q_esz_;
   int total_rows_, chunk_;
   bool few_, causal_;
+  bool split_;  // few rows of bf16 K/V through the split path (attention_few_rows.h)
   const uint8_t* mask_base_;
   const char* k_head0_;
   const char* v_head0_;

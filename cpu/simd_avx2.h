@@ -17,6 +17,7 @@ struct Avx2F32 {
   static constexpr int kQkRows = 2;  // 2 rows x 4 key vectors = 8 accumulators
   static constexpr int kPvRows = 4;  // 4 rows x 2 vectors of 8 dims = 8 accumulators
   static constexpr int kPvVecs = 2;
+  static constexpr bool kSplitBf16 = true;  // split_bf16 (attention_few_rows.h)
   using F = __m256;
   using Step = float;
   using Vec = __m256;
@@ -183,6 +184,25 @@ struct Avx2F32 {
   }
   static Vec load_steps(const fp8_e5m2_t* p, int n, const Fp8Tables& t) {
     return load_fp8<1>(p, n, t);
+  }
+
+  // 16 bf16 values as two fp32 vectors, without widening: each 32-bit lane holds the pair
+  // (2i, 2i + 1), so a shift gives the even-indexed values and a mask the odd-indexed ones
+  // (the few-rows bf16 path keeps Q and O in that order; see attention_few_rows.h).
+  static void split_bf16(const bf16_t* p, F& even, F& odd) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    odd = _mm256_and_ps(_mm256_castsi256_ps(x), _mm256_castsi256_ps(_mm256_set1_epi32(-65536)));
+  }
+  // Scores of 4 rows x 4 keys from two vectors of 4 rows x 2 keys (lane 2r + k: row r, key k;
+  // `a` keys 0-1, `b` keys 2-3): row r's four scores go to dst + r * stride.
+  static void store_scores_4x4(F a, F b, float* dst, int stride) {
+    const F even_rows = _mm256_shuffle_ps(a, b, 0x44);  // rows 0 | 2
+    const F odd_rows = _mm256_shuffle_ps(a, b, 0xEE);   // rows 1 | 3
+    _mm_storeu_ps(dst, _mm256_castps256_ps128(even_rows));
+    _mm_storeu_ps(dst + stride, _mm256_castps256_ps128(odd_rows));
+    _mm_storeu_ps(dst + 2 * stride, _mm256_extractf128_ps(even_rows, 1));
+    _mm_storeu_ps(dst + 3 * stride, _mm256_extractf128_ps(odd_rows, 1));
   }
 
   static void transpose_store(Vec (&r)[W], Step* dst, int stride, int nout) {

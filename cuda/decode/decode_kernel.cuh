@@ -264,8 +264,10 @@ struct DecodeCta {
 
   // Prefetches pool row `row`'s K and V rows of this CTA's KV head into L2.
   __device__ void prefetch_rows(uint32_t row) const {
-    const char* k = k_base(0) + uint64_t{row} * (static_cast<uint32_t>(p.k_stride_n) * Tr::kKvBytes);
-    const char* v = v_base(0) + uint64_t{row} * (static_cast<uint32_t>(p.v_stride_n) * Tr::kKvBytes);
+    const char* k =
+        k_base(0) + uint64_t{row} * (static_cast<uint32_t>(p.k_stride_n) * Tr::kKvBytes);
+    const char* v =
+        v_base(0) + uint64_t{row} * (static_cast<uint32_t>(p.v_stride_n) * Tr::kKvBytes);
 #pragma unroll
     for (int b = 0; b < Tr::kRowBytes; b += 128) {
       ptx::prefetch_l2(k + b);
