@@ -176,31 +176,39 @@ void few_rows_pv(const Tile<T>& t, int rows, const char* const* values, int n, i
   }
 }
 
-// ---- bf16 K/V split into even and odd lanes (units with T::kSplitBf16: AVX2) -----------------
+// ---- K/V split into even and odd lanes (units with T::kSplitKv: AVX2) -----------------------
 //
-// Without bf16 dot products, each bf16 value must become an fp32 lane. Widening costs two
-// operations per 8 values (and, for K, a staged fp32 copy of the block); split_bf16 makes two
-// fp32 vectors out of 16 values with one operation each: the even-indexed values and the
-// odd-indexed ones. Dot products do not care about the order of the dims, so Q is kept with
-// each group of 16 dims in that order (even dims, then odd dims), and so is O, which
-// few_rows_split_unpermute puts back in order before it is stored. Rows go 4 at a time (the
-// path is taken when a task's rows are a multiple of 4: GQA groups of 4 and 8).
+// Without bf16 dot products, each bf16 or fp8 value must become an fp32 lane. Widening bf16
+// costs two operations per 8 values (and, for K, a staged fp32 copy of the block), fp8 a gather
+// from a table; T::split makes two fp32 vectors out of 16 values loaded at once: the
+// even-indexed values and the odd-indexed ones (bf16: one operation each; fp8: a few integer
+// operations and an f16 conversion). Dot products do not care about the order of the dims, so
+// Q is kept with each group of 16 dims in that order (even dims, then odd dims), and so is O,
+// which few_rows_split_unpermute puts back in order before it is stored. Rows go 4 at a time
+// (the path is taken when a task's rows are a multiple of 4: GQA groups of 4 and 8).
 
 template <class T, class = void>
-struct HasSplitBf16 : std::false_type {};
+struct HasSplitKv : std::false_type {};
 template <class T>
-struct HasSplitBf16<T, std::void_t<decltype(T::kSplitBf16)>>
-    : std::integral_constant<bool, T::kSplitBf16> {};
+struct HasSplitKv<T, std::void_t<decltype(T::kSplitKv)>>
+    : std::integral_constant<bool, T::kSplitKv> {};
+
+template <class KvType>
+constexpr bool kSplitType = std::is_same_v<KvType, bf16_t> || std::is_same_v<KvType, fp8_e4m3_t> ||
+                            std::is_same_v<KvType, fp8_e5m2_t>;
+// What split() leaves out of the values (e4m3 comes out as value / 256; see simd_avx2.h).
+template <class KvType>
+constexpr float kSplitFactor = std::is_same_v<KvType, fp8_e4m3_t> ? 256.0f : 1.0f;
 
 // Whether the split path runs a task of `rows` rows per head and these head dims.
 template <class T, class KvType>
 bool few_rows_split_applies(int rows, int dim_qk, int dim_v) {
-  if constexpr (HasSplitBf16<T>::value && std::is_same_v<KvType, bf16_t>)
+  if constexpr (HasSplitKv<T>::value && kSplitType<KvType>)
     return rows % 4 == 0 && dim_qk % 16 == 0 && dim_v % 16 == 0;
   return false;
 }
 
-// Row x [dim] (dim % 16 == 0) from natural order to the split order, and back.
+// Row x [dim] (dim % 16 == 0) from natural order to the split order, and back (times factor).
 inline void split_order(float* x, int dim) {
   for (int g = 0; g < dim; g += 16) {
     float tmp[16];
@@ -211,12 +219,12 @@ inline void split_order(float* x, int dim) {
     std::memcpy(x + g, tmp, sizeof(tmp));
   }
 }
-inline void natural_order(float* x, int dim) {
+inline void natural_order(float* x, int dim, float factor) {
   for (int g = 0; g < dim; g += 16) {
     float tmp[16];
     for (int i = 0; i < 8; ++i) {
-      tmp[2 * i] = x[g + i];
-      tmp[2 * i + 1] = x[g + 8 + i];
+      tmp[2 * i] = x[g + i] * factor;
+      tmp[2 * i + 1] = x[g + 8 + i] * factor;
     }
     std::memcpy(x + g, tmp, sizeof(tmp));
   }
@@ -224,31 +232,31 @@ inline void natural_order(float* x, int dim) {
 
 // Scores of n keys for every row (Q in split order): 4 rows x 2 keys of accumulators, each
 // K vector pair used by the 4 rows; two such tiles make 4 keys' scores of the 4 rows.
-template <class T>
+template <class T, class Src>
 void few_rows_qk_split(const Tile<T>& t, int rows, const char* const* keys, int n, int dim,
                        float* scores, SlotPrefetcher& pf) {
   using F = typename T::F;
   static_assert(T::W == 8, "split path: 8 fp32 lanes");
   for (int k0 = 0; k0 < n; k0 += 4) {
     if (k0 % T::W == 0) pf.step();
-    const bf16_t* kr[4];
+    const Src* kr[4];
     FLASHKV_UNROLL
     for (int i = 0; i < 4; ++i)  // past n: a copy of the last key (scores masked off)
-      kr[i] = reinterpret_cast<const bf16_t*>(keys[k0 + i < n ? k0 + i : n - 1]);
+      kr[i] = reinterpret_cast<const Src*>(keys[k0 + i < n ? k0 + i : n - 1]);
     for (int r0 = 0; r0 < rows; r0 += 4) {
       const float* q = t.q + r0 * t.q_pitch;
       F pairs[2];
       FLASHKV_UNROLL
       for (int half = 0; half < 2; ++half) {
-        const bf16_t* a = kr[2 * half];
-        const bf16_t* b = kr[2 * half + 1];
+        const Src* a = kr[2 * half];
+        const Src* b = kr[2 * half + 1];
         F acc[4][2];
         FLASHKV_UNROLL
         for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = T::zero();
         for (int d = 0; d < dim; d += 16) {
           F ae, ao, be, bo;
-          T::split_bf16(a + d, ae, ao);
-          T::split_bf16(b + d, be, bo);
+          T::split(a + d, ae, ao);
+          T::split(b + d, be, bo);
           FLASHKV_UNROLL
           for (int r = 0; r < 4; ++r) {
             const F qe = T::load(q + r * t.q_pitch + d), qo = T::load(q + r * t.q_pitch + d + 8);
@@ -266,9 +274,9 @@ void few_rows_qk_split(const Tile<T>& t, int rows, const char* const* keys, int 
   }
 }
 
-// O = O * corr + P V over n bf16 V rows (O in split order): per 4 rows and 16 dims, the 8
+// O = O * corr + P V over n V rows (O in split order): per 4 rows and 16 dims, the 8
 // accumulators take one V row pair of vectors per key.
-template <class T>
+template <class T, class Src>
 void few_rows_pv_split(const Tile<T>& t, int rows, const char* const* values, int n, int dim,
                        SlotPrefetcher& pf) {
   using F = typename T::F;
@@ -287,7 +295,7 @@ void few_rows_pv_split(const Tile<T>& t, int rows, const char* const* values, in
       const float* p = t.p + r0 * kPSteps;
       for (int j = 0; j < n; ++j) {
         F ve, vo;
-        T::split_bf16(reinterpret_cast<const bf16_t*>(values[j]) + d, ve, vo);
+        T::split(reinterpret_cast<const Src*>(values[j]) + d, ve, vo);
         FLASHKV_UNROLL
         for (int r = 0; r < 4; ++r) {
           const F pr = T::set1(p[r * kPSteps + j]);

@@ -195,7 +195,8 @@ class ItemTask {
     t.lo = pos_ + chunk_;
     t.hi = pos_ + 2 * chunk_;
     t.allowed = mask_base_ ? reinterpret_cast<uint8_t*>(s + allowed_at) : nullptr;
-    const float dot_scale = p_.sm_scale * p_.k_scale;  // fp8 K: the scale folds into the logits
+    // fp8 K: the scale folds into the logits (and the split path's factor, see split()).
+    const float dot_scale = p_.sm_scale * p_.k_scale * (split_ ? kSplitFactor<KvType> : 1.0f);
     if (p_.logits_soft_cap > 0) {
       t.qk_scale = dot_scale / p_.logits_soft_cap;
       t.cap_log2e = p_.logits_soft_cap * kLog2e;
@@ -220,7 +221,7 @@ class ItemTask {
                 q_esz_;
         Step* q = const_cast<Step*>(t.q) + r * t.q_pitch;
         load_q_row<T>(p_.q_dtype, src, p_.head_dim_qk, t.q_pitch, q, tables_);
-        if constexpr (HasSplitBf16<T>::value) {
+        if constexpr (HasSplitKv<T>::value) {
           if (split_) split_order(q, p_.head_dim_qk);
         }
         t.m[r] = kNegInf;
@@ -284,11 +285,11 @@ class ItemTask {
       key_rows[i] = k.row(i);
       value_rows[i] = v.row(i);
     }
-    if constexpr (HasSplitBf16<T>::value && std::is_same_v<KvType, bf16_t>) {
+    if constexpr (HasSplitKv<T>::value && kSplitType<KvType>) {
       if (split_) {
-        few_rows_qk_split<T>(t, rows, key_rows, n, dqk, scores_, prefetch_);
+        few_rows_qk_split<T, KvType>(t, rows, key_rows, n, dqk, scores_, prefetch_);
         few_rows_softmax(t, rows, scores_);
-        few_rows_pv_split<T>(t, rows, value_rows, n, dv, prefetch_);
+        few_rows_pv_split<T, KvType>(t, rows, value_rows, n, dv, prefetch_);
         return;
       }
     }
@@ -308,10 +309,11 @@ class ItemTask {
 
   // The split path's outputs back in natural dim order.
   void unsplit_outputs(int rows) {
-    if constexpr (HasSplitBf16<T>::value) {
+    if constexpr (HasSplitKv<T>::value) {
       for (int h = 0; h < heads_; ++h) {
         const Tile<T> t = state_.tile(base_, h);
-        for (int r = 0; r < rows; ++r) natural_order(t.o + r * t.dv_pad, p_.head_dim_v);
+        for (int r = 0; r < rows; ++r)
+          natural_order(t.o + r * t.dv_pad, p_.head_dim_v, kSplitFactor<KvType>);
       }
     }
   }
@@ -357,7 +359,7 @@ class ItemTask {
   int64_t q_first_, q_len_, kv_len_, kv_begin_, kv_end_, q_esz_;
   int total_rows_, chunk_;
   bool few_, causal_;
-  bool split_;  // few rows of bf16 K/V through the split path (attention_few_rows.h)
+  bool split_;  // few rows through the split path (attention_few_rows.h)
   const uint8_t* mask_base_;
   const char* k_head0_;
   const char* v_head0_;

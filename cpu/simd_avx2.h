@@ -17,7 +17,7 @@ struct Avx2F32 {
   static constexpr int kQkRows = 2;  // 2 rows x 4 key vectors = 8 accumulators
   static constexpr int kPvRows = 4;  // 4 rows x 2 vectors of 8 dims = 8 accumulators
   static constexpr int kPvVecs = 2;
-  static constexpr bool kSplitBf16 = true;  // split_bf16 (attention_few_rows.h)
+  static constexpr bool kSplitKv = true;  // split() (attention_few_rows.h)
   using F = __m256;
   using Step = float;
   using Vec = __m256;
@@ -188,11 +188,30 @@ struct Avx2F32 {
 
   // 16 bf16 values as two fp32 vectors, without widening: each 32-bit lane holds the pair
   // (2i, 2i + 1), so a shift gives the even-indexed values and a mask the odd-indexed ones
-  // (the few-rows bf16 path keeps Q and O in that order; see attention_few_rows.h).
-  static void split_bf16(const bf16_t* p, F& even, F& odd) {
+  // (the few-rows split path keeps Q and O in that order; see attention_few_rows.h).
+  static void split(const bf16_t* p, F& even, F& odd) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
     odd = _mm256_and_ps(_mm256_castsi256_ps(x), _mm256_castsi256_ps(_mm256_set1_epi32(-65536)));
+  }
+  // 16 fp8 values the same way, through f16 (F16C): an e5m2 byte is the high byte of an f16.
+  static void split(const fp8_e5m2_t* p, F& even, F& odd) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    even = _mm256_cvtph_ps(_mm_slli_epi16(x, 8));
+    odd = _mm256_cvtph_ps(_mm_and_si128(x, _mm_set1_epi16(-256)));
+  }
+  // e4m3 (bias 7) becomes the f16 with the same sign, exponent field and mantissa bits one place
+  // lower (bias 15), which is the value / 256 for normal and subnormal values alike (the caller
+  // takes the factor, kSplitFactor); S.1111.111 (NaN) becomes an f16 NaN.
+  static void split(const fp8_e4m3_t* p, F& even, F& odd) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i bits = _mm_set1_epi16(static_cast<short>(0xBF80));  // sign, exponent, mantissa
+    const __m128i nan_exp = _mm_set1_epi16(0x7C00);
+    const __m128i nan = _mm_cmpeq_epi8(_mm_and_si128(x, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+    const __m128i e = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), bits);
+    const __m128i o = _mm_and_si128(_mm_srai_epi16(x, 1), bits);
+    even = _mm256_cvtph_ps(_mm_or_si128(e, _mm_and_si128(_mm_slli_epi16(nan, 8), nan_exp)));
+    odd = _mm256_cvtph_ps(_mm_or_si128(o, _mm_and_si128(nan, nan_exp)));
   }
   // Scores of 4 rows x 4 keys from two vectors of 4 rows x 2 keys (lane 2r + k: row r, key k;
   // `a` keys 0-1, `b` keys 2-3): row r's four scores go to dst + r * stride.

@@ -54,6 +54,10 @@ struct Case {
   int fixed_split = 0;
   int q_tile = 0;  // 0: the planner's default
   float k_scale = 1, v_scale = 1;
+  // fp8 paged KV: the used rows hold every finite byte code in turn (instead of random values);
+  // nan_v: the first two elements of request 0's first V row are NaN codes (the output is then
+  // checked for NaN where it must be, not against the reference).
+  bool every_fp8_byte = false, nan_v = false;
 
   std::string str() const {
     std::string s = op == Op::ragged ? "ragged" : op == Op::decode ? "decode" : "paged_prefill";
@@ -80,6 +84,26 @@ void poison_rows(const Tensor& t, const std::vector<char>& used) {
       for (int64_t e = 0; e < row_elems; ++e)
         store_from_double(t.data(), t.dtype(), r * row_elems + e,
                           std::numeric_limits<double>::quiet_NaN());
+}
+
+bool finite_fp8(DType t, uint8_t b) {
+  return std::isfinite(t == DType::fp8_e4m3 ? to_float(fp8_e4m3_t{b}) : to_float(fp8_e5m2_t{b}));
+}
+
+// The used rows (dimension 0) of a [rows, H, D] fp8 tensor: every finite byte code in turn,
+// starting at `first`.
+void fill_every_fp8_byte(const Tensor& t, const std::vector<char>& used, int first) {
+  const int64_t row_bytes = t.numel() / t.size(0);  // one byte an element
+  uint8_t* p = static_cast<uint8_t*>(t.data());
+  int code = first;
+  for (int64_t r = 0; r < t.size(0); ++r) {
+    if (!used[r]) continue;
+    for (int64_t e = 0; e < row_bytes; ++e) {
+      while (!finite_fp8(t.dtype(), static_cast<uint8_t>(code))) code = (code + 1) % 256;
+      p[r * row_bytes + e] = static_cast<uint8_t>(code);
+      code = (code + 1) % 256;
+    }
+  }
 }
 
 // Runs the case on the CPU and checks it against the reference; returns the output.
@@ -200,6 +224,15 @@ Tensor run_case(const Case& c, Rng& rng) {
         test::random_tensor(rng, {slots, c.hkv, c.dv}, c.kv_dtype, fp8 ? 1.0 / c.v_scale : 1.0);
     poison_rows(k, used);
     poison_rows(v, used);
+    if (c.every_fp8_byte) {
+      fill_every_fp8_byte(k, used, 0);
+      fill_every_fp8_byte(v, used, 101);
+    }
+    if (c.nan_v) {
+      const uint8_t nan_code = c.kv_dtype == DType::fp8_e4m3 ? 0x7F : 0x7E;
+      uint8_t* row = static_cast<uint8_t*>(v.data()) + int64_t{indices[0]} * ps * c.hkv * c.dv;
+      row[0] = row[1] = nan_code;
+    }
     Tensor indptr = Tensor::from_i32(test::indptr_of(pages_of));
     Tensor idx = Tensor::from_i32(indices.empty() ? std::vector<int32_t>{0} : indices);
     Tensor last_t = Tensor::from_i32(last);
@@ -213,6 +246,16 @@ Tensor run_case(const Case& c, Rng& rng) {
       paged_prefill(prefill_plan, q, qo_t, kv, opt, out, lse_view, ws);
       ref = reference::paged_attention(q, qo_t, kv, opt);
     }
+  }
+  if (c.nan_v) {
+    // Dims 0 and 1 of request 0's query heads of KV head 0 sum NaN values; nothing else does.
+    const int group = c.hq / c.hkv;
+    for (int h = 0; h < c.hq; ++h)
+      for (int d = 0; d < c.dv; ++d)
+        EXPECT_EQ(std::isnan(load_as_double(out.data(), out.dtype(), int64_t{h} * c.dv + d)),
+                  h < group && d < 2)
+            << "head " << h << " dim " << d;
+    return out;
   }
   test::expect_close(out, lse_view, ref, c.dtype, fp8);
   return out;
@@ -407,6 +450,33 @@ TEST(CpuAttention, Fp8KvWithScales) {
         c.k_scale = 0.5f;
         c.v_scale = 2.0f;
         c.soft_cap = kv == DType::fp8_e5m2 ? 10.0f : 0.0f;
+        run_case(c, rng);
+      }
+    }
+  }
+}
+
+// Every finite fp8 code through each ISA's conversion (subnormals, the largest values, both
+// signs), with scales that keep the logits moderate; and NaN codes in V reach the output dims
+// they belong to. Groups of 4 and 8 (the AVX2 split path), 2 (the others).
+TEST(CpuAttention, Fp8EveryCodeAndNaN) {
+  FLASHKV_SEEDED_RNG(rng, 107);
+  for (cpu::Isa isa : isa_levels()) {
+    IsaCap cap(isa);
+    for (DType kv : {DType::fp8_e4m3, DType::fp8_e5m2}) {
+      for (int group : {2, 4, 8}) {
+        Case c;
+        c.op = Op::decode;
+        c.kv_lens = {77, 300, 1};
+        c.hq = 2 * group;
+        c.hkv = 2;
+        c.dqk = c.dv = 128;
+        c.kv_dtype = kv;
+        c.k_scale = kv == DType::fp8_e4m3 ? 1.0f / 512 : 1.0f / 65536;
+        c.v_scale = 0.25f;
+        c.every_fp8_byte = true;
+        run_case(c, rng);
+        c.nan_v = true;
         run_case(c, rng);
       }
     }
