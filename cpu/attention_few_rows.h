@@ -184,8 +184,9 @@ void few_rows_pv(const Tile<T>& t, int rows, const char* const* values, int n, i
 // even-indexed values and the odd-indexed ones (bf16: one operation each; fp8: a few integer
 // operations and an f16 conversion). Dot products do not care about the order of the dims, so
 // Q is kept with each group of 16 dims in that order (even dims, then odd dims), and so is O,
-// which few_rows_split_unpermute puts back in order before it is stored. Rows go 4 at a time
-// (the path is taken when a task's rows are a multiple of 4: GQA groups of 4 and 8).
+// which natural_order puts back in order (times the factor split() left out) before it is
+// stored. Rows go 4 at a time (the path is taken when a task's rows are a multiple of 4: GQA
+// groups of 4 and 8).
 
 template <class T, class = void>
 struct HasSplitKv : std::false_type {};
