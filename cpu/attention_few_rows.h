@@ -185,8 +185,7 @@ void few_rows_pv(const Tile<T>& t, int rows, const char* const* values, int n, i
 // operations and an f16 conversion). Dot products do not care about the order of the dims, so
 // Q is kept with each group of 16 dims in that order (even dims, then odd dims), and so is O,
 // which natural_order puts back in order (times the factor split() left out) before it is
-// stored. Rows go 4 at a time (the path is taken when a task's rows are a multiple of 4: GQA
-// groups of 4 and 8).
+// stored. Rows go 4 at a time, the rest 2 and 1 at a time.
 
 template <class T, class = void>
 struct HasSplitKv : std::false_type {};
@@ -205,7 +204,7 @@ constexpr float kSplitFactor = std::is_same_v<KvType, fp8_e4m3_t> ? 256.0f : 1.0
 template <class T, class KvType>
 bool few_rows_split_applies(int rows, int dim_qk, int dim_v) {
   if constexpr (HasSplitKv<T>::value && kSplitType<KvType>)
-    return rows % 4 == 0 && dim_qk % 16 == 0 && dim_v % 16 == 0;
+    return rows > 0 && dim_qk % 16 == 0 && dim_v % 16 == 0;
   return false;
 }
 
@@ -231,87 +230,168 @@ inline void natural_order(float* x, int dim, float factor) {
   }
 }
 
-// Scores of n keys for every row (Q in split order): 4 rows x 2 keys of accumulators, each
-// K vector pair used by the 4 rows; two such tiles make 4 keys' scores of the 4 rows.
+// Scores of keys kr[0..3] for 4 rows of Q (split order, row pitch `pitch`): 4 rows x 2 keys of
+// accumulators, each K vector pair used by the 4 rows; two such tiles make the 4 keys' scores.
+template <class T, class Src>
+void qk_split_4rows(const float* q, int pitch, const Src* const (&kr)[4], int dim, float* scores,
+                    int stride) {
+  using F = typename T::F;
+  F pairs[2];
+  FLASHKV_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const Src* a = kr[2 * half];
+    const Src* b = kr[2 * half + 1];
+    F acc[4][2];
+    FLASHKV_UNROLL
+    for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = T::zero();
+    for (int d = 0; d < dim; d += 16) {
+      F ae, ao, be, bo;
+      T::split(a + d, ae, ao);
+      T::split(b + d, be, bo);
+      FLASHKV_UNROLL
+      for (int r = 0; r < 4; ++r) {
+        const F qe = T::load(q + r * pitch + d), qo = T::load(q + r * pitch + d + 8);
+        acc[r][0] = T::fmadd(qo, ao, T::fmadd(qe, ae, acc[r][0]));
+        acc[r][1] = T::fmadd(qo, bo, T::fmadd(qe, be, acc[r][1]));
+      }
+    }
+    const F lo[4] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1]};
+    const F hi[4] = {acc[2][0], acc[2][1], acc[3][0], acc[3][1]};
+    const F quads[2] = {T::reduce_quad(lo), T::reduce_quad(hi)};
+    pairs[half] = T::finish_quads(quads);  // lane 2r + k: row r, key 2 half + k
+  }
+  T::store_scores_4x4(pairs[0], pairs[1], scores, stride);
+}
+
+// The same for R = 1 or 2 rows: R rows x 4 / R keys a pass, with separate accumulators for the
+// even and the odd dims (8 in all), so that no FMA waits for another of the same pass.
+template <class T, class Src, int R>
+void qk_split_few(const float* q, int pitch, const Src* const (&kr)[4], int dim, float* scores,
+                  int stride) {
+  using F = typename T::F;
+  constexpr int KK = 4 / R;
+  FLASHKV_UNROLL
+  for (int k0 = 0; k0 < 4; k0 += KK) {
+    F acc[R][KK][2];
+    FLASHKV_UNROLL
+    for (int r = 0; r < R; ++r) {
+      FLASHKV_UNROLL
+      for (int k = 0; k < KK; ++k) acc[r][k][0] = acc[r][k][1] = T::zero();
+    }
+    for (int d = 0; d < dim; d += 16) {
+      FLASHKV_UNROLL
+      for (int k = 0; k < KK; ++k) {
+        F e, o;
+        T::split(kr[k0 + k] + d, e, o);
+        FLASHKV_UNROLL
+        for (int r = 0; r < R; ++r) {
+          acc[r][k][0] = T::fmadd(T::load(q + r * pitch + d), e, acc[r][k][0]);
+          acc[r][k][1] = T::fmadd(T::load(q + r * pitch + d + 8), o, acc[r][k][1]);
+        }
+      }
+    }
+    F sums[4];
+    FLASHKV_UNROLL
+    for (int r = 0; r < R; ++r) {
+      FLASHKV_UNROLL
+      for (int k = 0; k < KK; ++k) sums[r * KK + k] = T::add(acc[r][k][0], acc[r][k][1]);
+    }
+    const F quads[2] = {T::reduce_quad(sums), T::zero()};
+    float lanes[8];
+    T::store(lanes, T::finish_quads(quads));  // lane i < 4: the sum of sums[i]
+    FLASHKV_UNROLL
+    for (int r = 0; r < R; ++r) {
+      FLASHKV_UNROLL
+      for (int k = 0; k < KK; ++k) scores[r * stride + k0 + k] = lanes[r * KK + k];
+    }
+  }
+}
+
+// Scores of n keys for every row (Q in split order), 4 keys at a time: tiles of 4 rows, then
+// of 2 and 1 for the rest.
 template <class T, class Src>
 void few_rows_qk_split(const Tile<T>& t, int rows, const char* const* keys, int n, int dim,
                        float* scores, SlotPrefetcher& pf) {
-  using F = typename T::F;
   static_assert(T::W == 8, "split path: 8 fp32 lanes");
+  constexpr int BK = T::kBlockKeys;
   for (int k0 = 0; k0 < n; k0 += 4) {
     if (k0 % T::W == 0) pf.step();
     const Src* kr[4];
     FLASHKV_UNROLL
     for (int i = 0; i < 4; ++i)  // past n: a copy of the last key (scores masked off)
       kr[i] = reinterpret_cast<const Src*>(keys[k0 + i < n ? k0 + i : n - 1]);
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-      const float* q = t.q + r0 * t.q_pitch;
-      F pairs[2];
-      FLASHKV_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        const Src* a = kr[2 * half];
-        const Src* b = kr[2 * half + 1];
-        F acc[4][2];
-        FLASHKV_UNROLL
-        for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = T::zero();
-        for (int d = 0; d < dim; d += 16) {
-          F ae, ao, be, bo;
-          T::split(a + d, ae, ao);
-          T::split(b + d, be, bo);
-          FLASHKV_UNROLL
-          for (int r = 0; r < 4; ++r) {
-            const F qe = T::load(q + r * t.q_pitch + d), qo = T::load(q + r * t.q_pitch + d + 8);
-            acc[r][0] = T::fmadd(qo, ao, T::fmadd(qe, ae, acc[r][0]));
-            acc[r][1] = T::fmadd(qo, bo, T::fmadd(qe, be, acc[r][1]));
-          }
-        }
-        const F lo[4] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1]};
-        const F hi[4] = {acc[2][0], acc[2][1], acc[3][0], acc[3][1]};
-        const F quads[2] = {T::reduce_quad(lo), T::reduce_quad(hi)};
-        pairs[half] = T::finish_quads(quads);  // lane 2r + k: row r, key 2 half + k
-      }
-      T::store_scores_4x4(pairs[0], pairs[1], scores + r0 * T::kBlockKeys + k0, T::kBlockKeys);
+    int r0 = 0;
+    for (; r0 + 4 <= rows; r0 += 4)
+      qk_split_4rows<T>(t.q + r0 * t.q_pitch, t.q_pitch, kr, dim, scores + r0 * BK + k0, BK);
+    if (r0 + 2 <= rows) {
+      qk_split_few<T, Src, 2>(t.q + r0 * t.q_pitch, t.q_pitch, kr, dim, scores + r0 * BK + k0, BK);
+      r0 += 2;
     }
+    if (r0 < rows)
+      qk_split_few<T, Src, 1>(t.q + r0 * t.q_pitch, t.q_pitch, kr, dim, scores + r0 * BK + k0, BK);
   }
 }
 
-// O = O * corr + P V over n V rows (O in split order): per 4 rows and 16 dims, the 8
-// accumulators take one V row pair of vectors per key.
-template <class T, class Src>
-void few_rows_pv_split(const Tile<T>& t, int rows, const char* const* values, int n, int dim,
-                       SlotPrefetcher& pf) {
+// O = O * corr + P V over n V rows (O in split order) for R rows from r0: 4 / R groups of 16
+// dims a pass, so that the R x 4 / R x 2 = 8 accumulators take one split V load per group and
+// key.
+template <class T, class Src, int R>
+void pv_split_rows(const Tile<T>& t, int r0, const char* const* values, int n, int dim,
+                   SlotPrefetcher& pf) {
   using F = typename T::F;
-  constexpr int kPSteps = Tile<T>::kPSteps;
-  for (int r0 = 0; r0 < rows; r0 += 4) {
-    for (int d = 0; d < dim; d += 16) {
-      pf.step();
-      F acc[4][2];
+  constexpr int kPSteps = Tile<T>::kPSteps, NG = 4 / R;
+  for (int d0 = 0; d0 < dim; d0 += 16 * NG) {
+    pf.step();
+    const int groups = imin(NG, (dim - d0) / 16);
+    F acc[R][NG][2];
+    FLASHKV_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const F c = T::set1(t.corr[r0 + r]);
+      const float* o = t.o + (r0 + r) * t.dv_pad + d0;
       FLASHKV_UNROLL
-      for (int r = 0; r < 4; ++r) {
-        const F c = T::set1(t.corr[r0 + r]);
-        float* o = t.o + (r0 + r) * t.dv_pad + d;
-        acc[r][0] = T::mul(T::load(o), c);
-        acc[r][1] = T::mul(T::load(o + 8), c);
+      for (int g = 0; g < NG; ++g) {
+        acc[r][g][0] = g < groups ? T::mul(T::load(o + 16 * g), c) : T::zero();
+        acc[r][g][1] = g < groups ? T::mul(T::load(o + 16 * g + 8), c) : T::zero();
       }
-      const float* p = t.p + r0 * kPSteps;
-      for (int j = 0; j < n; ++j) {
+    }
+    const float* p = t.p + r0 * kPSteps;
+    for (int j = 0; j < n; ++j) {
+      const Src* v = reinterpret_cast<const Src*>(values[j]) + d0;
+      FLASHKV_UNROLL
+      for (int g = 0; g < NG; ++g) {
+        if (g >= groups) break;
         F ve, vo;
-        T::split(reinterpret_cast<const Src*>(values[j]) + d, ve, vo);
+        T::split(v + 16 * g, ve, vo);
         FLASHKV_UNROLL
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < R; ++r) {
           const F pr = T::set1(p[r * kPSteps + j]);
-          acc[r][0] = T::fmadd(pr, ve, acc[r][0]);
-          acc[r][1] = T::fmadd(pr, vo, acc[r][1]);
+          acc[r][g][0] = T::fmadd(pr, ve, acc[r][g][0]);
+          acc[r][g][1] = T::fmadd(pr, vo, acc[r][g][1]);
         }
       }
+    }
+    FLASHKV_UNROLL
+    for (int r = 0; r < R; ++r) {
+      float* o = t.o + (r0 + r) * t.dv_pad + d0;
       FLASHKV_UNROLL
-      for (int r = 0; r < 4; ++r) {
-        float* o = t.o + (r0 + r) * t.dv_pad + d;
-        T::store(o, acc[r][0]);
-        T::store(o + 8, acc[r][1]);
+      for (int g = 0; g < NG; ++g) {
+        if (g >= groups) break;
+        T::store(o + 16 * g, acc[r][g][0]);
+        T::store(o + 16 * g + 8, acc[r][g][1]);
       }
     }
   }
+}
+template <class T, class Src>
+void few_rows_pv_split(const Tile<T>& t, int rows, const char* const* values, int n, int dim,
+                       SlotPrefetcher& pf) {
+  int r0 = 0;
+  for (; r0 + 4 <= rows; r0 += 4) pv_split_rows<T, Src, 4>(t, r0, values, n, dim, pf);
+  if (r0 + 2 <= rows) {
+    pv_split_rows<T, Src, 2>(t, r0, values, n, dim, pf);
+    r0 += 2;
+  }
+  if (r0 < rows) pv_split_rows<T, Src, 1>(t, r0, values, n, dim, pf);
 }
 
 // Loads the score rows back into registers for the shared softmax.

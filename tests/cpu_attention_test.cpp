@@ -381,7 +381,8 @@ TEST(CpuAttention, PagedDecodeGrid) {
 // and 16, pages in order and shuffled, empty requests, split chunks.
 TEST(CpuAttention, DecodeMultiHeadTasksOverManyBlocks) {
   FLASHKV_SEEDED_RNG(rng, 109);
-  const int gqa[] = {1, 4, 8};
+  // Groups of 1 - 4, 6 and 8: every row tile of the AVX2 split path (4, 2 and 1 rows).
+  const int gqa[] = {1, 2, 3, 4, 8, 6};
   const int dims[] = {64, 128, 256};
   for (cpu::Isa isa : isa_levels()) {
     IsaCap cap(isa);
@@ -389,7 +390,7 @@ TEST(CpuAttention, DecodeMultiHeadTasksOverManyBlocks) {
       Case c;
       c.op = Op::decode;
       c.hkv = iter % 2 ? 8 : 4;
-      c.hq = c.hkv * gqa[iter % 3];
+      c.hq = c.hkv * gqa[iter];
       c.dqk = c.dv = dims[(iter / 2) % 3];
       const int batch = iter < 3 ? 10 : rng.uniform_int(1, 6);
       c.kv_lens = random_lengths(rng, batch, 330);
