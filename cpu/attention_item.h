@@ -328,8 +328,9 @@ class ItemTask {
         const int qi = (row0 + r) / group_;
         const int qo_head = (head0_ + h) * group_ + (row0 + r) % group_;
         const float l = T::reduce_add(T::load(t.lsum + r * W));
-        const float scale = l > 0 ? p_.v_scale / l : 0.0f;
-        const float lse = l > 0 ? t.m[r] + std::log2(l) : kNegInf;
+        // l == 0: nothing visible. A NaN l (a NaN score) makes O and LSE NaN.
+        const float scale = l != 0 ? p_.v_scale / l : 0.0f;
+        const float lse = l != 0 ? t.m[r] + std::log2(l) : kNegInf;
         const float* o = t.o + r * t.dv_pad;
         if (item_.partial < 0) {
           const int64_t row = item_.q_begin + qi;

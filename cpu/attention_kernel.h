@@ -91,9 +91,12 @@ inline void softmax_row(const Tile<T>& t, int r, typename T::F (&s)[Tile<T>::kKe
         s[c] = T::keep_bytes(s[c], t.allowed + r * T::kBlockKeys + c * T::W);
     }
   }
-  F mx = s[0];
+  // The block's maximum over the scores that are numbers: T::max returns its second operand
+  // when the first is NaN, so a NaN score (NaN in K or Q) leaves m alone and comes out of exp2
+  // as a NaN probability, which carries into l and O as the reference's does.
+  F mx = T::set1(kNegInf);
   FLASHKV_UNROLL
-  for (int c = 1; c < NC; ++c) mx = T::max(mx, s[c]);
+  for (int c = 0; c < NC; ++c) mx = T::max(s[c], mx);
   const float m_old = t.m[r];
   const float block_max = T::reduce_max(mx);
   const float m_new = block_max > m_old ? block_max : m_old;

@@ -245,23 +245,26 @@ void store_merged_row_impl(const AttentionParams& p, int64_t row, int head, cons
                            float cur_scale, float cur_lse) {
   const int dv = p.head_dim_v;
   const float prev_lse = p.merge_lse[row * p.num_qo_heads + head];
-  const float m = std::max(prev_lse, cur_lse);
+  // A NaN LSE (a NaN score on either side) makes the merged row NaN.
+  const float m = std::isnan(prev_lse) || std::isnan(cur_lse)
+                      ? std::numeric_limits<float>::quiet_NaN()
+                      : std::max(prev_lse, cur_lse);
   const float w_prev = m == kNegInf ? 0.0f : std::exp2(prev_lse - m);
   const float w_cur = m == kNegInf ? 0.0f : std::exp2(cur_lse - m);
   const float sum = w_prev + w_cur;
-  const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+  const float inv = sum != 0 ? 1.0f / sum : 0.0f;
   const Elem* prev =
       static_cast<const Elem*>(p.merge_o) + row * p.merge_stride_n + head * p.merge_stride_h;
   Elem* out = static_cast<Elem*>(p.o) + row * p.o_stride_n + head * p.o_stride_h;
   alignas(64) float buf[T::W];
   for (int d = 0; d < dv; d += T::W) {
     typename T::F acc = T::zero();
-    if (w_prev > 0) acc = T::fmadd(T::set1(w_prev), T::load_float(prev + d, dv - d), acc);
-    if (w_cur > 0) acc = T::fmadd(T::set1(w_cur * cur_scale), T::load_float(cur + d, dv - d), acc);
+    if (w_prev != 0) acc = T::fmadd(T::set1(w_prev), T::load_float(prev + d, dv - d), acc);
+    if (w_cur != 0) acc = T::fmadd(T::set1(w_cur * cur_scale), T::load_float(cur + d, dv - d), acc);
     T::store(buf, acc);
     store_row<T>(buf, inv, imin(T::W, dv - d), out + d);
   }
-  if (p.lse) p.lse[row * p.num_qo_heads + head] = sum > 0 ? m + std::log2(sum) : kNegInf;
+  if (p.lse) p.lse[row * p.num_qo_heads + head] = sum != 0 ? m + std::log2(sum) : kNegInf;
 }
 template <class T>
 void store_merged_row(const AttentionParams& p, int64_t row, int head, const float* cur,

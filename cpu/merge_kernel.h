@@ -12,15 +12,22 @@
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 
 // Merges n states of one (row, head): O = sum_s 2^(lse_s - lse) O_s, lse = log2 sum 2^lse_s,
-// states folded in order. A state with lse = -inf contributes nothing.
+// states folded in order. A state with lse = -inf contributes nothing; one with a NaN lse makes
+// the result NaN.
 template <class T, class Src, class States>
 void merge_one(const States& states, int n, int dim, DType out_dtype, void* out, float* lse_out) {
   float mx = kNegInf;
-  for (int s = 0; s < n; ++s) mx = states.lse(s) > mx ? states.lse(s) : mx;
+  bool nan = false;
+  for (int s = 0; s < n; ++s) {
+    const float l = states.lse(s);
+    nan |= std::isnan(l);
+    mx = l > mx ? l : mx;
+  }
+  if (nan) mx = std::numeric_limits<float>::quiet_NaN();
   float sum = 0;
   if (mx != kNegInf)
     for (int s = 0; s < n; ++s) sum += std::exp2(states.lse(s) - mx);
-  const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+  const float inv = sum != 0 ? 1.0f / sum : 0.0f;
   alignas(64) float buf[T::W];
   for (int d = 0; d < dim; d += T::W) {
     typename T::F acc = T::zero();
@@ -35,7 +42,7 @@ void merge_one(const States& states, int n, int dim, DType out_dtype, void* out,
     store_row<T>(out_dtype, buf, inv, imin(T::W, dim - d),
                  static_cast<char*>(out) + d * static_cast<int64_t>(dtype_size(out_dtype)));
   }
-  if (lse_out) *lse_out = sum > 0 ? mx + std::log2(sum) : kNegInf;
+  if (lse_out) *lse_out = sum != 0 ? mx + std::log2(sum) : kNegInf;
 }
 
 // The split chunks of a plan's merge item: chunk c of row i at partial row partial + c*q_len + i.

@@ -45,10 +45,10 @@ struct Avx2F32 {
     return _mm_cvtss_f32(x);
   }
   // 2^x: 2^round(x) times a degree-6 polynomial of the rest (relative error < 2e-7); exactly 0
-  // below -126 (and for -inf).
+  // below -126 (and for -inf); NaN stays NaN (min/max return their second operand for a NaN).
   static F exp2(F x) {
-    const F live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(127.0f));
+    const F live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_NLT_UQ);
+    x = _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-126.0f), x));
     const F n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const F f = _mm256_sub_ps(x, n);
     F p = _mm256_set1_ps(1.5403530393381606e-4f);
@@ -73,8 +73,8 @@ struct Avx2F32 {
     s = _mm256_fmadd_ps(s, z, _mm256_set1_ps(2.0f / 15.0f));
     s = _mm256_fmadd_ps(s, z, _mm256_set1_ps(-1.0f / 3.0f));
     const F small = _mm256_fmadd_ps(_mm256_mul_ps(s, z), x, x);
-    const F e = exp2(_mm256_min_ps(_mm256_mul_ps(a, _mm256_set1_ps(2.0f * 1.4426950408889634f)),
-                                   _mm256_set1_ps(64.0f)));
+    const F e = exp2(_mm256_min_ps(_mm256_set1_ps(64.0f),
+                                   _mm256_mul_ps(a, _mm256_set1_ps(2.0f * 1.4426950408889634f))));
     const F big =
         _mm256_sub_ps(_mm256_set1_ps(1.0f),
                       _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));

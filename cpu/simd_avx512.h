@@ -42,8 +42,9 @@ struct Avx512Common {
   template <int kDegree = 6>
   static F exp2(F x) {
     static_assert(kDegree == 4 || kDegree == 6, "exp2: degree 4 or 6");
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm512_min_ps(x, _mm512_set1_ps(127.0f));
+    // NaN stays NaN: it is live and passes the min (which returns its second operand for it).
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+    x = _mm512_min_ps(_mm512_set1_ps(127.0f), x);
     const F n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const F f = _mm512_sub_ps(x, n);
     F p;
@@ -71,8 +72,8 @@ struct Avx512Common {
     s = _mm512_fmadd_ps(s, z, _mm512_set1_ps(2.0f / 15.0f));
     s = _mm512_fmadd_ps(s, z, _mm512_set1_ps(-1.0f / 3.0f));
     const F small = _mm512_fmadd_ps(_mm512_mul_ps(s, z), x, x);
-    const F e = exp2(_mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(2.0f * 1.4426950408889634f)),
-                                   _mm512_set1_ps(64.0f)));
+    const F e = exp2(_mm512_min_ps(_mm512_set1_ps(64.0f),
+                                   _mm512_mul_ps(a, _mm512_set1_ps(2.0f * 1.4426950408889634f))));
     const F big =
         _mm512_sub_ps(_mm512_set1_ps(1.0f),
                       _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));

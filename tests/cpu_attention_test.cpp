@@ -54,10 +54,12 @@ struct Case {
   int fixed_split = 0;
   int q_tile = 0;  // 0: the planner's default
   float k_scale = 1, v_scale = 1;
-  // fp8 paged KV: the used rows hold every finite byte code in turn (instead of random values);
-  // nan_v: the first two elements of request 0's first V row are NaN codes (the output is then
-  // checked for NaN where it must be, not against the reference).
-  bool every_fp8_byte = false, nan_v = false;
+  // fp8 paged KV: the used rows hold every finite byte code in turn (instead of random values).
+  bool every_fp8_byte = false;
+  // Paged: the first element of request 0's first K row (nan_k), or the first two of its V row
+  // (nan_v), are NaN; the output is then checked for NaN where it must be and nowhere else,
+  // instead of against the reference.
+  bool nan_k = false, nan_v = false;
 
   std::string str() const {
     std::string s = op == Op::ragged ? "ragged" : op == Op::decode ? "decode" : "paged_prefill";
@@ -228,11 +230,12 @@ Tensor run_case(const Case& c, Rng& rng) {
       fill_every_fp8_byte(k, used, 0);
       fill_every_fp8_byte(v, used, 101);
     }
-    if (c.nan_v) {
-      const uint8_t nan_code = c.kv_dtype == DType::fp8_e4m3 ? 0x7F : 0x7E;
-      uint8_t* row = static_cast<uint8_t*>(v.data()) + int64_t{indices[0]} * ps * c.hkv * c.dv;
-      row[0] = row[1] = nan_code;
-    }
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    if (c.nan_k)
+      store_from_double(k.data(), k.dtype(), int64_t{indices[0]} * ps * c.hkv * c.dqk, nan);
+    if (c.nan_v)
+      for (int e = 0; e < 2; ++e)
+        store_from_double(v.data(), v.dtype(), int64_t{indices[0]} * ps * c.hkv * c.dv + e, nan);
     Tensor indptr = Tensor::from_i32(test::indptr_of(pages_of));
     Tensor idx = Tensor::from_i32(indices.empty() ? std::vector<int32_t>{0} : indices);
     Tensor last_t = Tensor::from_i32(last);
@@ -247,13 +250,14 @@ Tensor run_case(const Case& c, Rng& rng) {
       ref = reference::paged_attention(q, qo_t, kv, opt);
     }
   }
-  if (c.nan_v) {
-    // Dims 0 and 1 of request 0's query heads of KV head 0 sum NaN values; nothing else does.
+  if (c.nan_k || c.nan_v) {
+    // Request 0's query heads of KV head 0 see the NaN: through their scores, every dim of their
+    // output; through V, dims 0 and 1. Nothing else is NaN.
     const int group = c.hq / c.hkv;
     for (int h = 0; h < c.hq; ++h)
       for (int d = 0; d < c.dv; ++d)
         EXPECT_EQ(std::isnan(load_as_double(out.data(), out.dtype(), int64_t{h} * c.dv + d)),
-                  h < group && d < 2)
+                  h < group && (c.nan_k || d < 2))
             << "head " << h << " dim " << d;
     return out;
   }
@@ -479,6 +483,41 @@ TEST(CpuAttention, Fp8EveryCodeAndNaN) {
         run_case(c, rng);
         c.nan_v = true;
         run_case(c, rng);
+      }
+    }
+  }
+}
+
+// NaN in the cache is not hidden: a NaN key makes the scores of the query heads that see it NaN
+// and so their whole output (as in the reference), on every ISA level and path (few rows and
+// the tiles, with and without the soft cap, whole and split items); a NaN value reaches its own
+// dims.
+TEST(CpuAttention, NaNInKvReachesTheOutput) {
+  FLASHKV_SEEDED_RNG(rng, 108);
+  for (cpu::Isa isa : isa_levels()) {
+    IsaCap cap(isa);
+    for (DType kv : {DType::bf16, DType::f32, DType::fp8_e4m3}) {
+      for (int group : {1, 4, 8}) {
+        for (Op op : {Op::decode, Op::paged_prefill}) {
+          Case c;
+          c.op = op;
+          c.kv_lens = {90, 40};
+          c.q_lens = {op == Op::decode ? 1 : 24, 3};  // paged_prefill: 24 x G rows take the tiles
+          c.hq = 2 * group;
+          c.hkv = 2;
+          c.dtype = kv == DType::f32 ? DType::f32 : DType::bf16;
+          c.kv_dtype = kv;
+          c.soft_cap = group == 4 ? 30.0f : 0.0f;
+          c.causal = false;
+          for (int split : {0, 32}) {  // 32: split items, merged (with the NaN chunk's state)
+            c.fixed_split = split;
+            for (bool k : {true, false}) {
+              c.nan_k = k;
+              c.nan_v = !k;
+              run_case(c, rng);
+            }
+          }
+        }
       }
     }
   }
