@@ -359,14 +359,15 @@ void pv_split_rows(const Tile<T>& t, int r0, const char* const* values, int n, i
       const Src* v = reinterpret_cast<const Src*>(values[j]) + d0;
       FLASHKV_UNROLL
       for (int g = 0; g < NG; ++g) {
-        if (g >= groups) break;
-        F ve, vo;
-        T::split(v + 16 * g, ve, vo);
-        FLASHKV_UNROLL
-        for (int r = 0; r < R; ++r) {
-          const F pr = T::set1(p[r * kPSteps + j]);
-          acc[r][g][0] = T::fmadd(pr, ve, acc[r][g][0]);
-          acc[r][g][1] = T::fmadd(pr, vo, acc[r][g][1]);
+        if (g < groups) {  // a test, not a break: the loop must unroll (clang)
+          F ve, vo;
+          T::split(v + 16 * g, ve, vo);
+          FLASHKV_UNROLL
+          for (int r = 0; r < R; ++r) {
+            const F pr = T::set1(p[r * kPSteps + j]);
+            acc[r][g][0] = T::fmadd(pr, ve, acc[r][g][0]);
+            acc[r][g][1] = T::fmadd(pr, vo, acc[r][g][1]);
+          }
         }
       }
     }
@@ -375,9 +376,10 @@ void pv_split_rows(const Tile<T>& t, int r0, const char* const* values, int n, i
       float* o = t.o + (r0 + r) * t.dv_pad + d0;
       FLASHKV_UNROLL
       for (int g = 0; g < NG; ++g) {
-        if (g >= groups) break;
-        T::store(o + 16 * g, acc[r][g][0]);
-        T::store(o + 16 * g + 8, acc[r][g][1]);
+        if (g < groups) {
+          T::store(o + 16 * g, acc[r][g][0]);
+          T::store(o + 16 * g + 8, acc[r][g][1]);
+        }
       }
     }
   }
