@@ -174,7 +174,9 @@ class ItemTask {
     const size_t allowed_at = layout.add<uint8_t>(mask_base_ ? size_t(chunk_) * BK : 0);
     const size_t rows_at = layout.add<int64_t>(3 * BK);
     const size_t scores_at = layout.add<float>(few_ ? size_t(chunk_) * BK : 0);
-    const size_t staged_at = layout.add<Step>(few_ && kConvertK ? size_t(BK) * q_pitch : 0);
+    // The split path reads K in place: no staged copy.
+    const size_t staged_at =
+        layout.add<Step>(few_ && kConvertK && !split_ ? size_t(BK) * q_pitch : 0);
     char* s = static_cast<char*>(thread_scratch(layout.bytes()));
     state_ = HeadState<T>{reinterpret_cast<Step*>(s + q_at),     reinterpret_cast<float*>(s + o_at),
                           reinterpret_cast<float*>(s + lsum_at), reinterpret_cast<float*>(s + m_at),

@@ -235,6 +235,17 @@ void store_row(DType dtype, const float* src, float scale, int dim, void* dst) {
   }
 }
 
+// The rule every merge of states follows (SEMANTICS.md "Merging partial states"): the maximum
+// LSE, NaN when any is NaN (a NaN score on any side makes the merged row NaN); each state's
+// weight 2^(lse - m), 0 for all when nothing is visible (m = -inf); the merged LSE m + log2 of
+// the weights' sum, -inf for an empty merge.
+inline float merge_max(float m, float lse) {
+  if (std::isnan(m) || std::isnan(lse)) return std::numeric_limits<float>::quiet_NaN();
+  return lse > m ? lse : m;
+}
+inline float merge_weight(float lse, float m) { return m == kNegInf ? 0.0f : std::exp2(lse - m); }
+inline float merged_lse(float m, float sum) { return sum != 0 ? m + std::log2(sum) : kNegInf; }
+
 // Writes output row `row`, query head `head` of p (O and, when wanted, LSE) as the merge of the
 // state (cur * cur_scale, cur_lse), cur [D_v] fp32, with p's merge state (p.merge_o / p.merge_lse,
 // SEMANTICS.md "Merging partial states"); an empty state (LSE -inf) weighs 0 and its values are
@@ -245,12 +256,9 @@ void store_merged_row_impl(const AttentionParams& p, int64_t row, int head, cons
                            float cur_scale, float cur_lse) {
   const int dv = p.head_dim_v;
   const float prev_lse = p.merge_lse[row * p.num_qo_heads + head];
-  // A NaN LSE (a NaN score on either side) makes the merged row NaN.
-  const float m = std::isnan(prev_lse) || std::isnan(cur_lse)
-                      ? std::numeric_limits<float>::quiet_NaN()
-                      : std::max(prev_lse, cur_lse);
-  const float w_prev = m == kNegInf ? 0.0f : std::exp2(prev_lse - m);
-  const float w_cur = m == kNegInf ? 0.0f : std::exp2(cur_lse - m);
+  const float m = merge_max(prev_lse, cur_lse);
+  const float w_prev = merge_weight(prev_lse, m);
+  const float w_cur = merge_weight(cur_lse, m);
   const float sum = w_prev + w_cur;
   const float inv = sum != 0 ? 1.0f / sum : 0.0f;
   const Elem* prev =
@@ -264,7 +272,7 @@ void store_merged_row_impl(const AttentionParams& p, int64_t row, int head, cons
     T::store(buf, acc);
     store_row<T>(buf, inv, imin(T::W, dv - d), out + d);
   }
-  if (p.lse) p.lse[row * p.num_qo_heads + head] = sum != 0 ? m + std::log2(sum) : kNegInf;
+  if (p.lse) p.lse[row * p.num_qo_heads + head] = merged_lse(m, sum);
 }
 template <class T>
 void store_merged_row(const AttentionParams& p, int64_t row, int head, const float* cur,

@@ -17,23 +17,16 @@ namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 template <class T, class Src, class States>
 void merge_one(const States& states, int n, int dim, DType out_dtype, void* out, float* lse_out) {
   float mx = kNegInf;
-  bool nan = false;
-  for (int s = 0; s < n; ++s) {
-    const float l = states.lse(s);
-    nan |= std::isnan(l);
-    mx = l > mx ? l : mx;
-  }
-  if (nan) mx = std::numeric_limits<float>::quiet_NaN();
+  for (int s = 0; s < n; ++s) mx = merge_max(mx, states.lse(s));
   float sum = 0;
-  if (mx != kNegInf)
-    for (int s = 0; s < n; ++s) sum += std::exp2(states.lse(s) - mx);
+  for (int s = 0; s < n; ++s) sum += merge_weight(states.lse(s), mx);
   const float inv = sum != 0 ? 1.0f / sum : 0.0f;
   alignas(64) float buf[T::W];
   for (int d = 0; d < dim; d += T::W) {
     typename T::F acc = T::zero();
     if (mx != kNegInf)
       for (int s = 0; s < n; ++s) {
-        const float w = std::exp2(states.lse(s) - mx);
+        const float w = merge_weight(states.lse(s), mx);
         if (w == 0) continue;
         acc = T::fmadd(T::set1(w), T::load_float(static_cast<const Src*>(states.o(s)) + d, dim - d),
                        acc);
@@ -42,7 +35,7 @@ void merge_one(const States& states, int n, int dim, DType out_dtype, void* out,
     store_row<T>(out_dtype, buf, inv, imin(T::W, dim - d),
                  static_cast<char*>(out) + d * static_cast<int64_t>(dtype_size(out_dtype)));
   }
-  if (lse_out) *lse_out = sum != 0 ? mx + std::log2(sum) : kNegInf;
+  if (lse_out) *lse_out = merged_lse(mx, sum);
 }
 
 // The split chunks of a plan's merge item: chunk c of row i at partial row partial + c*q_len + i.

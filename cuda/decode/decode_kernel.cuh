@@ -219,36 +219,24 @@ struct DecodeCta {
 
   // The index walk's first kStages - 1 tiles, read from L2 into the ring with plain loads and
   // stores: for layout_ready, before griddepcontrol.wait (see the kernel). The caller's barrier
-  // publishes the ring. The K and V rows of the first kEarlyTiles tiles (these and the next ones,
-  // whose indices are read but not kept) are prefetched into L2, so that the first copies after
-  // the wait hit L2 instead of DRAM: the previous kernel's tail hides their DRAM latency.
+  // publishes the ring. Their K and V rows are prefetched into L2, so that the first copies
+  // after the wait hit L2 instead of DRAM: the previous kernel's tail hides their DRAM latency.
+  // (Prefetching further ahead made the streaming shapes slower: bench/NOTES.md, decode v9.)
   __device__ void fetch_first_indices_early(int32_t first_item, int32_t last_item) {
     ind.item = first_item;
     ind.last = last_item;
     seek(ind);
     for (int t = 0; t < kStages - 1 && ind.item < ind.last; ++t) {
-      early_tile(ind, index_ring(ind_tile), t < kEarlyTiles);
+      int32_t* ring = index_ring(ind_tile);
+      for (int row = tid; row < T; row += Tr::kThreads) {
+        bool valid;
+        const int32_t* src = index_entry(ind, row, valid);
+        const int32_t entry = valid ? __ldcg(src) : 0;
+        ring[row] = entry;
+        if (valid) prefetch_rows(pool_row(entry, ind.pos + row));
+      }
       ++ind_tile;
       advance(ind);
-    }
-    if constexpr (kEarlyTiles > kStages - 1) {
-      Cursor ahead = ind;
-      for (int t = kStages - 1; t < kEarlyTiles && ahead.item < ahead.last; ++t) {
-        early_tile(ahead, nullptr, true);
-        advance(ahead);
-      }
-    }
-  }
-
-  // One tile of the early walk w: its indices read from L2 (kept in `ring` unless null), its
-  // K and V rows prefetched into L2 if `prefetch`.
-  __device__ void early_tile(const Cursor& w, int32_t* ring, bool prefetch) const {
-    for (int row = tid; row < T; row += Tr::kThreads) {
-      bool valid;
-      const int32_t* src = index_entry(w, row, valid);
-      const int32_t entry = valid ? __ldcg(src) : 0;
-      if (ring) ring[row] = entry;
-      if (valid && prefetch) prefetch_rows(pool_row(entry, w.pos + row));
     }
   }
 
@@ -262,12 +250,19 @@ struct DecodeCta {
            chunk * 16;
   }
 
+  // Bytes from one token's K (or V) row to the next: 32-bit (the launcher checks that the
+  // stride fits), so that a row is one 32 x 32 -> 64-bit multiply-add off its base.
+  __device__ uint32_t k_row_bytes() const {
+    return static_cast<uint32_t>(p.k_stride_n) * Tr::kKvBytes;
+  }
+  __device__ uint32_t v_row_bytes() const {
+    return static_cast<uint32_t>(p.v_stride_n) * Tr::kKvBytes;
+  }
+
   // Prefetches pool row `row`'s K and V rows of this CTA's KV head into L2.
   __device__ void prefetch_rows(uint32_t row) const {
-    const char* k =
-        k_base(0) + uint64_t{row} * (static_cast<uint32_t>(p.k_stride_n) * Tr::kKvBytes);
-    const char* v =
-        v_base(0) + uint64_t{row} * (static_cast<uint32_t>(p.v_stride_n) * Tr::kKvBytes);
+    const char* k = k_base(0) + uint64_t{row} * k_row_bytes();
+    const char* v = v_base(0) + uint64_t{row} * v_row_bytes();
 #pragma unroll
     for (int b = 0; b < Tr::kRowBytes; b += 128) {
       ptx::prefetch_l2(k + b);
@@ -287,10 +282,8 @@ struct DecodeCta {
       const char* kbase = ptx::opaque(k_base(chunk));
       const char* vbase = ptx::opaque(v_base(chunk));
       const int32_t* ring = index_ring(prod_tile);
-      // 32-bit row arithmetic (the launcher checks that a token row's stride fits): a row is
-      // one multiply-add off the operand's base. A slot past the range is clamped too.
-      const uint32_t k_row_bytes = static_cast<uint32_t>(p.k_stride_n) * Tr::kKvBytes;
-      const uint32_t v_row_bytes = static_cast<uint32_t>(p.v_stride_n) * Tr::kKvBytes;
+      // A slot past the range is clamped too (pool_row).
+      const uint32_t k_stride = k_row_bytes(), v_stride = v_row_bytes();
 #pragma unroll
       for (int i = 0; i < Tr::kPasses; ++i) {
         const int row = tid / Tr::kChunks + i * Tr::kRowsPerPass;
@@ -298,8 +291,8 @@ struct DecodeCta {
         const bool valid = j < prod.v.hi;
         const uint32_t slot = pool_row(ring[row], j);
         const uint32_t off = swizzled<Tr>(row, chunk);
-        ptx::cp_async_16(k_smem + off, kbase + uint64_t{slot} * k_row_bytes, valid);
-        ptx::cp_async_16(v_smem + off, vbase + uint64_t{slot} * v_row_bytes, valid);
+        ptx::cp_async_16(k_smem + off, kbase + uint64_t{slot} * k_stride, valid);
+        ptx::cp_async_16(v_smem + off, vbase + uint64_t{slot} * v_stride, valid);
       }
       if (prod.first) {
         // Q rows [kHeads, D] of the item; heads past `heads` are zero (they pad the mma N side).

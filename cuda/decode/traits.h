@@ -11,12 +11,6 @@
 namespace flashkv::cuda::decode {
 
 constexpr int kStages = 3;  // KV tiles: one being computed, two in flight
-// Tiles at the start of a CTA's stream whose K and V rows are prefetched into L2 before
-// griddepcontrol.wait, when the request layout is ready (AttentionParams::layout_ready).
-#ifndef FLASHKV_DECODE_EARLY_TILES
-#define FLASHKV_DECODE_EARLY_TILES 2
-#endif
-constexpr int kEarlyTiles = FLASHKV_DECODE_EARLY_TILES;
 // Shared memory one CTA may use so that two fit on an SM (228 KB, 1 KB reserved per CTA).
 constexpr int kSmemBudget = 112 * 1024;
 // Items of a CTA whose views (decode_kernel.cuh, ItemView) are made once into shared memory.
