@@ -293,21 +293,41 @@ TEST(CudaDecode, InKernelMergeOfEmptyAndManyChunks) {
 TEST(CudaDecode, FixedSplitResultsAreBitStable) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 612);
-  DecodeCase c;
-  c.hq = 32;
-  c.hkv = 8;
-  c.kv_lens = {3000, 17, 4097, 0, 900, 2500};
-  c.fixed_split_size = 256;
-  const HostBatch h = make_batch(rng, c);
-  const DeviceBatch dv = to_device(h);
-  const Tensor first = run_plan(h, dv, c, plan_case(c));
-  for (int sms : {0, 1, 3, 17, 132}) {
-    SCOPED_TRACE(testing::Message() << "plan SMs " << sms);
-    const DecodePlan plan = plan_case(c, sms);
-    EXPECT_GT(plan.merges.size(), 0u);
-    for (int repeat = 0; repeat < 2; ++repeat) {
-      const Tensor out = run_plan(h, dv, c, plan);
-      EXPECT_EQ(0, std::memcmp(first.data(), out.data(), out.view().nbytes()));
+  // Kernel instantiations of 4 and 8 warps, one and two head tiles, head dims 64 to 256: with
+  // tiles of a block count that is no multiple of the warps (fp8 with two head tiles, head dim
+  // 256), the warps' rotation over the blocks starts afresh with every item, or a CTA's earlier
+  // items would change the sums. Per plan, the merging CTAs fold one or several tiles at a time
+  // (the merge's two unit layouts).
+  struct Shape {
+    int hq, hkv, d;
+    DType q, kv;
+  };
+  for (const Shape& sh :
+       {Shape{32, 8, 128, DType::bf16, DType::bf16},
+        Shape{32, 8, 128, DType::bf16, DType::fp8_e4m3}, Shape{16, 8, 256, DType::f16, DType::f16},
+        Shape{64, 4, 128, DType::f16, DType::fp8_e5m2},
+        Shape{16, 2, 64, DType::bf16, DType::fp8_e4m3}}) {
+    SCOPED_TRACE(testing::Message()
+                 << sh.hq << "/" << sh.hkv << "/" << sh.d << " kv " << dtype_name(sh.kv));
+    DecodeCase c;
+    c.hq = sh.hq;
+    c.hkv = sh.hkv;
+    c.d = sh.d;
+    c.q_dtype = sh.q;
+    c.kv_dtype = sh.kv;
+    c.kv_lens = {3000, 17, 4097, 0, 900, 2500};
+    c.fixed_split_size = 256;
+    const HostBatch h = make_batch(rng, c);
+    const DeviceBatch dv = to_device(h);
+    const Tensor first = run_plan(h, dv, c, plan_case(c));
+    for (int sms : {0, 1, 3, 17, 132}) {
+      SCOPED_TRACE(testing::Message() << "plan SMs " << sms);
+      const DecodePlan plan = plan_case(c, sms);
+      EXPECT_GT(plan.merges.size(), 0u);
+      for (int repeat = 0; repeat < 2; ++repeat) {
+        const Tensor out = run_plan(h, dv, c, plan);
+        EXPECT_EQ(0, std::memcmp(first.data(), out.data(), out.view().nbytes()));
+      }
     }
   }
 }

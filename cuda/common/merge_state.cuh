@@ -25,7 +25,7 @@ struct MergeState {
     const float m = fmaxf(max, lse);
     rescale = none ? 1.0f : ptx::exp2_fast(max - m);  // max = -inf gives 0
     weight = none ? 0.0f : ptx::exp2_fast(lse - m);
-    sum = sum * rescale + weight;
+    sum = fmaf(sum, rescale, weight);  // explicit: the same bits in every instantiation
     max = none ? max : m;
   }
   // 1 / sum (0 when nothing was added: the output is then 0).

@@ -692,13 +692,15 @@ struct DecodeCta {
           for (int k = 0; k < kBatch; ++k) {  // folded in chunk order: deterministic
             // No branch: a chunk past the unit's end adds weight 0 like an empty one (with
             // rescale 1; both have finite stored O). A branch here would let the compiler
-            // sink each load to its use: one L2 round trip per chunk, ~2 us a batch.
+            // sink each load to its use: one L2 round trip per chunk, ~2 us a batch. Explicit
+            // fmaf: `acc * rescale + weight * x` may be contracted either way, and the two unit
+            // layouts (merge_units<1, 16>, <2, 4>) must fold to the same bits.
             float rescale, weight;
             st[j].add(c0 + k < chunks[j] ? lse[j][k] : -INFINITY, rescale, weight);
-            acc[j].x = acc[j].x * rescale + weight * x[j][k].x;
-            acc[j].y = acc[j].y * rescale + weight * x[j][k].y;
-            acc[j].z = acc[j].z * rescale + weight * x[j][k].z;
-            acc[j].w = acc[j].w * rescale + weight * x[j][k].w;
+            acc[j].x = fmaf(weight, x[j][k].x, acc[j].x * rescale);
+            acc[j].y = fmaf(weight, x[j][k].y, acc[j].y * rescale);
+            acc[j].z = fmaf(weight, x[j][k].z, acc[j].z * rescale);
+            acc[j].w = fmaf(weight, x[j][k].w, acc[j].w * rescale);
           }
         FLASHKV_TRACE(if (c0 == 0 && u0 == tid) timeline->mark(7);)
       }
@@ -818,9 +820,10 @@ struct DecodeCta {
     for (int s = 0; s < kStages - 1; ++s) produce(s);
     seek(cons, /*finish_empty=*/true);
     int stage = 0;
-    uint32_t tile_count = 0;
+    FLASHKV_TRACE(uint32_t tile_count = 0;)
+    uint32_t item_tile = 0;  // tiles of the current item so far
     while (cons.item < cons.last) {
-      // Tile tile_count's data group (and the index group of tile tile_count + kStages - 1,
+      // This tile's data group (and the index group of the tile kStages - 1 further on,
       // committed with it) is complete; the barrier also retires the stage and ring slot
       // about to be refilled.
       ptx::cp_async_wait<kStages - 2>();
@@ -832,20 +835,24 @@ struct DecodeCta {
         load_q_frags(st);
         reset_state();
         cons.first = false;
+        item_tile = 0;
       }
       const int valid = min(T, cons.v.hi - cons.pos);
-      // The warps take the tile's 16-token blocks round-robin, continuing from the last tile.
+      // The warps take the tile's 16-token blocks round-robin, continuing from the item's last
+      // tile. (From the item's, not the CTA's: which warp sums which blocks sets the bits of
+      // the result, and in deterministic mode those must not depend on the CTA's other items.)
       // One block body indexed by the warp (not unrolled over the blocks with a test of the
       // warp): every warp's code would hold every block's copy, and fp8 ran instruction-fetch
       // bound (ncu: 41% of a warp's cycles waiting on a fetch).
       int b = warp;
       if constexpr (Tr::kBlocks % Tr::kWarps != 0)
-        b = (warp + Tr::kWarps - static_cast<int>(tile_count * Tr::kBlocks % Tr::kWarps)) %
+        b = (warp + Tr::kWarps - static_cast<int>(item_tile * Tr::kBlocks % Tr::kWarps)) %
             Tr::kWarps;
 #pragma unroll 1
       for (; b < Tr::kBlocks && 16 * b < valid; b += Tr::kWarps) block(st, b, valid - 16 * b);
       stage = (stage + 1) % kStages;
-      ++tile_count;
+      FLASHKV_TRACE(++tile_count;)
+      ++item_tile;
       cons.pos += T;
       if (cons.pos >= cons.v.hi) {
         finalize(cons.v, st);
