@@ -101,10 +101,18 @@ inline void softmax_row(const Tile<T>& t, int r, typename T::F (&s)[Tile<T>::kKe
   const float block_max = T::reduce_max(mx);
   const float m_new = block_max > m_old ? block_max : m_old;
   typename T::Step* prow = t.p + r * Tile<T>::kPSteps;
-  if (m_new == kNegInf) {  // nothing visible to this row yet
-    t.corr[r] = 1.0f;
-    std::memset(prow, 0, sizeof(typename T::Step) * Tile<T>::kPSteps);
-    return;
+  if (m_new == kNegInf) {
+    // Nothing visible to this row yet, unless every visible score of the block is NaN (the
+    // maximum skipped them): a sum over the block's scores is NaN exactly then, and those go on
+    // below, where m_new = -inf makes every probability of the block NaN, and with it the row.
+    F any = s[0];
+    FLASHKV_UNROLL
+    for (int c = 1; c < NC; ++c) any = T::add(any, s[c]);
+    if (!std::isnan(T::reduce_add(any))) {
+      t.corr[r] = 1.0f;
+      std::memset(prow, 0, sizeof(typename T::Step) * Tile<T>::kPSteps);
+      return;
+    }
   }
   const float corr = m_old == m_new ? 1.0f : std::exp2(m_old - m_new);
   const F mv = T::set1(m_new);

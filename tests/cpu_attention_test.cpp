@@ -499,22 +499,27 @@ TEST(CpuAttention, NaNInKvReachesTheOutput) {
     for (DType kv : {DType::bf16, DType::f32, DType::fp8_e4m3}) {
       for (int group : {1, 4, 8}) {
         for (Op op : {Op::decode, Op::paged_prefill}) {
-          Case c;
-          c.op = op;
-          c.kv_lens = {90, 40};
-          c.q_lens = {op == Op::decode ? 1 : 24, 3};  // paged_prefill: 24 x G rows take the tiles
-          c.hq = 2 * group;
-          c.hkv = 2;
-          c.dtype = kv == DType::f32 ? DType::f32 : DType::bf16;
-          c.kv_dtype = kv;
-          c.soft_cap = group == 4 ? 30.0f : 0.0f;
-          c.causal = false;
-          for (int split : {0, 32}) {  // 32: split items, merged (with the NaN chunk's state)
-            c.fixed_split = split;
-            for (bool k : {true, false}) {
-              c.nan_k = k;
-              c.nan_v = !k;
-              run_case(c, rng);
+          // first 1: the NaN key is all the first request sees (a block whose only visible
+          // score is NaN).
+          for (int first : {90, 1}) {
+            Case c;
+            c.op = op;
+            c.kv_lens = {first, 40};
+            // paged_prefill: 24 x G rows take the tiles
+            c.q_lens = {op == Op::decode ? 1 : std::min(24, first), 3};
+            c.hq = 2 * group;
+            c.hkv = 2;
+            c.dtype = kv == DType::f32 ? DType::f32 : DType::bf16;
+            c.kv_dtype = kv;
+            c.soft_cap = group == 4 ? 30.0f : 0.0f;
+            c.causal = false;
+            for (int split : {0, 32}) {  // 32: split items, merged (with the NaN chunk's state)
+              c.fixed_split = split;
+              for (bool k : {true, false}) {
+                c.nan_k = k;
+                c.nan_v = !k;
+                run_case(c, rng);
+              }
             }
           }
         }
