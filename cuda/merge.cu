@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
     return base + r * p.in_stride_n + (p.stacked ? s * p.in_stride_s : 0) + h * p.in_stride_h;
   };
   // A state with LSE -inf contributes nothing (and may hold anything): weight 0, and its values,
-  // read anyway (so no load waits for an LSE), are never used.
+  // read anyway (so no load waits for an LSE), are never used. A NaN LSE weighs NaN (mx is the
+  // maximum of the numbers), so the sum, O and LSE come out NaN.
   auto weight = [](float l, float mx) { return l == -INFINITY ? 0.0f : exp2f(l - mx); };
   float mx = -INFINITY, sum = 0.0f;
   if (active) {
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
       mx = fmaxf(l0, l1);
       const float w0 = weight(l0, mx), w1 = weight(l1, mx);
       sum = w0 + w1;
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float inv = sum != 0.0f ? 1.0f / sum : 0.0f;  // NaN stays
       for (; v < vecs; v += step) {
         float acc[kVec];
 #pragma unroll
@@ -129,7 +130,7 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
     } else {
       for (int s = 0; s < p.num_states; ++s) mx = fmaxf(mx, lse_of(s));
       for (int s = 0; s < p.num_states; ++s) sum += weight(lse_of(s), mx);
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float inv = sum != 0.0f ? 1.0f / sum : 0.0f;  // NaN stays
       for (int v = sub; v < vecs; v += step) {
         float acc[kVec];
 #pragma unroll
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
   }
   __syncwarp();  // every lane of the pair has read the LSEs before they may be overwritten
   if (active && sub == 0 && p.lse_out)
-    p.lse_out[r * p.heads + h] = sum > 0.0f ? mx + log2f(sum) : -INFINITY;
+    p.lse_out[r * p.heads + h] = sum != 0.0f ? mx + log2f(sum) : -INFINITY;
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }

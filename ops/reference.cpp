@@ -1,6 +1,7 @@
 #include "flashkv/ops/reference.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 namespace flashkv::reference {
@@ -60,9 +61,11 @@ void attend_request(const TensorView& q, int64_t q_begin, int64_t q_len,
     for (int64_t h = 0; h < s.hq; ++h) {
       const int64_t kvh = h / group;
       load_row(q, q_begin + qi, h, 1.0, qd.data());
-      double m = kNegInf;
+      double m = kNegInf;  // over the numbers among the scores: a NaN score is not a maximum
+      bool any = false;
       for (int64_t j = 0; j < kv_len; ++j) {
         if (!allowed[j]) continue;
+        any = true;
         const double* kr = &kd[(j * s.hkv + kvh) * s.dqk];
         double dot = 0;
         for (int64_t d = 0; d < s.dqk; ++d) dot += qd[d] * kr[d];
@@ -74,10 +77,12 @@ void attend_request(const TensorView& q, int64_t q_begin, int64_t q_len,
       double* o = &out.o[((q_begin + qi) * s.hq + h) * s.dv];
       double& lse = out.lse[(q_begin + qi) * s.hq + h];
       std::fill(o, o + s.dv, 0.0);
-      if (m == kNegInf) {
+      if (!any) {
         lse = kNegInf;
         continue;
       }
+      // A NaN score (NaN in K) makes p, the sum, O and LSE NaN, as plain arithmetic would; even
+      // when it is the only allowed entry (m still -inf).
       double sum = 0;
       for (int64_t j = 0; j < kv_len; ++j) {
         if (!allowed[j]) continue;
@@ -211,8 +216,17 @@ Result merge_states(const std::vector<Result>& parts) {
                   "merge_states: state ", p, " has a different shape");
   for (int64_t i = 0; i < n; ++i) {
     double m = kNegInf;
-    for (const Result& r : parts) m = std::max(m, r.lse[i]);
+    bool nan = false;
+    for (const Result& r : parts) {
+      m = std::max(m, r.lse[i]);
+      nan |= std::isnan(r.lse[i]);
+    }
     double* o = &out.o[i * out.head_dim];
+    if (nan) {  // a NaN state makes the merge NaN
+      std::fill(o, o + out.head_dim, std::numeric_limits<double>::quiet_NaN());
+      out.lse[i] = std::numeric_limits<double>::quiet_NaN();
+      continue;
+    }
     std::fill(o, o + out.head_dim, 0.0);
     if (m == kNegInf) {
       out.lse[i] = kNegInf;

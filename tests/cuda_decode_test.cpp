@@ -120,9 +120,9 @@ DeviceBatch to_device(const HostBatch& h) {
 }
 
 // Runs `plan` on the GPU for batch h (already on the device as dv), checks the result against
-// the reference, and returns the output (host copy).
+// the reference, and returns the output (host copy; the LSE too when lse_out is given).
 Tensor run_plan(const HostBatch& h, const DeviceBatch& dv, const DecodeCase& c,
-                const DecodePlan& plan) {
+                const DecodePlan& plan, Tensor* lse_out = nullptr) {
   const int64_t batch = static_cast<int64_t>(c.kv_lens.size());
   Workspace ws(std::max<size_t>(plan.layout.total_bytes, 256), Device::cuda());
   ws.upload(plan);
@@ -137,6 +137,7 @@ Tensor run_plan(const HostBatch& h, const DeviceBatch& dv, const DecodeCase& c,
   const auto ref = reference::paged_attention(h.q, TensorView(), h.kv(), c.opt);
   test::expect_close(out_h, c.want_lse ? lse_h.view() : TensorView(), ref, c.q_dtype,
                      is_fp8(c.kv_dtype));
+  if (lse_out) *lse_out = lse_h;
   return out_h;
 }
 
@@ -334,6 +335,39 @@ TEST(CudaDecode, FixedSplitResultsAreBitStable) {
 
 // Two workers run a long list of items each: empty ones, one-token ones and split chunks of
 // one tile, so the copy pipeline runs across many item boundaries.
+// NaN in request 0's first K row (element 0) or V row (dims 0 and 1), KV head 0: through the
+// warps' softmax, the finalize over the warps (a warp whose only token is the NaN one) and the
+// split merge it reaches exactly the query heads and dims that use it, as in the reference.
+TEST(CudaDecode, NaNInKvReachesTheOutput) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 614);
+  for (DType kv : {DType::bf16, DType::fp8_e4m3})
+    for (int group : {1, 4, 8})
+      for (int first : {1, 90, 3000})  // 1: the NaN key is all the request has
+        for (int split : {0, 32})
+          for (bool nan_k : {true, false}) {
+            DecodeCase c;
+            c.hkv = 2;
+            c.hq = 2 * group;
+            c.d = group == 4 ? 256 : group == 8 ? 64 : 128;
+            c.kv_dtype = kv;
+            c.kv_lens = {first, 40, 0, 7};
+            c.fixed_split_size = split;
+            c.opt.logits_soft_cap = group == 4 ? 30.0f : 0.0f;
+            SCOPED_TRACE(testing::Message() << dtype_name(kv) << " G=" << group << " D=" << c.d
+                                            << " first=" << first << " split=" << split
+                                            << (nan_k ? " K" : " V"));
+            HostBatch h = make_batch(rng, c);
+            const int64_t elem = int64_t{h.indices.ptr<int32_t>()[0]} * c.hkv * c.d;
+            const double nan = std::numeric_limits<double>::quiet_NaN();
+            for (int e = 0; e < (nan_k ? 1 : 2); ++e)
+              store_from_double((nan_k ? h.k : h.v).data(), kv, elem + e, nan);
+            Tensor lse;
+            const Tensor out = run_plan(h, to_device(h), c, plan_case(c), &lse);
+            test::expect_nan_from_first_kv_row(out, lse, 1, group, nan_k);
+          }
+}
+
 TEST(CudaDecode, ManyItemsPerWorker) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 610);
@@ -566,13 +600,17 @@ reference::Result result_of(const Tensor& o, const Tensor& lse) {
   return r;
 }
 
-// Random LSEs with some -inf (an empty state) and some rows where every state is empty.
+// Random LSEs with some -inf (an empty state), a few NaN (a state that saw NaN in the KV: the
+// merge is NaN, also next to empty states only) and some rows where every state is empty.
 Tensor random_lse(Rng& rng, std::initializer_list<int64_t> shape, int64_t all_empty_row,
                   int64_t row_stride) {
   Tensor t = test::random_tensor(rng, shape, DType::f32, 4.0);
   float* x = t.ptr<float>();
-  for (int64_t i = 0; i < t.numel(); ++i)
-    if (rng.uniform() < 0.15 || i / row_stride == all_empty_row) x[i] = -INFINITY;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const double u = rng.uniform();
+    if (u < 0.15 || i / row_stride == all_empty_row) x[i] = -INFINITY;
+    else if (u < 0.2) x[i] = NAN;
+  }
   return t;
 }
 

@@ -55,6 +55,9 @@ struct Problem {
   PlanOptions plan;  // q_tile 0: the kernel's full tile
   int samples = 0;   // > 0: compare this many sampled rows instead of all
   bool expect_merges = false;
+  // NaN in request 0's first K row (element 0 of KV head 0) or V row (dims 0 and 1), which
+  // every query row of the request sees (causal, no window, no mask).
+  bool nan_k = false, nan_v = false;
 };
 
 // Host inputs of a problem.
@@ -112,6 +115,13 @@ Inputs make_inputs(const Problem& pr, Rng& rng) {
     in.v = test::random_tensor(rng, {rows, pr.hkv, pr.dv}, pr.kv_dtype);
     poison_rows(in.k, rows - 16, rows);
     poison_rows(in.v, rows - 16, rows);
+  }
+  if ((pr.nan_k || pr.nan_v) && batch > 0 && pr.kv_lens[0] > 0) {
+    const int64_t slot = pr.paged ? int64_t{in.indices[0]} * pr.page_size : 0;
+    const Tensor& t = pr.nan_k ? in.k : in.v;
+    for (int e = 0; e < (pr.nan_k ? 1 : 2); ++e)
+      store_from_double(t.data(), t.dtype(), slot * t.size(1) * t.size(2) + e,
+                        std::numeric_limits<double>::quiet_NaN());
   }
   if (pr.custom_mask) {
     in.mask_indptr.push_back(0);
@@ -269,6 +279,9 @@ void check_problem(const Problem& pr, Rng& rng) {
     }
     test::expect_close(out, pr.with_lse ? lse.view() : no_lse, ref, pr.dtype, fp8);
     if (!pr.with_lse) EXPECT_TRUE(test::has_nan(lse)) << "lse was not asked for but written";
+    if (pr.nan_k || pr.nan_v)
+      test::expect_nan_from_first_kv_row(out, pr.with_lse ? lse.view() : no_lse, pr.q_lens[0],
+                                         pr.hq / pr.hkv, pr.nan_k);
     return;
   }
   // Sampled rows: the first and last of every request, the rest spread at random.
@@ -562,6 +575,7 @@ struct FusedExtendCase {
   bool in_place = true;        // out/lse are merge_o/merge_lse; else separate, no lse
   bool empty_state = false;    // no ragged pass: merge with O = NaN, LSE = -inf
   bool graph = false;          // graph-mode plans, both passes replayed from a CUDA graph
+  bool nan_k = false, nan_v = false;  // as Problem's (request 0's first key: in its prefix)
 };
 
 // Runs ragged_prefill then paged_prefill merging with its state on `dev`; checks against one
@@ -573,6 +587,8 @@ void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
   full.hkv = c.hkv;
   full.page_size = c.page_size;
   full.dtype = full.kv_dtype = c.dtype;
+  full.nan_k = c.nan_k;
+  full.nan_v = c.nan_v;
   for (size_t i = 0; i < c.prefix.size(); ++i) full.kv_lens.push_back(c.prefix[i] + c.q_lens[i]);
   const Inputs in = make_inputs(full, rng);
   const ExtendParts e = split_extend(full, in, c.prefix);
@@ -676,6 +692,9 @@ void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
     ref = reference::paged_attention(in.q, ref_qo, kv, AttentionOptions());
   }
   test::expect_close(o_res, c.in_place ? lse_res.view() : TensorView(), ref, full.dtype);
+  if (c.nan_k || c.nan_v)
+    test::expect_nan_from_first_kv_row(o_res, c.in_place ? lse_res.view() : TensorView(),
+                                       c.q_lens[0], c.hq / c.hkv, c.nan_k);
 }
 
 // The lengths of the issue: q 1, 17, 127, 577 on prefixes 0, 54, 97, 2048, for page sizes 1 and
@@ -898,6 +917,65 @@ TEST(CudaPrefill, AllKernelsAtHeadDim128) {
     many.kv_lens = many.q_lens;
     many.samples = 4;
     check_problem(many, rng);
+  }
+}
+
+// NaN in request 0's first key or value reaches exactly the query heads and dims that use it, as
+// in the reference: every prefill kernel at head dim 128 (and the sm_80 one at 64, fp8 KV),
+// ragged and paged, whole and split (the merge pass), and the extend whose merge is fused into
+// the prefix pass (the NaN in the prefix state).
+TEST(CudaPrefill, NaNInKvReachesTheOutput) {
+  FLASHKV_REQUIRE_GPU();
+  const char* configs[][2] = {{"0", "0"}, {"1", "0"}, {"1", "1"}};
+  for (const auto& config : configs)
+    for (bool nan_k : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << config[0]
+                                      << " FLASHKV_PREFILL_SM90_WS=" << config[1]
+                                      << (nan_k ? " K" : " V"));
+      test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
+      test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
+      FLASHKV_SEEDED_RNG(rng, 1795 + nan_k);
+      Problem pr = small_variant_problem();  // paged, page size 16, a prefix
+      pr.nan_k = nan_k;
+      pr.nan_v = !nan_k;
+      check_problem(pr, rng);
+      pr.soft_cap = 20.0f;
+      pr.plan.fixed_split_size = 64;  // split, merged
+      pr.page_size = 1;
+      pr.expect_merges = true;
+      check_problem(pr, rng);
+      Problem ragged = pr;  // row 0 of request 0 sees the NaN key alone
+      ragged.paged = false;
+      ragged.soft_cap = 0.0f;
+      ragged.expect_merges = false;
+      ragged.plan = PlanOptions();
+      ragged.kv_lens = ragged.q_lens;
+      check_problem(ragged, rng);
+      ragged.q_lens = ragged.kv_lens = {300, 0, 129};
+      ragged.hq = 32;
+      ragged.hkv = 8;
+      check_problem(ragged, rng);
+      FusedExtendCase f = fused_extend_cases()[3];  // page size 1, G 4, split prefix pass
+      f.nan_k = nan_k;
+      f.nan_v = !nan_k;
+      check_fused_extend(f, Device::cuda(), rng);
+      f = fused_extend_cases()[2];  // not split
+      f.nan_k = nan_k;
+      f.nan_v = !nan_k;
+      check_fused_extend(f, Device::cuda(), rng);
+    }
+  for (bool nan_k : {true, false}) {  // the sm_80 kernel at head dim 64, and fp8 KV
+    FLASHKV_SEEDED_RNG(rng, 1797 + nan_k);
+    Problem pr = small_variant_problem();
+    pr.dqk = pr.dv = 64;
+    pr.nan_k = nan_k;
+    pr.nan_v = !nan_k;
+    check_problem(pr, rng);
+    pr.dqk = pr.dv = 128;
+    pr.kv_dtype = DType::fp8_e4m3;
+    pr.k_scale = 0.5f;
+    pr.v_scale = 2.0f;
+    check_problem(pr, rng);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "flashkv/ops/compare.h"
 #include "test_util.h"
 
 namespace flashkv {
@@ -123,6 +124,61 @@ TEST(Reference, LseIsBase2AndSingleKeyCopiesValue) {
   EXPECT_DOUBLE_EQ(r.o_at(0, 0, 0), -3.0);
   EXPECT_DOUBLE_EQ(r.o_at(0, 0, 1), 7.0);
   EXPECT_NEAR(r.lse_at(0, 0), 2.5 / kLn2, 1e-14);  // log2(e^2.5), not ln
+}
+
+// NaN propagates as plain arithmetic does, also when the NaN key is the only one a row sees; a
+// NaN nobody may see changes nothing; a NaN state makes a merge NaN.
+TEST(Reference, NaNInKvReachesExactlyTheRowsAndDimsThatUseIt) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  Tensor q = f32_tensor({2, 1, 2}, {1, 2, 0.5f, -1});
+  Tensor k = f32_tensor({2, 1, 2}, {static_cast<float>(nan), 0, 0, 1});
+  Tensor v = f32_tensor({2, 1, 2}, {1, 0, 0, 1});
+  Tensor qo = Tensor::from_i32({0, 2}), kvp = Tensor::from_i32({0, 2});
+  // Causal: row 0 sees key 0 alone (its score is NaN), row 1 both.
+  Result r = reference::ragged_attention(q, k, v, qo, kvp, options(true, 1.0f));
+  for (int row : {0, 1}) {
+    EXPECT_TRUE(std::isnan(r.lse_at(row, 0))) << row;
+    for (int d : {0, 1}) EXPECT_TRUE(std::isnan(r.o_at(row, 0, d))) << row << " " << d;
+  }
+  // NaN in key 1's value dim 1: row 0 (which may not see key 1) keeps its numbers.
+  Tensor k2 = f32_tensor({2, 1, 2}, {1, 0, 0, 1});
+  Tensor v2 = f32_tensor({2, 1, 2}, {1, 0, 0, static_cast<float>(nan)});
+  Result s = reference::ragged_attention(q, k2, v2, qo, kvp, options(true, 1.0f));
+  EXPECT_DOUBLE_EQ(s.o_at(0, 0, 0), 1.0);
+  EXPECT_DOUBLE_EQ(s.o_at(0, 0, 1), 0.0);
+  EXPECT_FALSE(std::isnan(s.lse_at(1, 0)));
+  EXPECT_FALSE(std::isnan(s.o_at(1, 0, 0)));
+  EXPECT_TRUE(std::isnan(s.o_at(1, 0, 1)));
+  // A NaN state next to an empty one (max over the numbers: -inf) merges to NaN.
+  Result empty = s, bad = s;
+  std::fill(empty.o.begin(), empty.o.end(), 0.0);
+  std::fill(empty.lse.begin(), empty.lse.end(), -kInf);
+  bad.lse[0] = nan;
+  const Result m = reference::merge_states({empty, bad});
+  EXPECT_TRUE(std::isnan(m.lse_at(0, 0)));
+  EXPECT_TRUE(std::isnan(m.o_at(0, 0, 0)));
+  EXPECT_DOUBLE_EQ(m.lse_at(1, 0), s.lse_at(1, 0));
+}
+
+// compare(): NaN in the output passes only where the reference is NaN, and must be there.
+TEST(Compare, NaNMustBeWhereTheReferenceHasIt) {
+  Result ref;
+  ref.rows = 1;
+  ref.heads = 2;
+  ref.head_dim = 2;
+  ref.o = {1.0, std::numeric_limits<double>::quiet_NaN(), 0.5, 0.25};
+  ref.lse = {std::numeric_limits<double>::quiet_NaN(), 2.0};
+  Tensor out = f32_tensor({1, 2, 2}, {1.0f, NAN, 0.5f, 0.25f});
+  Tensor lse = f32_tensor({1, 2}, {NAN, 2.0f});
+  EXPECT_TRUE(compare(out, lse, ref).within(Tolerance{}));
+  out.ptr<float>()[1] = 3.0f;  // a number where the reference has NaN
+  EXPECT_TRUE(compare(out, lse, ref).nan);
+  out.ptr<float>()[1] = NAN;
+  out.ptr<float>()[2] = NAN;  // NaN where it has a number
+  EXPECT_TRUE(compare(out, lse, ref).nan);
+  out.ptr<float>()[2] = 0.5f;
+  lse.ptr<float>()[0] = 1.0f;
+  EXPECT_TRUE(compare(out, lse, ref).nan);
 }
 
 TEST(Reference, SoftCapSquashesScoresWithTanh) {

@@ -103,4 +103,28 @@ void expect_close(const TensorView& out, const TensorView& lse, const reference:
                              << ", max_abs " << tol.max_abs << ", lse " << tol.lse;
 }
 
+void expect_nan_from_first_kv_row(const TensorView& out, const TensorView& lse, int64_t rows,
+                                  int group, bool nan_k) {
+  const int64_t n = out.size(0), heads = out.size(1), dim = out.size(2);
+  int64_t wrong = 0;
+  std::string first;
+  auto check = [&](bool is_nan, bool want, const char* what, int64_t r, int64_t h, int64_t d) {
+    if (is_nan == want) return;
+    if (wrong++ == 0)
+      first = str_cat(what, " row ", r, " head ", h, d >= 0 ? str_cat(" dim ", d) : "",
+                      want ? " should be NaN" : " is NaN");
+  };
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      const bool sees = r < rows && h < group;
+      for (int64_t d = 0; d < dim; ++d)
+        check(std::isnan(load_as_double(out.data, out.dtype, (r * heads + h) * dim + d)),
+              sees && (nan_k || d < 2), "out", r, h, d);
+      if (lse.defined())
+        check(std::isnan(static_cast<const float*>(lse.data)[r * heads + h]), sees && nan_k,
+              "lse", r, h, -1);
+    }
+  EXPECT_EQ(wrong, 0) << "NaN pattern: " << first;
+}
+
 }  // namespace flashkv::test

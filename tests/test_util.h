@@ -61,6 +61,13 @@ bool has_nan(const TensorView& t);
 void expect_close(const TensorView& out, const TensorView& lse, const reference::Result& ref,
                   DType dtype, bool fp8_kv = false);
 
+// A NaN in the first K row (nan_k; element 0) or V row (dims 0 and 1) of KV head 0 of the first
+// request, which its first `rows` query rows see: checks that the query heads [0, group) of those
+// rows are NaN in every dim and in the LSE (nan_k), or in dims 0 and 1 only (V), and that nothing
+// else of out [rows, heads, dim] or lse [rows, heads] (when defined) is NaN.
+void expect_nan_from_first_kv_row(const TensorView& out, const TensorView& lse, int64_t rows,
+                                  int group, bool nan_k);
+
 // The message of the flashkv::Error that fn throws ("" when none).
 template <typename Fn>
 std::string error_of(Fn&& fn) {

@@ -28,10 +28,11 @@ struct MergeState {
     sum = fmaf(sum, rescale, weight);  // explicit: the same bits in every instantiation
     max = none ? max : m;
   }
-  // 1 / sum (0 when nothing was added: the output is then 0).
-  __device__ __forceinline__ float inv_sum() const { return sum > 0.0f ? 1.0f / sum : 0.0f; }
+  // 1 / sum (0 when nothing was added: the output is then 0). A NaN state (lse NaN) makes the
+  // sum NaN (its weight, or the rescale when it came first, is NaN), and so O and LSE.
+  __device__ __forceinline__ float inv_sum() const { return sum != 0.0f ? 1.0f / sum : 0.0f; }
   __device__ __forceinline__ float lse() const {
-    return sum > 0.0f ? max + __log2f(sum) : -INFINITY;
+    return sum != 0.0f ? max + __log2f(sum) : -INFINITY;
   }
 };
 

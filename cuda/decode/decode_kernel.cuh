@@ -752,16 +752,18 @@ struct DecodeCta {
         float mx = -INFINITY;
 #pragma unroll
         for (int w = 0; w < Tr::kWarps; ++w) mx = fmaxf(mx, red_m[w * Tr::kHeads + h]);
+        // A warp whose maximum is still -inf adds its l as it is: 0 when it saw no token, NaN
+        // when its only visible scores were NaN (NaN in K), which must reach O and LSE.
         float sum = 0.0f;
 #pragma unroll
         for (int w = 0; w < Tr::kWarps; ++w) {
-          const float mw = red_m[w * Tr::kHeads + h];
-          if (mw != -INFINITY) sum += red_l[w * Tr::kHeads + h] * ptx::exp2_fast(mw - mx);
+          const float mw = red_m[w * Tr::kHeads + h], lw = red_l[w * Tr::kHeads + h];
+          sum += mw == -INFINITY ? lw : lw * ptx::exp2_fast(mw - mx);
         }
         scale[n][j] = m[n][j] == -INFINITY ? 0.0f : ptx::exp2_fast(m[n][j] - mx);
-        if (warp == 0 && r == 0) {
-          fin_inv[h] = sum > 0.0f ? p.v_scale / sum : 0.0f;
-          fin_lse[h] = sum > 0.0f ? mx + __log2f(sum) : -INFINITY;
+        if (warp == 0 && r == 0) {  // != 0, not > 0: a NaN sum stays NaN
+          fin_inv[h] = sum != 0.0f ? p.v_scale / sum : 0.0f;
+          fin_lse[h] = sum != 0.0f ? mx + __log2f(sum) : -INFINITY;
         }
       }
     if constexpr (Tr::kWarps * Tr::kOutBytes <= Tr::kStageBytes) {

@@ -80,10 +80,12 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
       const int head = kv_head * group + (item_row - tok * group);
       const float m = fmaxf(prev_lse[mt][h], lse[mt][h]);
       // An empty state (LSE -inf) weighs 0, and its values (never written, maybe NaN) are unused.
-      const float w_prev = m == neg_inf ? 0.0f : exp2f(prev_lse[mt][h] - m);
-      const float w_cur = m == neg_inf ? 0.0f : exp2f(lse[mt][h] - m);
+      // A NaN state (NaN in the KV) weighs NaN (m is the maximum of the numbers), so the sum,
+      // O and LSE are NaN.
+      const float w_prev = prev_lse[mt][h] == neg_inf ? 0.0f : exp2f(prev_lse[mt][h] - m);
+      const float w_cur = lse[mt][h] == neg_inf ? 0.0f : exp2f(lse[mt][h] - m);
       const float sum = w_prev + w_cur;
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float inv = sum != 0.0f ? 1.0f / sum : 0.0f;
       const float a = w_prev * inv, c = w_cur * inv * scale[mt][h];
       const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
       QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h + (lane & 3) * 2;
@@ -92,13 +94,13 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
       for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
         const float2 pv =
             Pack2<QT>::to_floats(*reinterpret_cast<const uint32_t*>(prev + (dt ^ (r & 7)) * 8));
-        const float lo = (a > 0.0f ? a * pv.x : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h] : 0.0f);
+        const float lo = (a != 0.0f ? a * pv.x : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h] : 0.0f);
         const float hi =
-            (a > 0.0f ? a * pv.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);
+            (a != 0.0f ? a * pv.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);
         *reinterpret_cast<uint32_t*>(dst + dt * 8) = Pack2<QT>::from_floats(lo, hi);
       }
       if (p.lse && (lane & 3) == 0)
-        p.lse[row * p.num_qo_heads + head] = sum > 0.0f ? m + __log2f(sum) : neg_inf;
+        p.lse[row * p.num_qo_heads + head] = sum != 0.0f ? m + __log2f(sum) : neg_inf;
     }
 }
 

@@ -28,10 +28,17 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
                                      head * p.merge_stride_h
                                : nullptr;
     float m = prev_lse;
-    for (int c = 0; c < mi.num_chunks; ++c) m = fmaxf(m, p.partial_lse[prow(c) * hq + head]);
+    bool nan = prev_lse != prev_lse;
+    for (int c = 0; c < mi.num_chunks; ++c) {
+      const float l = p.partial_lse[prow(c) * hq + head];
+      m = fmaxf(m, l);  // the maximum of the numbers
+      nan |= l != l;
+    }
     QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h;
     __syncwarp();
-    if (m == neg_inf) {  // no chunk saw a visible key (nor did the merge state)
+    // No chunk saw a visible key (nor did the merge state). A NaN state (NaN in the KV) is not
+    // empty: its weight is NaN, and so are O and LSE.
+    if (m == neg_inf && !nan) {
       for (int d = lane; d < dv; d += 32) dst[d] = QT(0.0f);
       if (p.lse && lane == 0) p.lse[row * hq + head] = neg_inf;
       continue;
@@ -47,7 +54,7 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
         const float w = exp2f(p.partial_lse[prow(c) * hq + head] - m);
         acc += w * p.partial_o[(prow(c) * hq + head) * dv + d];
       }
-      if (w_prev > 0.0f) acc += w_prev * static_cast<float>(prev[d]);
+      if (w_prev != 0.0f) acc += w_prev * static_cast<float>(prev[d]);
       dst[d] = QT(acc * inv);
     }
     if (p.lse && lane == 0) p.lse[row * hq + head] = m + log2f(sum);

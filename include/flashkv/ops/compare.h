@@ -21,7 +21,9 @@ Tolerance tolerance_for(DType dtype, bool fp8_kv = false);
 
 struct Errors {
   double rel = 0, max_abs = 0, lse = 0;
-  bool nan = false;  // a NaN in the output (unwritten row or bad arithmetic)
+  // NaN in the output where the reference has a number (an unwritten row, bad arithmetic), or
+  // a number where the reference has NaN (a NaN input that was lost on the way)
+  bool nan = false;
   bool within(const Tolerance& t) const;
   std::string str() const;
 };

@@ -1,5 +1,11 @@
 // The float64 reference: SEMANTICS.md, implemented literally. The oracle of every test.
 // Takes host tensors of any float dtype (fp8 KV dequantized with the scales).
+// NaN in the inputs propagates as plain arithmetic does: a NaN in an allowed key makes that
+// query head's scores, O and LSE NaN (even when it is the only allowed key); a NaN in an allowed
+// value makes its own dims of O NaN; a NaN in a key or value nobody may see changes nothing. A
+// NaN state makes a merge NaN. Kernels keep NaN where these put it (compare() checks), with one
+// exception they do not promise: a NaN value in a key a row may not see (causal, window, mask)
+// but rows of its tile may can reach that row through a 0 * NaN product.
 #pragma once
 
 #include <cmath>
