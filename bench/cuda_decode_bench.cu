@@ -6,12 +6,15 @@
 //                     [--shape BxL]  (only batch B x KV length L of 32/8/128, bf16 then fp8;
 //                                     e.g. for a profiler)
 //                     [--in-order]   (slots in token order instead of shuffled)
+//                     [--calls N]    (decode calls per graph; default max(8, sets))
 //
-// Per shape: one KV pool per input set (enough sets that they do not fit in L2 together), each a
-// shuffled page-size-1 layout; the plan is made in CUDA-graph mode and one graph holds one
-// paged_decode per set, so a replay reads every set once from device memory. Reported: time
-// per call (median over replays), TB/s = KV bytes / time, and that as a fraction of the copy
-// bandwidth. KV bytes count K and V of every token once; Q, O and indices are < 0.1%.
+// Per shape: one KV pool per input set (at least two, and enough that they do not fit in L2
+// together), each a shuffled page-size-1 layout; the plan is made in CUDA-graph mode and one
+// graph holds at least 8 paged_decode calls back to back, over the sets in turn, so a call never
+// finds its KV in L2 and the graph's own launch is spread over many calls (a graph of one call
+// times the graph launch too: 4 - 5 us more a call). Reported: time per call (median over
+// replays), TB/s = KV bytes / time, and that as a fraction of the copy bandwidth. KV bytes count
+// K and V of every token once; Q, O and indices are < 0.1%.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -116,6 +119,7 @@ struct Options {
   bool layout_ready = true;          // as the backend calls it
   int only_batch = 0, only_len = 0;  // --shape: one batch x length of 32/8/128
   bool in_order = false;             // --in-order: slots in token order (adjacent rows)
+  int calls = 0;                     // --calls: decode calls per graph (0: max(8, sets))
   std::string csv;
 };
 
@@ -276,9 +280,11 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
   const int64_t slots = tokens + 64;
   const size_t pool_bytes = size_t(slots) * sh.hkv * sh.d * esz;  // one of K or V
   const double kv_bytes = 2.0 * tokens * sh.hkv * sh.d * esz;
-  int sets = std::clamp<int>(static_cast<int>(std::ceil(3.0 * l2_bytes / kv_bytes)), 1, 64);
+  const int sets =
+      std::clamp<int>(static_cast<int>(std::ceil(3.0 * l2_bytes / kv_bytes)), 2, 64);
+  int calls = o.calls > 0 ? o.calls : std::max(sets, 8);
 #ifdef FLASHKV_DECODE_TRACE
-  sets = std::max(sets, 9);  // the trace measures launches after another (even and odd)
+  calls = std::max(calls, 9);  // the trace measures launches after another (even and odd)
 #endif
 
   // Shuffled slots (token order with --in-order), shared by all sets (indices stay hot in L2, as
@@ -332,14 +338,14 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
-  for (int s = 0; s < sets; ++s) run_set(s);
+  for (int i = 0; i < calls; ++i) run_set(i % sets);
   check(cudaStreamEndCapture(stream, &graph), "capture");
   check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
   for (int i = 0; i < 3; ++i) check(cudaGraphLaunch(exec, stream), "launch");
   const int reps = o.quick ? 5 : 20;
   const float ms = median_ms(stream, reps, [&] { check(cudaGraphLaunch(exec, stream), "launch"); });
 #ifdef FLASHKV_DECODE_TRACE
-  if (sh.d == 128) print_trace(exec, stream, sets);
+  if (sh.d == 128) print_trace(exec, stream, calls);
 #endif
   // Sanity: the last output is finite.
   std::vector<uint16_t> h(out.numel());
@@ -353,20 +359,21 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
   cudaGraphDestroy(graph);
 
   Result r;
-  r.us = ms * 1e3 / sets;
+  r.us = ms * 1e3 / calls;
   r.tbps = kv_bytes / (r.us * 1e-6) / 1e12;
   r.tokens_per_s = tokens / (r.us * 1e-6);
   const double floor_us = kv_bytes / copy_bps * 1e6;
   std::printf(
-      "%3d/%2d/%3d %-8s %4dx%-6d %9.1f MB %5d sets  items %4zu merges %3zu  %9.2f us  "
+      "%3d/%2d/%3d %-8s %4dx%-6d %9.1f MB %2d sets %2d calls  items %4zu merges %3zu  %9.2f us  "
       "(floor %8.2f)  %5.2f TB/s  %5.1f%% of copy\n",
       sh.hq, sh.hkv, sh.d, dtype_name(sh.kv_dtype), sh.batch, sh.kv_len, kv_bytes / 1e6, sets,
+      calls,
       plan.items.size(), plan.merges.size(), r.us, floor_us, r.tbps,
       100.0 * kv_bytes / (r.us * 1e-6) / copy_bps);
   std::fflush(stdout);
   if (csv)
-    std::fprintf(csv, "%d,%d,%d,%s,%d,%d,%.0f,%d,%zu,%zu,%.3f,%.3f,%.4f,%.4f\n", sh.hq, sh.hkv,
-                 sh.d, dtype_name(sh.kv_dtype), sh.batch, sh.kv_len, kv_bytes, sets,
+    std::fprintf(csv, "%d,%d,%d,%s,%d,%d,%.0f,%d,%d,%zu,%zu,%.3f,%.3f,%.4f,%.4f\n", sh.hq, sh.hkv,
+                 sh.d, dtype_name(sh.kv_dtype), sh.batch, sh.kv_len, kv_bytes, sets, calls,
                  plan.items.size(), plan.merges.size(), r.us, floor_us, r.tbps,
                  kv_bytes / (r.us * 1e-6) / copy_bps);
   return r;
@@ -390,6 +397,8 @@ int main(int argc, char** argv) {
       o.blocks_per_sm = std::atoi(argv[++i]);
     else if (a == "--layout-after-wait")
       o.layout_ready = false;
+    else if (a == "--calls" && i + 1 < argc && (o.calls = std::atoi(argv[++i])) > 0)
+      continue;
     else if (a == "--in-order")
       o.in_order = true;
     else if (a == "--shape" && i + 1 < argc &&
@@ -399,7 +408,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--quick] [--small] [--csv FILE] [--min-split N] [--blocks-per-sm N] "
-                   "[--layout-after-wait] [--shape BxL] [--in-order]\n",
+                   "[--layout-after-wait] [--shape BxL] [--in-order] [--calls N]\n",
                    argv[0]);
       return 2;
     }
@@ -420,7 +429,7 @@ int main(int argc, char** argv) {
   FILE* csv = o.csv.empty() ? nullptr : std::fopen(o.csv.c_str(), "w");
   if (csv)
     std::fprintf(csv,
-                 "hq,hkv,d,kv_dtype,batch,kv_len,kv_bytes,sets,items,merges,us,floor_us,"
+                 "hq,hkv,d,kv_dtype,batch,kv_len,kv_bytes,sets,calls,items,merges,us,floor_us,"
                  "tbps,frac_copy\n");
   std::vector<std::pair<int, int>> bl = {{1, 1024},  {1, 4096},   {1, 32768},  {16, 4096},
                                          {64, 4096}, {256, 2048}, {64, 16384}, {8, 65536}};
