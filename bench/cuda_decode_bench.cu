@@ -280,8 +280,7 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
   const int64_t slots = tokens + 64;
   const size_t pool_bytes = size_t(slots) * sh.hkv * sh.d * esz;  // one of K or V
   const double kv_bytes = 2.0 * tokens * sh.hkv * sh.d * esz;
-  const int sets =
-      std::clamp<int>(static_cast<int>(std::ceil(3.0 * l2_bytes / kv_bytes)), 2, 64);
+  const int sets = std::clamp<int>(static_cast<int>(std::ceil(3.0 * l2_bytes / kv_bytes)), 2, 64);
   int calls = o.calls > 0 ? o.calls : std::max(sets, 8);
 #ifdef FLASHKV_DECODE_TRACE
   calls = std::max(calls, 9);  // the trace measures launches after another (even and odd)
@@ -367,8 +366,7 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
       "%3d/%2d/%3d %-8s %4dx%-6d %9.1f MB %2d sets %2d calls  items %4zu merges %3zu  %9.2f us  "
       "(floor %8.2f)  %5.2f TB/s  %5.1f%% of copy\n",
       sh.hq, sh.hkv, sh.d, dtype_name(sh.kv_dtype), sh.batch, sh.kv_len, kv_bytes / 1e6, sets,
-      calls,
-      plan.items.size(), plan.merges.size(), r.us, floor_us, r.tbps,
+      calls, plan.items.size(), plan.merges.size(), r.us, floor_us, r.tbps,
       100.0 * kv_bytes / (r.us * 1e-6) / copy_bps);
   std::fflush(stdout);
   if (csv)

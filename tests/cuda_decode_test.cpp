@@ -354,9 +354,9 @@ TEST(CudaDecode, NaNInKvReachesTheOutput) {
             c.kv_lens = {first, 40, 0, 7};
             c.fixed_split_size = split;
             c.opt.logits_soft_cap = group == 4 ? 30.0f : 0.0f;
-            SCOPED_TRACE(testing::Message() << dtype_name(kv) << " G=" << group << " D=" << c.d
-                                            << " first=" << first << " split=" << split
-                                            << (nan_k ? " K" : " V"));
+            SCOPED_TRACE(testing::Message()
+                         << dtype_name(kv) << " G=" << group << " D=" << c.d << " first=" << first
+                         << " split=" << split << (nan_k ? " K" : " V"));
             HostBatch h = make_batch(rng, c);
             const int64_t elem = int64_t{h.indices.ptr<int32_t>()[0]} * c.hkv * c.d;
             const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -608,8 +608,11 @@ Tensor random_lse(Rng& rng, std::initializer_list<int64_t> shape, int64_t all_em
   float* x = t.ptr<float>();
   for (int64_t i = 0; i < t.numel(); ++i) {
     const double u = rng.uniform();
-    if (u < 0.15 || i / row_stride == all_empty_row) x[i] = -INFINITY;
-    else if (u < 0.2) x[i] = NAN;
+    if (u < 0.15 || i / row_stride == all_empty_row) {
+      x[i] = -INFINITY;
+    } else if (u < 0.2) {
+      x[i] = NAN;
+    }
   }
   return t;
 }

@@ -569,12 +569,12 @@ struct FusedExtendCase {
   std::vector<int32_t> q_lens, prefix;
   int hq = 8, hkv = 2, page_size = 16;
   DType dtype = DType::bf16;
-  PlanOptions prefix_plan;     // e.g. fixed_split_size: split prefix items
-  bool expect_merges = false;  // the prefix plan must split
-  bool overlap = true;         // AttentionOptions::overlap_previous
-  bool in_place = true;        // out/lse are merge_o/merge_lse; else separate, no lse
-  bool empty_state = false;    // no ragged pass: merge with O = NaN, LSE = -inf
-  bool graph = false;          // graph-mode plans, both passes replayed from a CUDA graph
+  PlanOptions prefix_plan;            // e.g. fixed_split_size: split prefix items
+  bool expect_merges = false;         // the prefix plan must split
+  bool overlap = true;                // AttentionOptions::overlap_previous
+  bool in_place = true;               // out/lse are merge_o/merge_lse; else separate, no lse
+  bool empty_state = false;           // no ragged pass: merge with O = NaN, LSE = -inf
+  bool graph = false;                 // graph-mode plans, both passes replayed from a CUDA graph
   bool nan_k = false, nan_v = false;  // as Problem's (request 0's first key: in its prefix)
 };
 
@@ -929,9 +929,9 @@ TEST(CudaPrefill, NaNInKvReachesTheOutput) {
   const char* configs[][2] = {{"0", "0"}, {"1", "0"}, {"1", "1"}};
   for (const auto& config : configs)
     for (bool nan_k : {true, false}) {
-      SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << config[0]
-                                      << " FLASHKV_PREFILL_SM90_WS=" << config[1]
-                                      << (nan_k ? " K" : " V"));
+      SCOPED_TRACE(testing::Message()
+                   << "FLASHKV_PREFILL_SM90=" << config[0]
+                   << " FLASHKV_PREFILL_SM90_WS=" << config[1] << (nan_k ? " K" : " V"));
       test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
       test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
       FLASHKV_SEEDED_RNG(rng, 1795 + nan_k);

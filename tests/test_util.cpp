@@ -121,8 +121,8 @@ void expect_nan_from_first_kv_row(const TensorView& out, const TensorView& lse, 
         check(std::isnan(load_as_double(out.data, out.dtype, (r * heads + h) * dim + d)),
               sees && (nan_k || d < 2), "out", r, h, d);
       if (lse.defined())
-        check(std::isnan(static_cast<const float*>(lse.data)[r * heads + h]), sees && nan_k,
-              "lse", r, h, -1);
+        check(std::isnan(static_cast<const float*>(lse.data)[r * heads + h]), sees && nan_k, "lse",
+              r, h, -1);
     }
   EXPECT_EQ(wrong, 0) << "NaN pattern: " << first;
 }
