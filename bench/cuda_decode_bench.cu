@@ -124,7 +124,65 @@ struct Options {
 };
 
 #ifdef FLASHKV_DECODE_TRACE
-void print_stream_ends(const std::vector<cuda::decode::TraceRecord>& rec, size_t per, int sets);
+// When each SM's CTAs end their streams (last tile computed, from the launch's first wait
+// release): the spread over SMs, and whether the late SMs are the same ones launch after
+// launch (the correlation of an SM's mean end over the even and the odd launches). Systematic
+// lateness would favour balancing by SM; random lateness, finer dynamic work.
+void print_stream_ends(const std::vector<cuda::decode::TraceRecord>& rec, size_t per, int sets) {
+  constexpr int kMaxSm = 256;
+  std::vector<double> sum[2], n[2];
+  for (auto* v : {&sum[0], &sum[1], &n[0], &n[1]}) v->assign(kMaxSm, 0.0);
+  std::vector<double> p10, p50, p90, pmax;
+  for (int k = 1; k < sets; ++k) {
+    const auto* b = &rec[k * per];
+    uint64_t wait_first = ~0ull;
+    for (size_t i = 0; i < per; ++i)
+      if (b[i].items > 0) wait_first = std::min(wait_first, b[i].gt[1]);
+    std::vector<double> sm_end(kMaxSm, -1.0);
+    for (size_t i = 0; i < per; ++i) {
+      if (b[i].items == 0 || b[i].smid < 0 || b[i].smid >= kMaxSm) continue;
+      const double t = (double(b[i].gt[5]) - double(wait_first)) * 1e-3;
+      sm_end[b[i].smid] = std::max(sm_end[b[i].smid], t);
+    }
+    std::vector<double> ends;
+    for (int s = 0; s < kMaxSm; ++s) {
+      if (sm_end[s] < 0) continue;
+      ends.push_back(sm_end[s]);
+      sum[k % 2][s] += sm_end[s];
+      n[k % 2][s] += 1;
+    }
+    std::sort(ends.begin(), ends.end());
+    if (ends.empty()) continue;
+    p10.push_back(ends[ends.size() / 10]);
+    p50.push_back(ends[ends.size() / 2]);
+    p90.push_back(ends[ends.size() * 9 / 10]);
+    pmax.push_back(ends.back());
+  }
+  double sx = 0, sy = 0, sxx = 0, syy = 0, sxy = 0, m = 0;
+  std::vector<std::pair<double, int>> late;
+  for (int s = 0; s < kMaxSm; ++s) {
+    if (n[0][s] == 0 || n[1][s] == 0) continue;
+    const double x = sum[0][s] / n[0][s], y = sum[1][s] / n[1][s];
+    sx += x, sy += y, sxx += x * x, syy += y * y, sxy += x * y, m += 1;
+    late.push_back({(x + y) / 2, s});
+  }
+  if (m < 2 || p50.empty()) return;
+  const double cov = sxy / m - sx / m * sy / m;
+  const double corr = cov / std::sqrt((sxx / m - sx / m * sx / m) * (syy / m - sy / m * sy / m));
+  auto mean = [](const std::vector<double>& v) {
+    double t = 0;
+    for (double x : v) t += x;
+    return t / v.size();
+  };
+  std::sort(late.rbegin(), late.rend());
+  std::printf(
+      "  stream ends by SM, us from the first wait release (mean over launches): p10 %.2f, "
+      "median %.2f, p90 %.2f, max %.2f; even/odd launch correlation %.2f; latest SMs:",
+      mean(p10), mean(p50), mean(p90), mean(pmax), corr);
+  for (size_t i = 0; i < std::min<size_t>(8, late.size()); ++i)
+    std::printf(" %d (%.2f)", late[i].second, late[i].first);
+  std::printf("\n");
+}
 
 // One replay's timeline (see cuda/decode/trace.cuh): per launch of the graph (the first left
 // out), the release gap and span, and per CTA the phase durations; medians over launches.
@@ -206,65 +264,6 @@ void print_trace(cudaGraphExec_t exec, cudaStream_t stream, int sets) {
   print_stream_ends(rec, per, sets);
 }
 
-// When each SM's CTAs end their streams (last tile computed, from the launch's first wait
-// release): the spread over SMs, and whether the late SMs are the same ones launch after
-// launch (the correlation of an SM's mean end over the even and the odd launches). Systematic
-// lateness would favour balancing by SM; random lateness, finer dynamic work.
-void print_stream_ends(const std::vector<cuda::decode::TraceRecord>& rec, size_t per, int sets) {
-  constexpr int kMaxSm = 256;
-  std::vector<double> sum[2], n[2];
-  for (auto* v : {&sum[0], &sum[1], &n[0], &n[1]}) v->assign(kMaxSm, 0.0);
-  std::vector<double> p10, p50, p90, pmax;
-  for (int k = 1; k < sets; ++k) {
-    const auto* b = &rec[k * per];
-    uint64_t wait_first = ~0ull;
-    for (size_t i = 0; i < per; ++i)
-      if (b[i].items > 0) wait_first = std::min(wait_first, b[i].gt[1]);
-    std::vector<double> sm_end(kMaxSm, -1.0);
-    for (size_t i = 0; i < per; ++i) {
-      if (b[i].items == 0 || b[i].smid < 0 || b[i].smid >= kMaxSm) continue;
-      const double t = (double(b[i].gt[5]) - double(wait_first)) * 1e-3;
-      sm_end[b[i].smid] = std::max(sm_end[b[i].smid], t);
-    }
-    std::vector<double> ends;
-    for (int s = 0; s < kMaxSm; ++s) {
-      if (sm_end[s] < 0) continue;
-      ends.push_back(sm_end[s]);
-      sum[k % 2][s] += sm_end[s];
-      n[k % 2][s] += 1;
-    }
-    std::sort(ends.begin(), ends.end());
-    if (ends.empty()) continue;
-    p10.push_back(ends[ends.size() / 10]);
-    p50.push_back(ends[ends.size() / 2]);
-    p90.push_back(ends[ends.size() * 9 / 10]);
-    pmax.push_back(ends.back());
-  }
-  double sx = 0, sy = 0, sxx = 0, syy = 0, sxy = 0, m = 0;
-  std::vector<std::pair<double, int>> late;
-  for (int s = 0; s < kMaxSm; ++s) {
-    if (n[0][s] == 0 || n[1][s] == 0) continue;
-    const double x = sum[0][s] / n[0][s], y = sum[1][s] / n[1][s];
-    sx += x, sy += y, sxx += x * x, syy += y * y, sxy += x * y, m += 1;
-    late.push_back({(x + y) / 2, s});
-  }
-  if (m < 2 || p50.empty()) return;
-  const double cov = sxy / m - sx / m * sy / m;
-  const double corr = cov / std::sqrt((sxx / m - sx / m * sx / m) * (syy / m - sy / m * sy / m));
-  auto mean = [](const std::vector<double>& v) {
-    double t = 0;
-    for (double x : v) t += x;
-    return t / v.size();
-  };
-  std::sort(late.rbegin(), late.rend());
-  std::printf(
-      "  stream ends by SM, us from the first wait release (mean over launches): p10 %.2f, "
-      "median %.2f, p90 %.2f, max %.2f; even/odd launch correlation %.2f; latest SMs:",
-      mean(p10), mean(p50), mean(p90), mean(pmax), corr);
-  for (size_t i = 0; i < std::min<size_t>(8, late.size()); ++i)
-    std::printf(" %d (%.2f)", late[i].second, late[i].first);
-  std::printf("\n");
-}
 #endif
 
 struct Result {

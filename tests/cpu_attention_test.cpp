@@ -230,12 +230,7 @@ Tensor run_case(const Case& c, Rng& rng) {
       fill_every_fp8_byte(k, used, 0);
       fill_every_fp8_byte(v, used, 101);
     }
-    const double nan = std::numeric_limits<double>::quiet_NaN();
-    if (c.nan_k)
-      store_from_double(k.data(), k.dtype(), int64_t{indices[0]} * ps * c.hkv * c.dqk, nan);
-    if (c.nan_v)
-      for (int e = 0; e < 2; ++e)
-        store_from_double(v.data(), v.dtype(), int64_t{indices[0]} * ps * c.hkv * c.dv + e, nan);
+    if (c.nan_k || c.nan_v) test::put_nan_in_kv_row(k, v, int64_t{indices[0]} * ps, c.nan_k);
     Tensor indptr = Tensor::from_i32(test::indptr_of(pages_of));
     Tensor idx = Tensor::from_i32(indices.empty() ? std::vector<int32_t>{0} : indices);
     Tensor last_t = Tensor::from_i32(last);

@@ -333,8 +333,6 @@ TEST(CudaDecode, FixedSplitResultsAreBitStable) {
   }
 }
 
-// Two workers run a long list of items each: empty ones, one-token ones and split chunks of
-// one tile, so the copy pipeline runs across many item boundaries.
 // NaN in request 0's first K row (element 0) or V row (dims 0 and 1), KV head 0: through the
 // warps' softmax, the finalize over the warps (a warp whose only token is the NaN one) and the
 // split merge it reaches exactly the query heads and dims that use it, as in the reference.
@@ -357,17 +355,16 @@ TEST(CudaDecode, NaNInKvReachesTheOutput) {
             SCOPED_TRACE(testing::Message()
                          << dtype_name(kv) << " G=" << group << " D=" << c.d << " first=" << first
                          << " split=" << split << (nan_k ? " K" : " V"));
-            HostBatch h = make_batch(rng, c);
-            const int64_t elem = int64_t{h.indices.ptr<int32_t>()[0]} * c.hkv * c.d;
-            const double nan = std::numeric_limits<double>::quiet_NaN();
-            for (int e = 0; e < (nan_k ? 1 : 2); ++e)
-              store_from_double((nan_k ? h.k : h.v).data(), kv, elem + e, nan);
+            HostBatch h = make_batch(rng, c);  // page size 1: entry 0 is the first slot
+            test::put_nan_in_kv_row(h.k, h.v, h.indices.ptr<int32_t>()[0], nan_k);
             Tensor lse;
             const Tensor out = run_plan(h, to_device(h), c, plan_case(c), &lse);
             test::expect_nan_from_first_kv_row(out, lse, 1, group, nan_k);
           }
 }
 
+// Two workers run a long list of items each: empty ones, one-token ones and split chunks of
+// one tile, so the copy pipeline runs across many item boundaries.
 TEST(CudaDecode, ManyItemsPerWorker) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 610);

@@ -116,13 +116,9 @@ Inputs make_inputs(const Problem& pr, Rng& rng) {
     poison_rows(in.k, rows - 16, rows);
     poison_rows(in.v, rows - 16, rows);
   }
-  if ((pr.nan_k || pr.nan_v) && batch > 0 && pr.kv_lens[0] > 0) {
-    const int64_t slot = pr.paged ? int64_t{in.indices[0]} * pr.page_size : 0;
-    const Tensor& t = pr.nan_k ? in.k : in.v;
-    for (int e = 0; e < (pr.nan_k ? 1 : 2); ++e)
-      store_from_double(t.data(), t.dtype(), slot * t.size(1) * t.size(2) + e,
-                        std::numeric_limits<double>::quiet_NaN());
-  }
+  if ((pr.nan_k || pr.nan_v) && batch > 0 && pr.kv_lens[0] > 0)
+    test::put_nan_in_kv_row(in.k, in.v, pr.paged ? int64_t{in.indices[0]} * pr.page_size : 0,
+                            pr.nan_k);
   if (pr.custom_mask) {
     in.mask_indptr.push_back(0);
     for (int i = 0; i < batch; ++i)

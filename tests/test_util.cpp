@@ -103,6 +103,13 @@ void expect_close(const TensorView& out, const TensorView& lse, const reference:
                              << ", max_abs " << tol.max_abs << ", lse " << tol.lse;
 }
 
+void put_nan_in_kv_row(const Tensor& k, const Tensor& v, int64_t row, bool nan_k) {
+  const Tensor& t = nan_k ? k : v;
+  for (int64_t e = 0; e < (nan_k ? 1 : 2); ++e)
+    store_from_double(t.data(), t.dtype(), row * t.size(1) * t.size(2) + e,
+                      std::numeric_limits<double>::quiet_NaN());
+}
+
 void expect_nan_from_first_kv_row(const TensorView& out, const TensorView& lse, int64_t rows,
                                   int group, bool nan_k) {
   const int64_t n = out.size(0), heads = out.size(1), dim = out.size(2);

@@ -61,6 +61,9 @@ bool has_nan(const TensorView& t);
 void expect_close(const TensorView& out, const TensorView& lse, const reference::Result& ref,
                   DType dtype, bool fp8_kv = false);
 
+// Puts that NaN into row `row` (a pool slot, or a ragged K/V row) of [rows, Hkv, D] k or v:
+// element 0 of K's KV head 0 (nan_k), or dims 0 and 1 of V's.
+void put_nan_in_kv_row(const Tensor& k, const Tensor& v, int64_t row, bool nan_k);
 // A NaN in the first K row (nan_k; element 0) or V row (dims 0 and 1) of KV head 0 of the first
 // request, which its first `rows` query rows see: checks that the query heads [0, group) of those
 // rows are NaN in every dim and in the LSE (nan_k), or in dims 0 and 1 only (V), and that nothing
