@@ -185,7 +185,7 @@ void few_rows_pv(const Tile<T>& t, int rows, const char* const* values, int n, i
 // operations and an f16 conversion). Dot products do not care about the order of the dims, so
 // Q is kept with each group of 16 dims in that order (even dims, then odd dims), and so is O,
 // which natural_order puts back in order (times the factor split() left out) before it is
-// stored. Rows go 4 at a time, the rest 2 and 1 at a time.
+// stored. QK takes rows 2 at a time (the last one alone), PV 4, then 2 and 1.
 
 template <class T, class = void>
 struct HasSplitKv : std::false_type {};
@@ -230,41 +230,40 @@ inline void natural_order(float* x, int dim, float factor) {
   }
 }
 
-// Scores of keys kr[0..3] for 4 rows of Q (split order, row pitch `pitch`): 4 rows x 2 keys of
-// accumulators, each K vector pair used by the 4 rows; two such tiles make the 4 keys' scores.
+// Scores of keys kr[0..3] for 2 rows of Q (split order, row pitch `pitch`): 2 rows x 4 keys of
+// accumulators; the 4 Q vectors of a step stay in registers for the 4 keys, and each split K
+// load feeds both rows.
 template <class T, class Src>
-void qk_split_4rows(const float* q, int pitch, const Src* const (&kr)[4], int dim, float* scores,
+void qk_split_2rows(const float* q, int pitch, const Src* const (&kr)[4], int dim, float* scores,
                     int stride) {
   using F = typename T::F;
-  F pairs[2];
+  F acc[2][4];
   FLASHKV_UNROLL
-  for (int half = 0; half < 2; ++half) {
-    const Src* a = kr[2 * half];
-    const Src* b = kr[2 * half + 1];
-    F acc[4][2];
+  for (int r = 0; r < 2; ++r) {
     FLASHKV_UNROLL
-    for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = T::zero();
-    for (int d = 0; d < dim; d += 16) {
-      F ae, ao, be, bo;
-      T::split(a + d, ae, ao);
-      T::split(b + d, be, bo);
-      FLASHKV_UNROLL
-      for (int r = 0; r < 4; ++r) {
-        const F qe = T::load(q + r * pitch + d), qo = T::load(q + r * pitch + d + 8);
-        acc[r][0] = T::fmadd(qo, ao, T::fmadd(qe, ae, acc[r][0]));
-        acc[r][1] = T::fmadd(qo, bo, T::fmadd(qe, be, acc[r][1]));
-      }
-    }
-    const F lo[4] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1]};
-    const F hi[4] = {acc[2][0], acc[2][1], acc[3][0], acc[3][1]};
-    const F quads[2] = {T::reduce_quad(lo), T::reduce_quad(hi)};
-    pairs[half] = T::finish_quads(quads);  // lane 2r + k: row r, key 2 half + k
+    for (int k = 0; k < 4; ++k) acc[r][k] = T::zero();
   }
-  T::store_scores_4x4(pairs[0], pairs[1], scores, stride);
+  for (int d = 0; d < dim; d += 16) {
+    const F qe0 = T::load(q + d), qo0 = T::load(q + d + 8);
+    const F qe1 = T::load(q + pitch + d), qo1 = T::load(q + pitch + d + 8);
+    FLASHKV_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      F e, o;
+      T::split(kr[k] + d, e, o);
+      acc[0][k] = T::fmadd(qo0, o, T::fmadd(qe0, e, acc[0][k]));
+      acc[1][k] = T::fmadd(qo1, o, T::fmadd(qe1, e, acc[1][k]));
+    }
+  }
+  const F quads[2] = {T::reduce_quad(acc[0]), T::reduce_quad(acc[1])};
+  float lanes[8];
+  T::store(lanes, T::finish_quads(quads));  // lane 4r + k: row r, key k
+  std::memcpy(scores, lanes, 4 * sizeof(float));
+  std::memcpy(scores + stride, lanes + 4, 4 * sizeof(float));
 }
 
-// The same for R = 1 or 2 rows: R rows x 4 / R keys a pass, with separate accumulators for the
-// even and the odd dims (8 in all), so that no FMA waits for another of the same pass.
+// The same for R = 1 (a last odd row) or 2 rows: R rows x 4 / R keys a pass, with separate
+// accumulators for the even and the odd dims (8 in all), so that no FMA waits for another of the
+// same pass.
 template <class T, class Src, int R>
 void qk_split_few(const float* q, int pitch, const Src* const (&kr)[4], int dim, float* scores,
                   int stride) {
@@ -307,8 +306,8 @@ void qk_split_few(const float* q, int pitch, const Src* const (&kr)[4], int dim,
   }
 }
 
-// Scores of n keys for every row (Q in split order), 4 keys at a time: tiles of 4 rows, then
-// of 2 and 1 for the rest.
+// Scores of n keys for every row (Q in split order), 4 keys at a time: tiles of 2 rows, then
+// 1 for an odd last row.
 template <class T, class Src>
 void few_rows_qk_split(const Tile<T>& t, int rows, const char* const* keys, int n, int dim,
                        float* scores, SlotPrefetcher& pf) {
@@ -321,66 +320,80 @@ void few_rows_qk_split(const Tile<T>& t, int rows, const char* const* keys, int 
     for (int i = 0; i < 4; ++i)  // past n: a copy of the last key (scores masked off)
       kr[i] = reinterpret_cast<const Src*>(keys[k0 + i < n ? k0 + i : n - 1]);
     int r0 = 0;
-    for (; r0 + 4 <= rows; r0 += 4)
-      qk_split_4rows<T>(t.q + r0 * t.q_pitch, t.q_pitch, kr, dim, scores + r0 * BK + k0, BK);
-    if (r0 + 2 <= rows) {
-      qk_split_few<T, Src, 2>(t.q + r0 * t.q_pitch, t.q_pitch, kr, dim, scores + r0 * BK + k0, BK);
-      r0 += 2;
-    }
+    for (; r0 + 2 <= rows; r0 += 2)
+      qk_split_2rows<T>(t.q + r0 * t.q_pitch, t.q_pitch, kr, dim, scores + r0 * BK + k0, BK);
     if (r0 < rows)
       qk_split_few<T, Src, 1>(t.q + r0 * t.q_pitch, t.q_pitch, kr, dim, scores + r0 * BK + k0, BK);
   }
 }
 
-// O = O * corr + P V over n V rows (O in split order) for R rows from r0: 4 / R groups of 16
-// dims a pass, so that the R x 4 / R x 2 = 8 accumulators take one split V load per group and
-// key.
+// acc[r][g] += P[r, j] V[j, d0 + 16 g ..] over the n keys (the even / odd dims of group g in
+// acc[r][g][0 / 1]): NG groups of 16 dims, a split V load per group and key, R broadcasts a key.
+template <class T, class Src, int R, int NG>
+FLASHKV_ALWAYS_INLINE void pv_split_pass(const float* p, const char* const* values, int n, int d0,
+                                         typename T::F (&acc)[R][NG][2]) {
+  using F = typename T::F;
+  constexpr int kPSteps = Tile<T>::kPSteps;
+  for (int j = 0; j < n; ++j) {
+    const Src* v = reinterpret_cast<const Src*>(values[j]) + d0;
+    F pr[R];
+    FLASHKV_UNROLL
+    for (int r = 0; r < R; ++r) pr[r] = T::set1(p[r * kPSteps + j]);
+    FLASHKV_UNROLL
+    for (int g = 0; g < NG; ++g) {
+      F ve, vo;
+      T::split(v + 16 * g, ve, vo);
+      FLASHKV_UNROLL
+      for (int r = 0; r < R; ++r) {
+        acc[r][g][0] = T::fmadd(pr[r], ve, acc[r][g][0]);
+        acc[r][g][1] = T::fmadd(pr[r], vo, acc[r][g][1]);
+      }
+    }
+  }
+}
+
+// O = O * corr + P V over n V rows (O in split order) for R rows from r0: NG groups of 16 dims
+// a pass (the last pass may take fewer), so that the R x NG x 2 accumulators take one split V
+// load per group and key.
+template <class T, class Src, int R, int NG>
+void pv_split_groups(const Tile<T>& t, int r0, const char* const* values, int n, int d0) {
+  using F = typename T::F;
+  constexpr int kPSteps = Tile<T>::kPSteps;
+  F acc[R][NG][2];
+  FLASHKV_UNROLL
+  for (int r = 0; r < R; ++r) {
+    const F c = T::set1(t.corr[r0 + r]);
+    const float* o = t.o + (r0 + r) * t.dv_pad + d0;
+    FLASHKV_UNROLL
+    for (int g = 0; g < NG; ++g) {
+      acc[r][g][0] = T::mul(T::load(o + 16 * g), c);
+      acc[r][g][1] = T::mul(T::load(o + 16 * g + 8), c);
+    }
+  }
+  pv_split_pass<T, Src, R, NG>(t.p + r0 * kPSteps, values, n, d0, acc);
+  FLASHKV_UNROLL
+  for (int r = 0; r < R; ++r) {
+    float* o = t.o + (r0 + r) * t.dv_pad + d0;
+    FLASHKV_UNROLL
+    for (int g = 0; g < NG; ++g) {
+      T::store(o + 16 * g, acc[r][g][0]);
+      T::store(o + 16 * g + 8, acc[r][g][1]);
+    }
+  }
+}
 template <class T, class Src, int R>
 void pv_split_rows(const Tile<T>& t, int r0, const char* const* values, int n, int dim,
                    SlotPrefetcher& pf) {
-  using F = typename T::F;
-  constexpr int kPSteps = Tile<T>::kPSteps, NG = 4 / R;
-  for (int d0 = 0; d0 < dim; d0 += 16 * NG) {
+  constexpr int NG = 4 / R;
+  int d0 = 0;
+  for (; d0 + 16 * NG <= dim; d0 += 16 * NG) {
     pf.step();
-    const int groups = imin(NG, (dim - d0) / 16);
-    F acc[R][NG][2];
-    FLASHKV_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const F c = T::set1(t.corr[r0 + r]);
-      const float* o = t.o + (r0 + r) * t.dv_pad + d0;
-      FLASHKV_UNROLL
-      for (int g = 0; g < NG; ++g) {
-        acc[r][g][0] = g < groups ? T::mul(T::load(o + 16 * g), c) : T::zero();
-        acc[r][g][1] = g < groups ? T::mul(T::load(o + 16 * g + 8), c) : T::zero();
-      }
-    }
-    const float* p = t.p + r0 * kPSteps;
-    for (int j = 0; j < n; ++j) {
-      const Src* v = reinterpret_cast<const Src*>(values[j]) + d0;
-      FLASHKV_UNROLL
-      for (int g = 0; g < NG; ++g) {
-        if (g < groups) {  // a test, not a break: the loop must unroll (clang)
-          F ve, vo;
-          T::split(v + 16 * g, ve, vo);
-          FLASHKV_UNROLL
-          for (int r = 0; r < R; ++r) {
-            const F pr = T::set1(p[r * kPSteps + j]);
-            acc[r][g][0] = T::fmadd(pr, ve, acc[r][g][0]);
-            acc[r][g][1] = T::fmadd(pr, vo, acc[r][g][1]);
-          }
-        }
-      }
-    }
-    FLASHKV_UNROLL
-    for (int r = 0; r < R; ++r) {
-      float* o = t.o + (r0 + r) * t.dv_pad + d0;
-      FLASHKV_UNROLL
-      for (int g = 0; g < NG; ++g) {
-        if (g < groups) {
-          T::store(o + 16 * g, acc[r][g][0]);
-          T::store(o + 16 * g + 8, acc[r][g][1]);
-        }
-      }
+    pv_split_groups<T, Src, R, NG>(t, r0, values, n, d0);
+  }
+  if constexpr (NG > 1) {  // the rest: 1 - 3 groups of 16
+    for (; d0 < dim; d0 += 16) {
+      pf.step();
+      pv_split_groups<T, Src, R, 1>(t, r0, values, n, d0);
     }
   }
 }
