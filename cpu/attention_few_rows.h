@@ -306,27 +306,6 @@ void qk_split_few(const float* q, int pitch, const Src* const (&kr)[4], int dim,
   }
 }
 
-// Scores of n keys for every row (Q in split order), 4 keys at a time: tiles of 2 rows, then
-// 1 for an odd last row.
-template <class T, class Src>
-void few_rows_qk_split(const Tile<T>& t, int rows, const char* const* keys, int n, int dim,
-                       float* scores, SlotPrefetcher& pf) {
-  static_assert(T::W == 8, "split path: 8 fp32 lanes");
-  constexpr int BK = T::kBlockKeys;
-  for (int k0 = 0; k0 < n; k0 += 4) {
-    if (k0 % T::W == 0) pf.step();
-    const Src* kr[4];
-    FLASHKV_UNROLL
-    for (int i = 0; i < 4; ++i)  // past n: a copy of the last key (scores masked off)
-      kr[i] = reinterpret_cast<const Src*>(keys[k0 + i < n ? k0 + i : n - 1]);
-    int r0 = 0;
-    for (; r0 + 2 <= rows; r0 += 2)
-      qk_split_2rows<T>(t.q + r0 * t.q_pitch, t.q_pitch, kr, dim, scores + r0 * BK + k0, BK);
-    if (r0 < rows)
-      qk_split_few<T, Src, 1>(t.q + r0 * t.q_pitch, t.q_pitch, kr, dim, scores + r0 * BK + k0, BK);
-  }
-}
-
 // acc[r][g] += P[r, j] V[j, d0 + 16 g ..] over the n keys (the even / odd dims of group g in
 // acc[r][g][0 / 1]): NG groups of 16 dims, a split V load per group and key, R broadcasts a key.
 template <class T, class Src, int R, int NG>
@@ -382,31 +361,23 @@ void pv_split_groups(const Tile<T>& t, int r0, const char* const* values, int n,
   }
 }
 template <class T, class Src, int R>
-void pv_split_rows(const Tile<T>& t, int r0, const char* const* values, int n, int dim,
-                   SlotPrefetcher& pf) {
+void pv_split_rows(const Tile<T>& t, int r0, const char* const* values, int n, int dim) {
   constexpr int NG = 4 / R;
   int d0 = 0;
-  for (; d0 + 16 * NG <= dim; d0 += 16 * NG) {
-    pf.step();
-    pv_split_groups<T, Src, R, NG>(t, r0, values, n, d0);
-  }
+  for (; d0 + 16 * NG <= dim; d0 += 16 * NG) pv_split_groups<T, Src, R, NG>(t, r0, values, n, d0);
   if constexpr (NG > 1) {  // the rest: 1 - 3 groups of 16
-    for (; d0 < dim; d0 += 16) {
-      pf.step();
-      pv_split_groups<T, Src, R, 1>(t, r0, values, n, d0);
-    }
+    for (; d0 < dim; d0 += 16) pv_split_groups<T, Src, R, 1>(t, r0, values, n, d0);
   }
 }
 template <class T, class Src>
-void few_rows_pv_split(const Tile<T>& t, int rows, const char* const* values, int n, int dim,
-                       SlotPrefetcher& pf) {
+void few_rows_pv_split(const Tile<T>& t, int rows, const char* const* values, int n, int dim) {
   int r0 = 0;
-  for (; r0 + 4 <= rows; r0 += 4) pv_split_rows<T, Src, 4>(t, r0, values, n, dim, pf);
+  for (; r0 + 4 <= rows; r0 += 4) pv_split_rows<T, Src, 4>(t, r0, values, n, dim);
   if (r0 + 2 <= rows) {
-    pv_split_rows<T, Src, 2>(t, r0, values, n, dim, pf);
+    pv_split_rows<T, Src, 2>(t, r0, values, n, dim);
     r0 += 2;
   }
-  if (r0 < rows) pv_split_rows<T, Src, 1>(t, r0, values, n, dim, pf);
+  if (r0 < rows) pv_split_rows<T, Src, 1>(t, r0, values, n, dim);
 }
 
 // Loads the score rows back into registers for the shared softmax.
