@@ -185,7 +185,7 @@ void few_rows_pv(const Tile<T>& t, int rows, const char* const* values, int n, i
 // operations and an f16 conversion). Dot products do not care about the order of the dims, so
 // Q is kept with each group of 16 dims in that order (even dims, then odd dims), and so is O,
 // which natural_order puts back in order (times the factor split() left out) before it is
-// stored. QK takes rows 2 at a time (the last one alone), PV 4, then 2 and 1.
+// stored. QK takes rows 2 at a time (fp8: 4 first), the last one alone; PV 4, then 2 and 1.
 
 template <class T, class = void>
 struct HasSplitKv : std::false_type {};
@@ -261,6 +261,39 @@ void qk_split_2rows(const float* q, int pitch, const Src* const (&kr)[4], int di
   std::memcpy(scores + stride, lanes + 4, 4 * sizeof(float));
 }
 
+// Scores of keys kr[0..3] for 4 rows of Q (split order, row pitch `pitch`): 4 rows x 2 keys of
+// accumulators, each K vector pair used by the 4 rows; two such tiles make the 4 keys' scores.
+template <class T, class Src>
+void qk_split_4rows(const float* q, int pitch, const Src* const (&kr)[4], int dim, float* scores,
+                    int stride) {
+  using F = typename T::F;
+  F pairs[2];
+  FLASHKV_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const Src* a = kr[2 * half];
+    const Src* b = kr[2 * half + 1];
+    F acc[4][2];
+    FLASHKV_UNROLL
+    for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = T::zero();
+    for (int d = 0; d < dim; d += 16) {
+      F ae, ao, be, bo;
+      T::split(a + d, ae, ao);
+      T::split(b + d, be, bo);
+      FLASHKV_UNROLL
+      for (int r = 0; r < 4; ++r) {
+        const F qe = T::load(q + r * pitch + d), qo = T::load(q + r * pitch + d + 8);
+        acc[r][0] = T::fmadd(qo, ao, T::fmadd(qe, ae, acc[r][0]));
+        acc[r][1] = T::fmadd(qo, bo, T::fmadd(qe, be, acc[r][1]));
+      }
+    }
+    const F lo[4] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1]};
+    const F hi[4] = {acc[2][0], acc[2][1], acc[3][0], acc[3][1]};
+    const F quads[2] = {T::reduce_quad(lo), T::reduce_quad(hi)};
+    pairs[half] = T::finish_quads(quads);  // lane 2r + k: row r, key 2 half + k
+  }
+  T::store_scores_4x4(pairs[0], pairs[1], scores, stride);
+}
+
 // The same for R = 1 (a last odd row) or 2 rows: R rows x 4 / R keys a pass, with separate
 // accumulators for the even and the odd dims (8 in all), so that no FMA waits for another of the
 // same pass.
@@ -304,6 +337,24 @@ void qk_split_few(const float* q, int pitch, const Src* const (&kr)[4], int dim,
       for (int k = 0; k < KK; ++k) scores[r * stride + k0 + k] = lanes[r * KK + k];
     }
   }
+}
+
+// Scores of keys kr[0..3] for `rows` rows of Q (split order): bf16 K, split in one operation per
+// 8 values, in 2-row tiles, which keep the step's Q vectors in registers; fp8 K, whose split
+// takes about 6 operations per 8 values, first in 4-row tiles, which split each K vector once for
+// the 4 rows; an odd last row alone.
+template <class T, class Src>
+void qk_split_rows(const float* q, int pitch, int rows, const Src* const (&kr)[4], int dim,
+                   float* scores, int stride) {
+  int r0 = 0;
+  if constexpr (!std::is_same_v<Src, bf16_t>) {
+    for (; r0 + 4 <= rows; r0 += 4)
+      qk_split_4rows<T>(q + r0 * pitch, pitch, kr, dim, scores + r0 * stride, stride);
+  }
+  for (; r0 + 2 <= rows; r0 += 2)
+    qk_split_2rows<T>(q + r0 * pitch, pitch, kr, dim, scores + r0 * stride, stride);
+  if (r0 < rows)
+    qk_split_few<T, Src, 1>(q + r0 * pitch, pitch, kr, dim, scores + r0 * stride, stride);
 }
 
 // acc[r][g] += P[r, j] V[j, d0 + 16 g ..] over the n keys (the even / odd dims of group g in

@@ -324,13 +324,7 @@ class ItemTask {
           const KvType* kr[4];
           for (int i = 0; i < 4; ++i)  // past n: a copy of the last key (scores masked off)
             kr[i] = reinterpret_cast<const KvType*>(slot_k[imin(k0 + i, n - 1)] + h * k_head);
-          float* scores = head_scores(h) + k0;
-          int r0 = 0;
-          for (; r0 + 2 <= rows; r0 += 2)
-            qk_split_2rows<T>(t.q + r0 * t.q_pitch, t.q_pitch, kr, dqk, scores + r0 * BK, BK);
-          if (r0 < rows)
-            qk_split_few<T, KvType, 1>(t.q + r0 * t.q_pitch, t.q_pitch, kr, dqk, scores + r0 * BK,
-                                       BK);
+          qk_split_rows<T>(t.q, t.q_pitch, rows, kr, dqk, head_scores(h) + k0, BK);
         }
       }
       const char* value_rows[BK];
