@@ -382,9 +382,8 @@ FLASHKV_ALWAYS_INLINE void pv_split_pass(const float* p, const char* const* valu
   }
 }
 
-// O = O * corr + P V over n V rows (O in split order) for R rows from r0: NG groups of 16 dims
-// a pass (the last pass may take fewer), so that the R x NG x 2 accumulators take one split V
-// load per group and key.
+// O = O * corr + P V over n V rows (O in split order) for R rows from r0 and the NG groups of 16
+// dims from d0, so that the R x NG x 2 accumulators take one split V load per group and key.
 template <class T, class Src, int R, int NG>
 void pv_split_groups(const Tile<T>& t, int r0, const char* const* values, int n, int d0) {
   using F = typename T::F;
