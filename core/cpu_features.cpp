@@ -16,6 +16,8 @@ CpuFeatures detect_cpu_features() {
   CpuFeatures f;
 #if FLASHKV_CPUID_X86
   unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
+  f.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
   // xgetbv exists only when the OS has enabled XSAVE (OSXSAVE); without it no AVX state is saved.
   const bool osxsave = bit(c, 27), avx = bit(c, 28);

@@ -132,6 +132,31 @@ Isa set_isa_cap(Isa cap) {
   return static_cast<Isa>(isa_cap().exchange(static_cast<int>(cap)));
 }
 
+namespace {
+std::atomic<int>& prefetch_mode() {
+  static std::atomic<int> mode{static_cast<int>(Prefetch::by_cpu)};
+  return mode;
+}
+}  // namespace
+
+bool split_prefetch() {
+  const auto mode = static_cast<Prefetch>(prefetch_mode().load(std::memory_order_relaxed));
+  if (mode != Prefetch::by_cpu) return mode == Prefetch::on;
+  if (const char* env = std::getenv("FLASHKV_CPU_PREFETCH")) {
+    if (std::strcmp(env, "on") == 0) return true;
+    if (std::strcmp(env, "off") == 0) return false;
+    throw_error(str_cat("FLASHKV_CPU_PREFETCH: expected on or off, got '", env, "'"));
+  }
+  return !cpu_features().amd;
+}
+
+Prefetch set_split_prefetch(Prefetch mode) {
+  FLASHKV_CHECK(mode >= Prefetch::by_cpu && mode <= Prefetch::on,
+                "set_split_prefetch: mode: expected by_cpu, off or on, got ",
+                static_cast<int>(mode));
+  return static_cast<Prefetch>(prefetch_mode().exchange(static_cast<int>(mode)));
+}
+
 void* thread_scratch(size_t bytes) {
   thread_local std::unique_ptr<void, FreeDeleter> buffer;
   thread_local size_t capacity = 0;

@@ -90,6 +90,7 @@ class ItemTask {
     chunk_ = imin(total_rows_, kMaxRows);
     few_ = chunk_ <= kFewRows;
     split_ = few_ && few_rows_split_applies<T, KvType>(chunk_, p.head_dim_qk, p.head_dim_v);
+    prefetch_on_ = few_ && (!split_ || split_prefetch());
     causal_ = p.causal && !p.custom_mask;
     mask_base_ = p.custom_mask ? p.custom_mask + p.mask_indptr[req] : nullptr;
     q_esz_ = static_cast<int64_t>(dtype_size(p.q_dtype));
@@ -112,14 +113,14 @@ class ItemTask {
         const int n = block_keys(j0), n_next = block_keys(j0 + BK);
         if (n_next > 0) kv_rows_.get(j0 + BK, n_next, block_rows_[cur ^ 1]);
         set_masks(row0, rows, j0, n);
+        if (prefetch_on_) start_prefetch(j0, block_rows_[cur ^ 1], n_next);
         if (split_) {
           run_block_split(rows, n, block_rows_[cur]);
-          continue;
+        } else {
+          for (int h = 0; h < heads_; ++h)
+            run_head_block(h, rows, n, block_rows_[cur], block_rows_[cur ^ 1], n_next);
         }
-        if (few_) start_prefetch(j0, block_rows_[cur ^ 1], n_next);
-        for (int h = 0; h < heads_; ++h)
-          run_head_block(h, rows, n, block_rows_[cur], block_rows_[cur ^ 1], n_next);
-        if (few_) prefetch_.finish();
+        if (prefetch_on_) prefetch_.finish();
       }
       if (split_) unsplit_outputs(rows);
       store_outputs(row0, rows);
@@ -308,10 +309,11 @@ class ItemTask {
 
   // A block on the split path (AVX2): QK slot-major, 4 keys at a time for every head of the task
   // before the next 4, so each slot's K run (the task's heads side by side) is read in address
-  // order, which the hardware prefetchers follow on a shuffled pool too; then each head's softmax
-  // and PV. No software prefetch: on a Zen 3 host (decode 16 x 4096, 32/8/128) this order with
-  // none ran a shuffled pool 1.7x as fast as the head-major order with the few-rows path's
-  // prefetches, and an in-order pool as fast; prefetching V or the next blocks made it slower.
+  // order, which hardware prefetchers can follow on a shuffled pool too; then each head's softmax
+  // and PV. The few-rows path's software prefetch runs (a step per 4 keys and head) only where
+  // split_prefetch() says: on a Zen 3 host (decode 16 x 4096, 32/8/128) this order without it ran
+  // a shuffled pool 1.7x as fast as the head-major order with it, an in-order pool as fast, and
+  // any prefetch (of V, of later blocks) made it slower; on a Xeon it was the other way round.
   void run_block_split(int rows, int n, const int64_t* cur) {
     if constexpr (HasSplitKv<T>::value && kSplitType<KvType>) {
       const int dqk = p_.head_dim_qk, dv = p_.head_dim_v;
@@ -320,6 +322,7 @@ class ItemTask {
       for (int i = 0; i < n; ++i) slot_k[i] = k_head0_ + cur[i] * p_.k_stride_n * kKvEsz;
       for (int k0 = 0; k0 < n; k0 += 4) {
         for (int h = 0; h < heads_; ++h) {
+          if (prefetch_on_) prefetch_.step();
           const Tile<T> t = state_.tile(base_, h);
           const KvType* kr[4];
           for (int i = 0; i < 4; ++i)  // past n: a copy of the last key (scores masked off)
@@ -393,7 +396,9 @@ class ItemTask {
   int64_t q_first_, q_len_, kv_len_, kv_begin_, kv_end_, q_esz_;
   int total_rows_, chunk_;
   bool few_, causal_;
-  bool split_;  // few rows through the split path (attention_few_rows.h)
+  bool split_;        // few rows through the split path (attention_few_rows.h)
+  bool prefetch_on_;  // few rows: prefetch_ runs (head-major path: always; split: see
+                      // run_block_split)
   const uint8_t* mask_base_;
   const char* k_head0_;
   const char* v_head0_;

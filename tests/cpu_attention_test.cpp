@@ -7,9 +7,12 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
+#include <string>
 #include <vector>
 
+#include "flashkv/core/cpu_features.h"
 #include "flashkv/ops/attention.h"
 #include "flashkv/ops/kernels.h"
 #include "flashkv/ops/reference.h"
@@ -35,6 +38,15 @@ class IsaCap {
 
  private:
   cpu::Isa previous_;
+};
+
+class SplitPrefetch {
+ public:
+  explicit SplitPrefetch(cpu::Prefetch mode) : previous_(cpu::set_split_prefetch(mode)) {}
+  ~SplitPrefetch() { cpu::set_split_prefetch(previous_); }
+
+ private:
+  cpu::Prefetch previous_;
 };
 
 enum class Op { ragged, paged_prefill, decode };
@@ -378,8 +390,10 @@ TEST(CpuAttention, DecodeMultiHeadTasksOverManyBlocks) {
   // Groups of 1 - 4, 6 and 8: every row tile of the AVX2 split path (4, 2 and 1 rows).
   const int gqa[] = {1, 2, 3, 4, 8, 6};
   const int dims[] = {64, 128, 256};
-  for (cpu::Isa isa : isa_levels()) {
-    IsaCap cap(isa);
+  for (int cell = 0; cell < 2 * static_cast<int>(isa_levels().size()); ++cell) {
+    // The split path with and without its software prefetch (see split_prefetch()).
+    SplitPrefetch prefetch(cell % 2 ? cpu::Prefetch::on : cpu::Prefetch::off);
+    IsaCap cap(isa_levels()[cell / 2]);
     for (int iter = 0; iter < 6; ++iter) {
       Case c;
       c.op = Op::decode;
@@ -398,6 +412,33 @@ TEST(CpuAttention, DecodeMultiHeadTasksOverManyBlocks) {
       run_case(c, rng);
     }
   }
+}
+
+TEST(CpuAttention, SplitPrefetchPolicy) {
+  if (!std::getenv("FLASHKV_CPU_PREFETCH"))  // the default follows the vendor
+    EXPECT_EQ(cpu::split_prefetch(), !cpu_features().amd);
+  {
+    SplitPrefetch on(cpu::Prefetch::on);
+    EXPECT_TRUE(cpu::split_prefetch());
+    SplitPrefetch off(cpu::Prefetch::off);
+    EXPECT_FALSE(cpu::split_prefetch());
+  }
+  EXPECT_THROW(cpu::set_split_prefetch(static_cast<cpu::Prefetch>(2)), Error);
+  EXPECT_THROW(cpu::set_split_prefetch(static_cast<cpu::Prefetch>(-2)), Error);
+  const char* saved = std::getenv("FLASHKV_CPU_PREFETCH");
+  const std::string previous = saved ? saved : "";
+  setenv("FLASHKV_CPU_PREFETCH", "sometimes", 1);
+  EXPECT_THROW(cpu::split_prefetch(), Error);
+  setenv("FLASHKV_CPU_PREFETCH", "on", 1);
+  EXPECT_TRUE(cpu::split_prefetch());
+  {
+    SplitPrefetch off(cpu::Prefetch::off);  // the setting wins over the environment
+    EXPECT_FALSE(cpu::split_prefetch());
+  }
+  if (saved)
+    setenv("FLASHKV_CPU_PREFETCH", previous.c_str(), 1);
+  else
+    unsetenv("FLASHKV_CPU_PREFETCH");
 }
 
 // Head dims 64/80/96/128/256, D_qk != D_v, on the fast paths and the scalar one.

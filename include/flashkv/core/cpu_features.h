@@ -16,6 +16,7 @@ struct CpuFeatures {
   bool avx512bw = false;
   bool avx512vl = false;
   bool avx512bf16 = false;
+  bool amd = false;  // vendor "AuthenticAMD" (the CPU attention's prefetch policy follows it)
 };
 
 const CpuFeatures& cpu_features();
