@@ -31,23 +31,20 @@ std::vector<cpu::Isa> isa_levels() {
   return levels;
 }
 
-class IsaCap {
+// Sets a CPU kernel setting for a scope (the setter returns the previous value).
+template <class V, V (*Set)(V)>
+class ScopedSetting {
  public:
-  explicit IsaCap(cpu::Isa cap) : previous_(cpu::set_isa_cap(cap)) {}
-  ~IsaCap() { cpu::set_isa_cap(previous_); }
+  explicit ScopedSetting(V value) : previous_(Set(value)) {}
+  ~ScopedSetting() { Set(previous_); }
+  ScopedSetting(const ScopedSetting&) = delete;
+  ScopedSetting& operator=(const ScopedSetting&) = delete;
 
  private:
-  cpu::Isa previous_;
+  V previous_;
 };
-
-class SplitPrefetch {
- public:
-  explicit SplitPrefetch(cpu::Prefetch mode) : previous_(cpu::set_split_prefetch(mode)) {}
-  ~SplitPrefetch() { cpu::set_split_prefetch(previous_); }
-
- private:
-  cpu::Prefetch previous_;
-};
+using IsaCap = ScopedSetting<cpu::Isa, &cpu::set_isa_cap>;
+using SplitPrefetch = ScopedSetting<cpu::Prefetch, &cpu::set_split_prefetch>;
 
 enum class Op { ragged, paged_prefill, decode };
 
