@@ -186,8 +186,9 @@ void attention(const AttentionParams& p) {
   // Head-major order: the tasks a thread takes one after another read the same KV head, whose
   // K/V then stays in its caches (prefill re-reads a head's keys for every query tile).
   const int64_t items = p.num_items;
+  const bool prefetch = split_prefetch();  // here, not per task: it reads the environment
   pool.parallel_for(items * groups, [&](int64_t t, int) {
-    kernel(p, p.items[t % items], static_cast<int32_t>(t / items) * group, group);
+    kernel(p, p.items[t % items], static_cast<int32_t>(t / items) * group, group, prefetch);
   });
   if (p.num_merges == 0) return;
   const PartialMergeKernel merge_partials = select_partial_merge(isa);

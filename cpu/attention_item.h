@@ -72,7 +72,8 @@ class ItemTask {
   // them once per block into `staged_` rows.
   static constexpr bool kConvertK = !std::is_same_v<KvType, typename T::Native>;
 
-  ItemTask(const AttentionParams& p, const WorkItem& item, int32_t head0, int32_t heads)
+  ItemTask(const AttentionParams& p, const WorkItem& item, int32_t head0, int32_t heads,
+           bool split_prefetch)
       : p_(p),
         item_(item),
         head0_(head0),
@@ -90,7 +91,7 @@ class ItemTask {
     chunk_ = imin(total_rows_, kMaxRows);
     few_ = chunk_ <= kFewRows;
     split_ = few_ && few_rows_split_applies<T, KvType>(chunk_, p.head_dim_qk, p.head_dim_v);
-    prefetch_on_ = few_ && (!split_ || split_prefetch());
+    prefetch_on_ = few_ && (!split_ || split_prefetch);
     causal_ = p.causal && !p.custom_mask;
     mask_base_ = p.custom_mask ? p.custom_mask + p.mask_indptr[req] : nullptr;
     q_esz_ = static_cast<int64_t>(dtype_size(p.q_dtype));
@@ -422,12 +423,13 @@ struct FewRowsBlocks : T {
 };
 
 template <class T, class KvType>
-void run_item(const AttentionParams& p, const WorkItem& item, int32_t head0, int32_t heads) {
+void run_item(const AttentionParams& p, const WorkItem& item, int32_t head0, int32_t heads,
+              bool split_prefetch) {
   if constexpr (T::kFewRowsBlockKeys != T::kBlockKeys) {
     if (item.q_len * (p.num_qo_heads / p.num_kv_heads) <= kFewRows)
-      return ItemTask<FewRowsBlocks<T>, KvType>(p, item, head0, heads).run();
+      return ItemTask<FewRowsBlocks<T>, KvType>(p, item, head0, heads, split_prefetch).run();
   }
-  ItemTask<T, KvType>(p, item, head0, heads).run();
+  ItemTask<T, KvType>(p, item, head0, heads, split_prefetch).run();
 }
 
 // The item kernel of T for a KV dtype (null when T does not take it).

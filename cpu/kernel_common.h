@@ -50,8 +50,9 @@ const Fp8Tables& fp8_tables();
 // One task of a plan: a work item for KV heads head0 .. head0 + heads - 1; one partial-state
 // merge (all heads of one row of a merge item); one row (all heads) of merge_state /
 // merge_states.
+// split_prefetch: the policy split_prefetch() gave, read once per attention() call.
 using ItemKernel = void (*)(const AttentionParams& p, const WorkItem& item, int32_t head0,
-                            int32_t heads);
+                            int32_t heads, bool split_prefetch);
 using PartialMergeKernel = void (*)(const AttentionParams& p, const MergeItem& m, int32_t row);
 using MergeRowKernel = void (*)(const MergeParams& p, int64_t row);
 

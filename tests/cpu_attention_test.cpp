@@ -46,6 +46,26 @@ class ScopedSetting {
 using IsaCap = ScopedSetting<cpu::Isa, &cpu::set_isa_cap>;
 using SplitPrefetch = ScopedSetting<cpu::Prefetch, &cpu::set_split_prefetch>;
 
+// An environment variable set for a scope, then put back as it was (a CI run may set it).
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(const char* name) : name_(name) {
+    const char* outer = std::getenv(name);
+    had_ = outer != nullptr;
+    if (had_) saved_ = outer;
+  }
+  ~ScopedEnv() { EXPECT_EQ(had_ ? setenv(name_, saved_.c_str(), 1) : unsetenv(name_), 0); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  void set(const char* value) { ASSERT_EQ(setenv(name_, value, 1), 0); }
+  bool had() const { return had_; }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string saved_;
+};
+
 enum class Op { ragged, paged_prefill, decode };
 
 struct Case {
@@ -284,18 +304,16 @@ TEST(CpuAttention, DetectsAnIsa) {
 TEST(CpuAttention, IsaCapArgumentsAreChecked) {
   EXPECT_THROW(cpu::set_isa_cap(static_cast<cpu::Isa>(7)), Error);
   EXPECT_THROW(cpu::set_isa_cap(static_cast<cpu::Isa>(-1)), Error);
-  const char* outer = std::getenv("FLASHKV_CPU_ISA");  // a CI run may pin the level
-  const std::string saved = outer ? outer : "";
-  ASSERT_EQ(setenv("FLASHKV_CPU_ISA", "avx9000", 1), 0);
-  EXPECT_THROW(cpu::active_isa(), Error);
-  ASSERT_EQ(setenv("FLASHKV_CPU_ISA", "scalar", 1), 0);
-  EXPECT_EQ(cpu::active_isa(), cpu::Isa::scalar);
-  if (outer) {
-    ASSERT_EQ(setenv("FLASHKV_CPU_ISA", saved.c_str(), 1), 0);
-  } else {
-    ASSERT_EQ(unsetenv("FLASHKV_CPU_ISA"), 0);
-    EXPECT_EQ(cpu::active_isa(), cpu::detected_isa());
+  bool outer = false;
+  {
+    ScopedEnv env("FLASHKV_CPU_ISA");
+    outer = env.had();
+    env.set("avx9000");
+    EXPECT_THROW(cpu::active_isa(), Error);
+    env.set("scalar");
+    EXPECT_EQ(cpu::active_isa(), cpu::Isa::scalar);
   }
+  if (!outer) EXPECT_EQ(cpu::active_isa(), cpu::detected_isa());
 }
 
 TEST(CpuAttention, RaggedPrefillGrid) {
@@ -387,28 +405,29 @@ TEST(CpuAttention, DecodeMultiHeadTasksOverManyBlocks) {
   // Groups of 1 - 4, 6 and 8: every row tile of the AVX2 split path (4, 2 and 1 rows).
   const int gqa[] = {1, 2, 3, 4, 8, 6};
   const int dims[] = {64, 128, 256};
-  for (int cell = 0; cell < 2 * static_cast<int>(isa_levels().size()); ++cell) {
-    // The split path with and without its software prefetch (see split_prefetch()).
-    SplitPrefetch prefetch(cell % 2 ? cpu::Prefetch::on : cpu::Prefetch::off);
-    IsaCap cap(isa_levels()[cell / 2]);
-    for (int iter = 0; iter < 6; ++iter) {
-      Case c;
-      c.op = Op::decode;
-      c.hkv = iter % 2 ? 8 : 4;
-      c.hq = c.hkv * gqa[iter];
-      c.dqk = c.dv = dims[(iter / 2) % 3];
-      const int batch = iter < 3 ? 10 : rng.uniform_int(1, 6);
-      c.kv_lens = random_lengths(rng, batch, 330);
-      c.kv_lens[0] = 0;                                         // an empty request
-      if (batch > 1) c.kv_lens[1] = rng.uniform_int(200, 330);  // many blocks
-      c.page_size = iter % 4 < 2 ? 1 : 16;
-      c.in_order_pages = iter % 2 == 0;
-      c.dtype = c.kv_dtype = iter == 5 ? DType::f32 : DType::bf16;
-      c.fixed_split = iter % 3 == 2 ? 96 : 0;
-      c.causal = false;
-      run_case(c, rng);
+  for (cpu::Isa isa : isa_levels())
+    for (cpu::Prefetch prefetch : {cpu::Prefetch::off, cpu::Prefetch::on}) {
+      // The split path with and without its software prefetch (see split_prefetch()).
+      IsaCap cap(isa);
+      SplitPrefetch pf(prefetch);
+      for (int iter = 0; iter < 6; ++iter) {
+        Case c;
+        c.op = Op::decode;
+        c.hkv = iter % 2 ? 8 : 4;
+        c.hq = c.hkv * gqa[iter];
+        c.dqk = c.dv = dims[(iter / 2) % 3];
+        const int batch = iter < 3 ? 10 : rng.uniform_int(1, 6);
+        c.kv_lens = random_lengths(rng, batch, 330);
+        c.kv_lens[0] = 0;                                         // an empty request
+        if (batch > 1) c.kv_lens[1] = rng.uniform_int(200, 330);  // many blocks
+        c.page_size = iter % 4 < 2 ? 1 : 16;
+        c.in_order_pages = iter % 2 == 0;
+        c.dtype = c.kv_dtype = iter == 5 ? DType::f32 : DType::bf16;
+        c.fixed_split = iter % 3 == 2 ? 96 : 0;
+        c.causal = false;
+        run_case(c, rng);
+      }
     }
-  }
 }
 
 TEST(CpuAttention, SplitPrefetchPolicy) {
@@ -422,20 +441,20 @@ TEST(CpuAttention, SplitPrefetchPolicy) {
   }
   EXPECT_THROW(cpu::set_split_prefetch(static_cast<cpu::Prefetch>(2)), Error);
   EXPECT_THROW(cpu::set_split_prefetch(static_cast<cpu::Prefetch>(-2)), Error);
-  const char* saved = std::getenv("FLASHKV_CPU_PREFETCH");
-  const std::string previous = saved ? saved : "";
-  setenv("FLASHKV_CPU_PREFETCH", "sometimes", 1);
+  ScopedEnv env("FLASHKV_CPU_PREFETCH");
+  env.set("sometimes");
   EXPECT_THROW(cpu::split_prefetch(), Error);
-  setenv("FLASHKV_CPU_PREFETCH", "on", 1);
-  EXPECT_TRUE(cpu::split_prefetch());
   {
-    SplitPrefetch off(cpu::Prefetch::off);  // the setting wins over the environment
-    EXPECT_FALSE(cpu::split_prefetch());
+    FLASHKV_SEEDED_RNG(rng, 111);
+    Case c;  // the attention call reads it once, on the calling thread, and says so
+    c.op = Op::decode;
+    c.kv_lens = {5, 40};
+    EXPECT_THROW(run_case(c, rng), Error);
   }
-  if (saved)
-    setenv("FLASHKV_CPU_PREFETCH", previous.c_str(), 1);
-  else
-    unsetenv("FLASHKV_CPU_PREFETCH");
+  env.set("on");
+  EXPECT_TRUE(cpu::split_prefetch());
+  SplitPrefetch off(cpu::Prefetch::off);  // the setting wins over the environment
+  EXPECT_FALSE(cpu::split_prefetch());
 }
 
 // Head dims 64/80/96/128/256, D_qk != D_v, on the fast paths and the scalar one.
