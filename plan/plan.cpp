@@ -27,6 +27,11 @@
 //   items much smaller than the spread of the loads), the least-loaded worker comes from a
 //   tournament tree, whose update is an unrolled chain of branch-free minimums. Both give the
 //   same plan. plan_decode for 256 requests takes about two microseconds.
+// - Equal runs (decode on CUDA, automatic split): when a few workers would end up streaming
+//   alone (40 x 4096 on 33 workers: 7 of them take a second request), the tiles are instead laid
+//   end to end and cut into runs of equal cost, one a worker (McNaughton's wrap-around rule), so
+//   the workers end together; chosen where a fluid model of a bandwidth-bound GPU says it runs
+//   at least 3% faster, since the extra cuts cost items and merges (wrap_tiles, try_equal_runs).
 // - Graph mode: the worker count and the workspace layout come from the capacities only, so a
 //   graph captured once replays with any batch that fits.
 #include "flashkv/plan/plan.h"
@@ -35,6 +40,7 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <utility>
 
@@ -109,6 +115,11 @@ struct Scratch {
   std::vector<uint64_t> tree;  // see balance()
   std::vector<uint64_t> load;  // per worker
   std::vector<int32_t> owner, cursor;
+  // The equal-runs candidate (wrap_tiles), swapped into the plan when it is the better one.
+  std::vector<WorkItem> run_items;
+  std::vector<int32_t> run_indptr;
+  std::vector<MergeItem> run_merges;
+  std::vector<int64_t> run_load;
 };
 Scratch& scratch() {
   static thread_local Scratch s;
@@ -731,6 +742,103 @@ void balance(const ItemList& items, int32_t num_workers, Scratch& s, Plan* p) {
   for (uint32_t i = 0; i < n; ++i) dst[cursor[owner[i]]++] = src[i];
 }
 
+// Decode on CUDA, automatic split: McNaughton's wrap-around rule. The tiles (one query row each),
+// in request order, are laid end to end and cut into `runs` runs of equal cost, one a worker; a
+// tile that straddles a run's end is cut there, down to a multiple of `align`, and its pieces
+// are merged. Every worker's load is then the average give or take about an alignment unit and
+// an item's overhead, where whole tiles (or equal parts of the long ones) assigned costliest
+// first can leave a worker a whole tile above the rest: 40 x 4096 on 33 workers ran as two
+// waves of whole requests, the second on 7 workers. At most runs - 1 cuts (each an item and its
+// overhead more). Writes the items (grouped by worker: the runs in order), worker_indptr
+// (runs + 1 entries), the merges and their partial rows into the scratch (s.run_*); returns the
+// makespan, or -1 when a run would be empty (a tile longer than the rest shifted a cut past a
+// whole run; the caller then keeps its plan).
+int64_t wrap_tiles(const ItemList& tiles, int32_t runs, uint32_t align, Scratch& s,
+                   int64_t* partial_rows) {
+  // Each cut adds an item's overhead; the run ends are spaced for runs - 1 of them.
+  const int64_t total = tiles.total_cost + int64_t{runs - 1} * kItemOverhead;
+  // Run w ends at floor(total (w + 1) / runs), stepped without a division per run.
+  const int64_t each = total / runs, spare = total % runs;
+  int64_t end = each, carry = spare;
+  // Room for every item (each cut adds one), written field by field: an item built whole and
+  // pushed costs a store-forwarding stall each (twice the planner's time at 256 requests).
+  std::vector<WorkItem>& out = s.run_items;
+  std::vector<MergeItem>& merges = s.run_merges;
+  out.resize(tiles.size() + static_cast<size_t>(runs));
+  merges.clear();
+  WorkItem* const items = out.data();
+  size_t n = 0;
+  s.run_indptr.assign(static_cast<size_t>(runs) + 1, 0);
+  s.run_load.assign(static_cast<size_t>(runs), 0);
+  int32_t* per_run = s.run_indptr.data() + 1;
+  int64_t* load = s.run_load.data();
+  int64_t rows = 0, pos = 0;  // pos: the cost laid out so far
+  int32_t w = 0;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const WorkItem& t = tiles.items[i];
+    const size_t first = n;
+    auto emit = [&](int64_t lo, int64_t hi) {
+      const int64_t cost = hi - lo + kItemOverhead;
+      WorkItem& it = items[n];
+      it.request = t.request;
+      it.q_begin = t.q_begin;
+      it.q_len = t.q_len;
+      it.kv_begin = static_cast<int32_t>(lo);
+      it.kv_end = static_cast<int32_t>(hi);
+      it.partial = -1;
+      it.chunk = static_cast<int32_t>(n - first);
+      it.merge = 0;
+      ++n;
+      ++per_run[w];
+      load[w] += cost;
+      pos += cost;
+    };
+    int64_t lo = t.kv_begin;
+    const int64_t hi = t.kv_end;
+    for (;;) {
+      if (w == runs - 1 || pos + (hi - lo + kItemOverhead) <= end) {
+        emit(lo, hi);
+        break;
+      }
+      // The head that fills run w: what is left of it, down to an alignment unit (so no run
+      // ends past its end; cut < hi, since the rest does not fit).
+      const int64_t room = end - pos - kItemOverhead;
+      const int64_t cut = room <= 0 ? lo : (lo + room) / align * align;
+      if (cut > lo) {
+        emit(lo, cut);
+        lo = cut;
+      }
+      ++w;  // run w is full; the next one ends a run's share further on
+      end += each;
+      carry += spare;
+      if (carry >= runs) {
+        carry -= runs;
+        ++end;
+      }
+    }
+    const int32_t pieces = static_cast<int32_t>(n - first);
+    if (pieces > 1) {
+      const int32_t merge = static_cast<int32_t>(merges.size());
+      merges.push_back({t.q_begin, t.q_len, static_cast<int32_t>(rows), pieces});
+      for (int32_t c = 0; c < pieces; ++c) {
+        WorkItem& it = items[first + c];
+        it.partial = static_cast<int32_t>(rows + int64_t{c} * t.q_len);
+        it.merge = merge;
+      }
+      rows += int64_t{pieces} * t.q_len;
+    }
+  }
+  out.resize(n);
+  int64_t makespan = 0;
+  for (int32_t r = 0; r < runs; ++r) {
+    if (per_run[r] == 0) return -1;
+    makespan = std::max(makespan, load[r]);
+  }
+  for (int32_t r = 0; r < runs; ++r) per_run[r] += per_run[r - 1];  // per_run[-1] is 0
+  *partial_rows = rows;
+  return makespan;
+}
+
 // Workspace capacities: this plan's counts, or in graph mode bounds from the options alone.
 void set_capacities(const PlanOptions& o, bool decode, int64_t chunk, int32_t workers, Plan* p) {
   WorkspaceLayout& l = p->layout;
@@ -782,6 +890,81 @@ void set_layout(const BatchShape& b, Plan* p) {
   l.partial_o = l.plan_bytes;
   l.partial_lse = l.partial_o + align_up(rows * b.head_dim_v * sizeof(float));
   l.total_bytes = l.partial_lse + align_up(rows * sizeof(float));
+}
+
+// How long a plan with these worker loads runs, in a fluid model of a bandwidth-bound device:
+// each worker streams at one unit of load per unit of time while at most `busy` (>= 1) workers
+// stream, and they share `busy` units between them when more do. With the loads sorted, largest
+// first, the k largest are the ones still streaming while the load falls from L_k to L_k+1:
+// time = sum_k (L_k - L_k+1) max(1, k / busy) = L_1 + L_m+1 ((m + 1) / busy - 1) + the sum of
+// L_m+2 .. L_n over busy, for m = floor(busy): a selection, not a sort. Reorders `loads`.
+double fluid_time(std::vector<int64_t>& loads, double busy) {
+  const size_t n = loads.size(), m = static_cast<size_t>(busy);
+  if (n == 0) return 0;
+  if (n <= m) return static_cast<double>(*std::max_element(loads.begin(), loads.end()));
+  std::nth_element(loads.begin(), loads.begin() + m, loads.end(), std::greater<int64_t>());
+  int64_t rest = 0;
+  for (size_t k = m + 1; k < n; ++k) rest += loads[k];
+  const int64_t largest = m > 0 ? *std::max_element(loads.begin(), loads.begin() + m) : loads[0];
+  return static_cast<double>(largest) +
+         static_cast<double>(loads[m]) * ((static_cast<double>(m) + 1) / busy - 1) +
+         static_cast<double>(rest) / busy;
+}
+
+// The share of a wave's workers that saturates memory bandwidth (fluid_time's `busy`), and the
+// gain equal runs must bring in that model to replace a plan. Measured on an H200 (33 workers a
+// KV head at 32/8/128, bf16, page size 1): a CTA alone streams ~26 GB/s and ~165 of the 264 CTA
+// slots saturate HBM (24 x 4096: 192 CTAs of one request each ran at 4.0 TB/s, and as fast as 33
+// equal runs); equal runs cost 1 - 2% more in items and merges where both plans run in the same
+// time (16 x 4096 as 32 halves, 64 x 4096), and gained 28% on 40 x 4096, 8% on 48 x 4096 and 15%
+// on 100 x 4096, whose costliest-first plans end with a few workers streaming alone.
+constexpr double kBusyShare = 0.625;
+constexpr double kRunsGain = 1.03;
+
+// Replaces the plan's assignment by equal runs (wrap_tiles) where fluid_time says they run at
+// least kRunsGain times faster. The runs: one a worker, or fewer where the batch's KV is short
+// (one a tile, and no more than the tokens in min_split_size parts, as the split of one short
+// tile).
+void try_equal_runs(Scratch& s, int32_t max_workers, int64_t align, const PlanOptions& o,
+                    int64_t longest, Plan* p) {
+  const ItemList& tiles = s.tiles;
+  int64_t tokens = 0;
+  for (const WorkItem& t : tiles.items) tokens += t.kv_end - t.kv_begin;
+  const int64_t min_chunk =
+      o.min_split_size > 0 ? o.min_split_size : default_min_split(true, longest);
+  const int64_t runs = std::min<int64_t>(
+      max_workers,
+      std::max<int64_t>({int64_t{1}, static_cast<int64_t>(tiles.size()), tokens / min_chunk}));
+  if (runs < 2) return;
+  const double busy = std::max(1.0, kBusyShare * max_workers);
+  // This plan's time, and the least that equal runs could take (every run the average).
+  std::vector<int64_t>& loads = s.run_load;
+  loads.assign(static_cast<size_t>(p->num_workers), 0);
+  for (int32_t w = 0; w < p->num_workers; ++w)
+    for (int32_t i = p->worker_indptr[w]; i < p->worker_indptr[w + 1]; ++i)
+      loads[w] += item_cost(p->items[i]);
+  const double current = fluid_time(loads, busy);
+  const double ideal = static_cast<double>(tiles.total_cost) / static_cast<double>(runs) *
+                       std::max(1.0, static_cast<double>(runs) / busy);
+  if (ideal * kRunsGain >= current) return;
+  int64_t rows = 0;
+  if (wrap_tiles(tiles, static_cast<int32_t>(runs), static_cast<uint32_t>(align), s, &rows) < 0)
+    return;
+  if (fluid_time(s.run_load, busy) * kRunsGain >= current) return;
+  p->items.swap(s.run_items);
+  p->merges.swap(s.run_merges);
+  p->worker_indptr.swap(s.run_indptr);
+  p->num_partial_rows = rows;
+  if (!p->cuda_graph) {
+    p->num_workers = static_cast<int32_t>(runs);
+  } else {  // a fixed grid: the workers past the runs get no items
+    p->worker_indptr.resize(static_cast<size_t>(p->num_workers) + 1, p->worker_indptr.back());
+  }
+  int32_t longest_item = 0;
+  for (const WorkItem& it : p->items)
+    longest_item = std::max(longest_item, it.kv_end - it.kv_begin);
+  p->kv_chunk = p->merges.empty() ? 0 : longest_item;
+  p->equal_runs = true;
 }
 
 void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& o, bool decode,
@@ -842,6 +1025,9 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   } else {
     balance(*items, W, s, &p);
   }
+  p.equal_runs = false;
+  if (decode && !dev.device.is_cpu() && o.enable_split_kv && o.fixed_split_size == 0)
+    try_equal_runs(s, max_workers, align, o, longest, &p);
 
   // 5. Workspace layout (capacities in graph mode).
   set_capacities(o, decode, chunk, W, &p);

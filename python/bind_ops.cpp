@@ -234,6 +234,9 @@ void bind_ops(nb::module_& m) {
       .def_prop_ro("num_merges", [](const PyPlan& p) { return p.checked().merges.size(); })
       .def_prop_ro("kv_chunk", [](const PyPlan& p) { return p.checked().kv_chunk; })
       .def_prop_ro("num_workers", [](const PyPlan& p) { return p.checked().num_workers; })
+      .def_prop_ro(
+          "equal_runs", [](const PyPlan& p) { return p.checked().equal_runs; },
+          "Decode on CUDA: the batch's KV was cut into runs of equal cost, one a worker.")
       .def_prop_ro("cuda_graph", [](const PyPlan& p) { return p.checked().cuda_graph; })
       .def_prop_ro("workspace_bytes", &PyPlan::workspace_bytes)
       .def_prop_ro("workspace_ptr", &PyPlan::workspace_ptr)

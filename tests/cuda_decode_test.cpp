@@ -388,6 +388,45 @@ TEST(CudaDecode, ManyItemsPerWorker) {
   }
 }
 
+// Plans in equal runs (plan.cpp, wrap_tiles; planned for few SMs, so that a small batch takes
+// them): tiles cut where the runs end, so that a worker starts with the tail of one request and
+// ends with the head of the next, some pieces one alignment unit long, an empty request in the
+// middle of a run; groups of 4 and 8, bf16 and fp8 KV, page sizes 1 and 16, graph-mode plans.
+TEST(CudaDecode, EqualRunsMatchReference) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 614);
+  struct Shape {
+    int hq, hkv, sms;
+  };
+  for (const Shape& sh : {Shape{32, 8, 33}, Shape{16, 2, 9}}) {
+    for (DType kv : {DType::bf16, DType::fp8_e4m3}) {
+      for (int page : {1, 16}) {
+        for (bool graph : {false, true}) {
+          SCOPED_TRACE(testing::Message()
+                       << sh.hq << "/" << sh.hkv << " on " << sh.sms << " SMs, kv "
+                       << dtype_name(kv) << ", page " << page << (graph ? ", graph" : ""));
+          DecodeCase c;
+          c.hq = sh.hq;
+          c.hkv = sh.hkv;
+          c.kv_dtype = kv;
+          c.page_size = page;
+          c.kv_lens = {1000, 1003, 999, 1017, 0, 1000, 998, 1001, 1000, 1500, 7};
+          PlanOptions po;
+          po.cuda_graph = graph;
+          po.max_batch_size = 16;
+          DeviceInfo info = device_info(Device::cuda());
+          info.num_sms = sh.sms;
+          const DecodePlan plan = plan_decode(shape_of(c, c.kv_lens), info, po);
+          ASSERT_TRUE(plan.equal_runs);
+          ASSERT_GT(plan.merges.size(), 5u);
+          const HostBatch h = make_batch(rng, c);
+          run_plan(h, to_device(h), c, plan);
+        }
+      }
+    }
+  }
+}
+
 // AttentionOptions::layout_ready: the item views and the first tiles' indices are read before
 // the kernel waits for its predecessor. The indices here were copied before the call, as the
 // option asks; results must match the reference as without it (empty, one-token and split items,

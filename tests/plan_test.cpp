@@ -181,9 +181,14 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
   const int32_t W = p.num_workers;
   const int32_t n = static_cast<int32_t>(p.items.size());
   PLAN_CHECK(W >= 1 && W <= max_workers, "num_workers ", W, " (max ", max_workers, ")");
+  // Equal runs only for decode on CUDA with an automatic split; then one run a worker (the
+  // workers past the runs idle in graph mode).
+  if (p.equal_runs)
+    PLAN_CHECK(b.decode && dev.device.is_cuda() && o.enable_split_kv && o.fixed_split_size == 0,
+               "equal runs outside automatic decode splits on CUDA");
   if (dev.device.is_cpu() || o.cuda_graph)
     PLAN_CHECK(W == max_workers, "num_workers ", W);
-  else
+  else if (!p.equal_runs)
     PLAN_CHECK(W == std::min(max_workers, std::max(n, 1)), "num_workers ", W);
   PLAN_CHECK(static_cast<int32_t>(p.worker_indptr.size()) == W + 1, "worker_indptr size");
   PLAN_CHECK(p.worker_indptr[0] == 0 && p.worker_indptr[W] == n, "worker_indptr ends");
@@ -196,8 +201,34 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
                  "worker ", w, ": items out of planning order at ", i);
   }
 
+  // Equal runs: the runs are the workers up to the last one with items, none of them empty; the
+  // items, worker after worker, are in planning order; each run's load is the average give or
+  // take an alignment unit and an item's overhead (plan.cpp, wrap_tiles).
+  if (p.equal_runs) {
+    int32_t runs = W;
+    while (runs > 0 && p.worker_indptr[runs - 1] == p.worker_indptr[runs]) --runs;
+    PLAN_CHECK(runs >= 2, "equal runs: ", runs, " runs");
+    for (int32_t w = 0; w < runs; ++w)
+      PLAN_CHECK(p.worker_indptr[w] < p.worker_indptr[w + 1], "equal runs: run ", w, " is empty");
+    for (int32_t i = 1; i < n; ++i)
+      PLAN_CHECK(std::make_pair(p.items[i - 1].q_begin, p.items[i - 1].chunk) <
+                     std::make_pair(p.items[i].q_begin, p.items[i].chunk),
+                 "equal runs: items out of planning order at ", i);
+    const int64_t unit =
+        (int64_t{o.kv_align > 0 ? o.kv_align : 16} + s.page_size - 1) / s.page_size * s.page_size;
+    int64_t total = 0, makespan = 0;
+    for (int32_t w = 0; w < runs; ++w) {
+      int64_t load = 0;
+      for (int32_t i = p.worker_indptr[w]; i < p.worker_indptr[w + 1]; ++i)
+        load += cost_of(p.items[i]);
+      total += load;
+      makespan = std::max(makespan, load);
+    }
+    PLAN_CHECK(makespan <= total / runs + 2 * unit + 2 * 16 + 1, "equal runs: makespan ", makespan,
+               " of ", runs, " runs, total ", total, ", unit ", unit);
+  }
   // Balance: LPT is list scheduling, whose makespan is at most total / W + the largest item.
-  {
+  if (!p.equal_runs) {
     int64_t total = 0, largest = 0, makespan = 0;
     for (int32_t w = 0; w < W; ++w) {
       int64_t load = 0;
@@ -215,7 +246,7 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
   // load was the least, so at most the least final load. Items go in descending order of a
   // cost class finer than the power of two, so the last item is among the worker's items of
   // its lowest power of two: load - the costliest of those <= the least load.
-  {
+  if (!p.equal_runs) {
     std::vector<int64_t> load(W, 0);
     for (int32_t w = 0; w < W; ++w)
       for (int32_t i = p.worker_indptr[w]; i < p.worker_indptr[w + 1]; ++i)
@@ -598,35 +629,45 @@ TEST(Plan, SplitKvForSmallBatchesWithLongKvOnly) {
 }
 
 TEST(Plan, ChunksAreAlignedToPagesAndKvTile) {
-  const DeviceInfo gpu = cuda_like(132);
-  for (int page : {1, 16, 48, 64}) {
-    for (int kv_align : {0, 32, 100}) {
-      Batch b = make_batch(true, {}, {100003, 77777});
-      b.shape.page_size = page;
-      PlanOptions o;
-      o.kv_align = kv_align;
-      const int64_t unit = (kv_align > 0 ? kv_align : 16);
-      const int64_t align = (unit + page - 1) / page * page;
-      DecodePlan p = plan_decode(b.shape, gpu, o);
-      ASSERT_TRUE(check_plan(p, b, gpu, o));
-      ASSERT_GT(p.kv_chunk, 0);
-      EXPECT_EQ(p.kv_chunk % align, 0) << "page " << page << " kv_align " << kv_align;
-      EXPECT_GE(p.kv_chunk, 256);  // the default min_split_size
-      o.fixed_split_size = 1000;   // rounded up to the alignment too
-      p = plan_decode(b.shape, gpu, o);
-      ASSERT_TRUE(check_plan(p, b, gpu, o));
-      EXPECT_EQ(p.kv_chunk, (1000 + align - 1) / align * align);
+  // Equal parts (the CPU here) have a kv_chunk of whole alignment units; equal runs (decode on
+  // CUDA) cut at multiples of the alignment too (check_plan checks every cut).
+  for (const DeviceInfo& dev : {cpu_like(64), cuda_like(132)}) {
+    for (int page : {1, 16, 48, 64}) {
+      for (int kv_align : {0, 32, 100}) {
+        SCOPED_TRACE(testing::Message()
+                     << dev.device.str() << " page " << page << " kv_align " << kv_align);
+        Batch b = make_batch(true, {}, {100003, 77777});
+        b.shape.page_size = page;
+        PlanOptions o;
+        o.kv_align = kv_align;
+        const int64_t unit = (kv_align > 0 ? kv_align : 16);
+        const int64_t align = (unit + page - 1) / page * page;
+        DecodePlan p = plan_decode(b.shape, dev, o);
+        ASSERT_TRUE(check_plan(p, b, dev, o));
+        ASSERT_GT(p.kv_chunk, 0);
+        if (!p.equal_runs) {
+          EXPECT_EQ(p.kv_chunk % align, 0);
+          EXPECT_GE(p.kv_chunk, 256);  // the default min_split_size
+        }
+        o.fixed_split_size = 1000;  // rounded up to the alignment too
+        p = plan_decode(b.shape, dev, o);
+        ASSERT_TRUE(check_plan(p, b, dev, o));
+        EXPECT_FALSE(p.equal_runs);
+        EXPECT_EQ(p.kv_chunk, (1000 + align - 1) / align * align);
+      }
     }
   }
 }
 
 TEST(Plan, AutomaticChunksOfATileDifferByAtMostOneUnit) {
   // Equal parts, not multiples of the share: no short tail chunks (4096 at a share of ~2000 was
-  // 2000 + 2000 + 96, and the tails piled up on one worker).
+  // 2000 + 2000 + 96, and the tails piled up on one worker). (Plans in equal runs, decode on
+  // CUDA where they balance better, cut where the runs end instead: EqualRunsLevelTheWorkers.)
   FLASHKV_SEEDED_RNG(rng, 45);
   for (int trial = 0; trial < 300; ++trial) {
     const int sms = std::vector<int>{1, 7, 66, 132}[rng.uniform_int(0, 3)];
-    const DeviceInfo gpu = cuda_like(sms);
+    // The same worker counts on both (8 KV heads; 2 CTAs an SM).
+    const DeviceInfo gpu = rng.uniform_int(0, 1) ? cuda_like(sms) : cpu_like(2 * sms);
     const int batch = rng.uniform_int(1, 40);
     std::vector<int32_t> kv(batch);
     for (int32_t& x : kv)
@@ -641,6 +682,7 @@ TEST(Plan, AutomaticChunksOfATileDifferByAtMostOneUnit) {
     SCOPED_TRACE(::testing::Message() << "trial " << trial << " sms " << sms << " unit " << unit);
     const DecodePlan p = plan_decode(b.shape, gpu, o);
     ASSERT_TRUE(check_plan(p, b, gpu, o));
+    if (p.equal_runs) continue;
     std::map<int32_t, std::pair<int32_t, int32_t>> shortest_longest;  // by request
     for (const WorkItem& it : p.items) {
       if (it.partial < 0) continue;
@@ -663,13 +705,72 @@ TEST(Plan, AutomaticChunksOfATileDifferByAtMostOneUnit) {
     for (const WorkItem& it : p.items) ++count[it.kv_end - it.kv_begin];
     return count;
   };
-  // 16 x 4096 fits one wave as halves, rather than two waves of thirds.
-  EXPECT_EQ(chunk_lengths(16, 4096), (std::map<int32_t, int>{{2048, 32}}));
   // 1 x 32768: 33 parts of 62 or 63 units, one a worker.
   EXPECT_EQ(chunk_lengths(1, 32768), (std::map<int32_t, int>{{992, 31}, {1008, 2}}));
   // Short tiles take shorter parts (the in-kernel merge folds 8 a batch of loads).
   EXPECT_EQ(chunk_lengths(1, 1024), (std::map<int32_t, int>{{64, 16}}));
   EXPECT_EQ(chunk_lengths(1, 4096), (std::map<int32_t, int>{{128, 32}}));
+  // 16 x 4096 on the CPU's equal parts: one wave of halves, rather than two waves of thirds.
+  Batch b = make_batch(true, {}, std::vector<int32_t>(16, 4096));
+  const DecodePlan p = plan_decode(b.shape, cpu_like(264), PlanOptions{});
+  ASSERT_TRUE(check_plan(p, b, cpu_like(264), PlanOptions{}));
+  for (const WorkItem& it : p.items) EXPECT_EQ(it.kv_end - it.kv_begin, 2048);
+  EXPECT_EQ(p.items.size(), 32u);
+}
+
+// Decode on CUDA: where whole tiles or equal parts leave a few workers streaming alone at the
+// end, the tiles are laid out in equal runs, one a worker, and the workers end together. Where
+// the device's bandwidth is shared by enough workers either way, or the plans differ by a few
+// percent, the plan stays as it was (plan.cpp, fluid_time: equal runs cost items and merges).
+TEST(Plan, EqualRunsWhereWorkersWouldStreamAlone) {
+  const DeviceInfo h200 = cuda_like(132);  // 33 workers a KV head at Hkv = 8
+  const DeviceInfo cpu = cpu_like(264);    // as many workers, always equal parts
+  struct Shape {
+    int batch;
+    int32_t len;
+    bool runs;         // laid out in equal runs
+    double old_ratio;  // the makespan of equal parts / costliest first, over the average
+  };
+  for (const Shape& sh :
+       {Shape{40, 4096, true, 1.65}, Shape{48, 4096, true, 1.375}, Shape{100, 4096, true, 1.32},
+        Shape{24, 4096, false, 1.375}, Shape{16, 4096, false, 1.035}, Shape{64, 4096, false, 1.031},
+        Shape{256, 2048, false, 1.031}, Shape{8, 65536, false, 1.032}, Shape{33, 4096, false, 1.0},
+        Shape{1, 32768, false, 1.031}}) {
+    SCOPED_TRACE(testing::Message() << sh.batch << " x " << sh.len);
+    Batch b = make_batch(true, {}, std::vector<int32_t>(sh.batch, sh.len));
+    const DecodePlan p = plan_decode(b.shape, h200, PlanOptions{});
+    ASSERT_TRUE(check_plan(p, b, h200, PlanOptions{}));
+    EXPECT_EQ(p.equal_runs, sh.runs);
+    const DecodePlan q = plan_decode(b.shape, cpu, PlanOptions{});
+    ASSERT_TRUE(check_plan(q, b, cpu, PlanOptions{}));
+    auto makespan = [](const Plan& x) {
+      int64_t most = 0;
+      for (int32_t w = 0; w < x.num_workers; ++w) {
+        int64_t load = 0;
+        for (int32_t i = x.worker_indptr[w]; i < x.worker_indptr[w + 1]; ++i)
+          load += cost_of(x.items[i]);
+        most = std::max(most, load);
+      }
+      return most;
+    };
+    const double average = int64_t{sh.batch} * (sh.len + 16) / 33.0;
+    EXPECT_NEAR(makespan(q) / average, sh.old_ratio, 0.01);
+    if (sh.runs) {
+      EXPECT_EQ(p.num_workers, 33);
+      EXPECT_LE(makespan(p), average + 3 * 16);  // the cuts' overheads, an alignment unit
+      EXPECT_LT(static_cast<int>(p.merges.size()), 33);
+    } else {
+      EXPECT_EQ(makespan(p), makespan(q));
+    }
+  }
+  // Graph mode: the same runs on the fixed grid.
+  PlanOptions graph;
+  graph.cuda_graph = true;
+  graph.max_batch_size = 64;
+  Batch b = make_batch(true, {}, std::vector<int32_t>(40, 4096));
+  const DecodePlan p = plan_decode(b.shape, h200, graph);
+  ASSERT_TRUE(check_plan(p, b, h200, graph));
+  EXPECT_TRUE(p.equal_runs);
 }
 
 // ---------------------------------------------------------------------------------------------

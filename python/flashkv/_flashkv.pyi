@@ -73,6 +73,9 @@ class Plan:
     def num_workers(self) -> int: ...
 
     @property
+    def equal_runs(self) -> bool: ...
+
+    @property
     def cuda_graph(self) -> bool: ...
 
     @property

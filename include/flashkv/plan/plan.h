@@ -145,8 +145,15 @@ struct Plan {
   int32_t q_tile = 1;
   // 0: no split. Deterministic mode: the (aligned) fixed_split_size, chunks cut at absolute
   // multiples of it, even where no tile needed cutting. Automatic: the longest a part may be
-  // (each split tile is cut into equal parts of whole alignment units, at most this long).
+  // (each split tile is cut into equal parts of whole alignment units, at most this long); with
+  // equal_runs, the longest item.
   int32_t kv_chunk = 0;
+  // Decode on CUDA with an automatic split, where it balances better (plan.cpp, wrap_tiles):
+  // the tiles, in request order, were laid end to end and cut into runs of equal cost, one a
+  // worker, each tile straddling a run's end cut there (at a multiple of the KV alignment).
+  // Otherwise whole tiles, or equal parts of the long ones, went costliest first to the least
+  // loaded worker.
+  bool equal_runs = false;
   // CUDA: grid.x (grid.y = Hkv). CPU: max(1, threads / Hkv), so that workers x Hkv (item, KV
   // head) tasks fill the threads as the CUDA grid fills the SMs.
   int32_t num_workers = 0;
