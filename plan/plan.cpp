@@ -803,7 +803,9 @@ int64_t wrap_tiles(const ItemList& tiles, int32_t runs, uint32_t align, Scratch&
       // The head that fills run w: what is left of it, down to an alignment unit (so no run
       // ends past its end; cut < hi, since the rest does not fit).
       const int64_t room = end - pos - kItemOverhead;
-      const int64_t cut = room <= 0 ? lo : (lo + room) / align * align;
+      // (lo + room < hi: a KV position, so the division is a 32-bit one.)
+      const int64_t cut =
+          room <= 0 ? lo : static_cast<uint32_t>(lo + room) / align * int64_t{align};
       if (cut > lo) {
         emit(lo, cut);
         lo = cut;
