@@ -778,7 +778,6 @@ int64_t wrap_tiles(const ItemList& tiles, int32_t runs, uint32_t align, Scratch&
     const WorkItem& t = tiles.items[i];
     const size_t first = n;
     auto emit = [&](int64_t lo, int64_t hi) {
-      const int64_t cost = hi - lo + kItemOverhead;
       WorkItem& it = items[n];
       it.request = t.request;
       it.q_begin = t.q_begin;
@@ -788,6 +787,7 @@ int64_t wrap_tiles(const ItemList& tiles, int32_t runs, uint32_t align, Scratch&
       it.partial = -1;
       it.chunk = static_cast<int32_t>(n - first);
       it.merge = 0;
+      const int64_t cost = item_cost(it);
       ++n;
       ++per_run[w];
       load[w] += cost;
@@ -907,7 +907,7 @@ double fluid_time(std::vector<int64_t>& loads, double busy) {
   std::nth_element(loads.begin(), loads.begin() + m, loads.end(), std::greater<int64_t>());
   int64_t rest = 0;
   for (size_t k = m + 1; k < n; ++k) rest += loads[k];
-  const int64_t largest = m > 0 ? *std::max_element(loads.begin(), loads.begin() + m) : loads[0];
+  const int64_t largest = *std::max_element(loads.begin(), loads.begin() + m);  // m >= 1
   return static_cast<double>(largest) +
          static_cast<double>(loads[m]) * ((static_cast<double>(m) + 1) / busy - 1) +
          static_cast<double>(rest) / busy;
@@ -930,8 +930,8 @@ constexpr double kRunsGain = 1.03;
 void try_equal_runs(Scratch& s, int32_t max_workers, int64_t align, const PlanOptions& o,
                     int64_t longest, Plan* p) {
   const ItemList& tiles = s.tiles;
-  int64_t tokens = 0;
-  for (const WorkItem& t : tiles.items) tokens += t.kv_end - t.kv_begin;
+  // Decode tiles are one row each: their cost is their KV plus the item overhead.
+  const int64_t tokens = tiles.total_cost - static_cast<int64_t>(tiles.size()) * kItemOverhead;
   const int64_t min_chunk =
       o.min_split_size > 0 ? o.min_split_size : default_min_split(true, longest);
   const int64_t runs = std::min<int64_t>(

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -108,6 +109,15 @@ int32_t workers_per_kv_head(const DeviceInfo& dev, const PlanOptions& o, int hkv
 }
 
 int64_t cost_of(const WorkItem& it) { return int64_t{it.q_len} * (it.kv_end - it.kv_begin + 16); }
+
+// Each worker's load: the cost of its items.
+std::vector<int64_t> worker_loads(const Plan& p) {
+  std::vector<int64_t> load(p.num_workers, 0);
+  for (int32_t w = 0; w < p.num_workers; ++w)
+    for (int32_t i = p.worker_indptr[w]; i < p.worker_indptr[w + 1]; ++i)
+      load[w] += cost_of(p.items[i]);
+  return load;
+}
 
 // KV positions [lo, hi) that query row `q` (0-based within its request) may see.
 std::pair<int64_t, int64_t> visible(const BatchShape& s, int64_t q_len, int64_t kv_len, int64_t q) {
@@ -216,29 +226,19 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
                  "equal runs: items out of planning order at ", i);
     const int64_t unit =
         (int64_t{o.kv_align > 0 ? o.kv_align : 16} + s.page_size - 1) / s.page_size * s.page_size;
-    int64_t total = 0, makespan = 0;
-    for (int32_t w = 0; w < runs; ++w) {
-      int64_t load = 0;
-      for (int32_t i = p.worker_indptr[w]; i < p.worker_indptr[w + 1]; ++i)
-        load += cost_of(p.items[i]);
-      total += load;
-      makespan = std::max(makespan, load);
-    }
+    const std::vector<int64_t> load = worker_loads(p);  // the workers past the runs: 0
+    const int64_t total = std::accumulate(load.begin(), load.end(), int64_t{0});
+    const int64_t makespan = *std::max_element(load.begin(), load.end());
     PLAN_CHECK(makespan <= total / runs + 2 * unit + 2 * 16 + 1, "equal runs: makespan ", makespan,
                " of ", runs, " runs, total ", total, ", unit ", unit);
   }
   // Balance: LPT is list scheduling, whose makespan is at most total / W + the largest item.
   if (!p.equal_runs) {
-    int64_t total = 0, largest = 0, makespan = 0;
-    for (int32_t w = 0; w < W; ++w) {
-      int64_t load = 0;
-      for (int32_t i = p.worker_indptr[w]; i < p.worker_indptr[w + 1]; ++i) {
-        load += cost_of(p.items[i]);
-        largest = std::max(largest, cost_of(p.items[i]));
-      }
-      total += load;
-      makespan = std::max(makespan, load);
-    }
+    const std::vector<int64_t> load = worker_loads(p);
+    const int64_t total = std::accumulate(load.begin(), load.end(), int64_t{0});
+    const int64_t makespan = *std::max_element(load.begin(), load.end());
+    int64_t largest = 0;
+    for (const WorkItem& it : p.items) largest = std::max(largest, cost_of(it));
     PLAN_CHECK(makespan <= total / W + largest + 1, "makespan ", makespan, " > total/W ", total / W,
                " + largest ", largest);
   }
@@ -247,10 +247,7 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
   // cost class finer than the power of two, so the last item is among the worker's items of
   // its lowest power of two: load - the costliest of those <= the least load.
   if (!p.equal_runs) {
-    std::vector<int64_t> load(W, 0);
-    for (int32_t w = 0; w < W; ++w)
-      for (int32_t i = p.worker_indptr[w]; i < p.worker_indptr[w + 1]; ++i)
-        load[w] += cost_of(p.items[i]);
+    const std::vector<int64_t> load = worker_loads(p);
     const int64_t least = *std::min_element(load.begin(), load.end());
     for (int32_t w = 0; w < W; ++w) {
       int lowest_class = 64;
@@ -499,14 +496,9 @@ TEST(Plan, BalanceIsCloseToIdealOnServingLikeBatches) {
     DecodePlan p = plan_decode(b.shape, gpu, PlanOptions{});
     ASSERT_TRUE(check_plan(p, b, gpu, PlanOptions{}));
     ASSERT_EQ(p.num_workers, 33);
-    int64_t total = 0, makespan = 0;
-    for (int32_t w = 0; w < p.num_workers; ++w) {
-      int64_t load = 0;
-      for (int32_t i = p.worker_indptr[w]; i < p.worker_indptr[w + 1]; ++i)
-        load += cost_of(p.items[i]);
-      total += load;
-      makespan = std::max(makespan, load);
-    }
+    const std::vector<int64_t> load = worker_loads(p);
+    const int64_t total = std::accumulate(load.begin(), load.end(), int64_t{0});
+    const int64_t makespan = *std::max_element(load.begin(), load.end());
     EXPECT_LE(makespan, 1.04 * total / p.num_workers) << "trial " << trial;
   }
 }
@@ -661,8 +653,9 @@ TEST(Plan, ChunksAreAlignedToPagesAndKvTile) {
 
 TEST(Plan, AutomaticChunksOfATileDifferByAtMostOneUnit) {
   // Equal parts, not multiples of the share: no short tail chunks (4096 at a share of ~2000 was
-  // 2000 + 2000 + 96, and the tails piled up on one worker). (Plans in equal runs, decode on
-  // CUDA where they balance better, cut where the runs end instead: EqualRunsLevelTheWorkers.)
+  // 2000 + 2000 + 96, and the tails piled up on one worker). Plans in equal runs (decode on
+  // CUDA where they run faster) cut where the runs end instead; see
+  // EqualRunsWhereWorkersWouldStreamAlone.
   FLASHKV_SEEDED_RNG(rng, 45);
   for (int trial = 0; trial < 300; ++trial) {
     const int sms = std::vector<int>{1, 7, 66, 132}[rng.uniform_int(0, 3)];
@@ -744,14 +737,8 @@ TEST(Plan, EqualRunsWhereWorkersWouldStreamAlone) {
     const DecodePlan q = plan_decode(b.shape, cpu, PlanOptions{});
     ASSERT_TRUE(check_plan(q, b, cpu, PlanOptions{}));
     auto makespan = [](const Plan& x) {
-      int64_t most = 0;
-      for (int32_t w = 0; w < x.num_workers; ++w) {
-        int64_t load = 0;
-        for (int32_t i = x.worker_indptr[w]; i < x.worker_indptr[w + 1]; ++i)
-          load += cost_of(x.items[i]);
-        most = std::max(most, load);
-      }
-      return most;
+      const std::vector<int64_t> load = worker_loads(x);
+      return *std::max_element(load.begin(), load.end());
     };
     const double average = int64_t{sh.batch} * (sh.len + 16) / 33.0;
     EXPECT_NEAR(makespan(q) / average, sh.old_ratio, 0.01);
