@@ -11,6 +11,7 @@ namespace {
 void print_cpu_features() {
   // The same detection the CPU kernels are chosen by (cpuid + xgetbv, not compiler builtins).
   const CpuFeatures& f = cpu_features();
+  std::printf("cpu: %sfamily %d, model %d\n", f.amd ? "AMD, " : "", f.family, f.model);
   std::printf("cpu features:");
   if (f.avx2) std::printf(" avx2");
   if (f.fma) std::printf(" fma");

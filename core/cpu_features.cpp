@@ -19,6 +19,12 @@ CpuFeatures detect_cpu_features() {
   if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
   f.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const int base_family = static_cast<int>((a >> 8) & 0xf);
+  const int base_model = static_cast<int>((a >> 4) & 0xf);
+  f.family = base_family == 0xf ? base_family + static_cast<int>((a >> 20) & 0xff) : base_family;
+  f.model = base_family == 0xf || base_family == 0x6
+                ? base_model | static_cast<int>(((a >> 16) & 0xf) << 4)
+                : base_model;
   // xgetbv exists only when the OS has enabled XSAVE (OSXSAVE); without it no AVX state is saved.
   const bool osxsave = bit(c, 27), avx = bit(c, 28);
   if (!osxsave || !avx) return f;

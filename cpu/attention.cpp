@@ -147,7 +147,16 @@ bool split_prefetch() {
     if (std::strcmp(env, "off") == 0) return false;
     throw_error(str_cat("FLASHKV_CPU_PREFETCH: expected on or off, got '", env, "'"));
   }
-  return !cpu_features().amd;
+  return split_prefetch_default(cpu_features());
+}
+
+bool split_prefetch_default(const CpuFeatures& cpu) {
+  if (!cpu.amd) return true;
+  // Family 0x17: Zen and Zen 2 (not measured; taken to be like Zen 3). Family 0x19: Zen 3 is
+  // models 0x00 - 0x0f and 0x20 - 0x5f, Zen 4 the rest. Later families: like Zen 4.
+  const bool zen3 =
+      cpu.family == 0x19 && (cpu.model < 0x10 || (cpu.model >= 0x20 && cpu.model < 0x60));
+  return !(cpu.family < 0x19 || zen3);
 }
 
 Prefetch set_split_prefetch(Prefetch mode) {

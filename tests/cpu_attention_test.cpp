@@ -431,8 +431,22 @@ TEST(CpuAttention, DecodeMultiHeadTasksOverManyBlocks) {
 }
 
 TEST(CpuAttention, SplitPrefetchPolicy) {
-  if (!std::getenv("FLASHKV_CPU_PREFETCH"))  // the default follows the vendor
-    EXPECT_EQ(cpu::split_prefetch(), !cpu_features().amd);
+  if (!std::getenv("FLASHKV_CPU_PREFETCH"))  // the default follows the CPU
+    EXPECT_EQ(cpu::split_prefetch(), cpu::split_prefetch_default(cpu_features()));
+  const auto cpu_of = [](bool amd, int family, int model) {
+    CpuFeatures f;
+    f.amd = amd;
+    f.family = family;
+    f.model = model;
+    return f;
+  };
+  EXPECT_TRUE(cpu::split_prefetch_default(cpu_of(false, 6, 0xcf)));     // Xeon (Emerald Rapids)
+  EXPECT_FALSE(cpu::split_prefetch_default(cpu_of(true, 0x19, 0x01)));  // Zen 3 (Milan)
+  EXPECT_FALSE(cpu::split_prefetch_default(cpu_of(true, 0x19, 0x21)));  // Zen 3 (Vermeer)
+  EXPECT_FALSE(cpu::split_prefetch_default(cpu_of(true, 0x17, 0x31)));  // Zen 2 (Rome)
+  EXPECT_TRUE(cpu::split_prefetch_default(cpu_of(true, 0x19, 0x11)));   // Zen 4 (Genoa)
+  EXPECT_TRUE(cpu::split_prefetch_default(cpu_of(true, 0x19, 0x61)));   // Zen 4 (Raphael)
+  EXPECT_TRUE(cpu::split_prefetch_default(cpu_of(true, 0x1a, 0x02)));   // Zen 5 (Turin)
   {
     SplitPrefetch on(cpu::Prefetch::on);
     EXPECT_TRUE(cpu::split_prefetch());

@@ -17,6 +17,8 @@ struct CpuFeatures {
   bool avx512vl = false;
   bool avx512bf16 = false;
   bool amd = false;  // vendor "AuthenticAMD" (the CPU attention's prefetch policy follows it)
+  int family = 0;    // display family and model (cpuid leaf 1, extended fields included)
+  int model = 0;
 };
 
 const CpuFeatures& cpu_features();

@@ -2,6 +2,7 @@
 // always exist; the CUDA ones only in a CUDA build (FLASHKV_WITH_CUDA).
 #pragma once
 
+#include "flashkv/core/cpu_features.h"
 #include "flashkv/core/device.h"
 #include "flashkv/ops/params.h"
 
@@ -31,11 +32,13 @@ Isa active_isa();
 Isa set_isa_cap(Isa cap);
 
 // Software prefetch on the AVX2 decode path (tasks of few rows per KV head, bf16 or fp8 KV,
-// whose K is read slot by slot). Default: off on AMD CPUs, on elsewhere (decode 16 x 4096 with
-// shuffled slots ran ~1.6x faster without on a Zen 3 host, ~1.5x slower without on a Xeon);
-// FLASHKV_CPU_PREFETCH=on|off overrides the default, set_split_prefetch() both.
+// whose K is read slot by slot). Default (split_prefetch_default): off on AMD cores before Zen 4,
+// on elsewhere. Decode 16 x 4096 ran ~1.6x faster without it on a Zen 3 host (shuffled slots),
+// ~1.5x slower without it on a Xeon, and ~1.6x slower without it on a Zen 4 host (forced to
+// AVX2). FLASHKV_CPU_PREFETCH=on|off overrides the default, set_split_prefetch() both.
 enum class Prefetch : int { by_cpu = -1, off = 0, on = 1 };
 bool split_prefetch();
+bool split_prefetch_default(const CpuFeatures& cpu);
 // Sets the policy (tests run both); returns the previous setting. Throws flashkv::Error for a
 // value outside the enum (and split_prefetch() for a bad FLASHKV_CPU_PREFETCH).
 Prefetch set_split_prefetch(Prefetch mode);
