@@ -21,6 +21,7 @@ void print_cpu_features() {
   if (f.avx512bw) std::printf(" avx512bw");
   if (f.avx512vl) std::printf(" avx512vl");
   if (f.avx512bf16) std::printf(" avx512bf16");
+  if (f.avx512vbmi) std::printf(" avx512vbmi");
   std::printf("\n");
 }
 

@@ -45,6 +45,7 @@ CpuFeatures detect_cpu_features() {
   f.avx512dq = bit(b, 17);
   f.avx512bw = bit(b, 30);
   f.avx512vl = bit(b, 31);
+  f.avx512vbmi = f.avx512f && bit(c, 1);
   if (max_subleaf >= 1) {
     __cpuid_count(7, 1, a, b, c, d);
     f.avx512bf16 = f.avx512f && bit(a, 5);

@@ -75,6 +75,11 @@ Fp8Tables build_fp8_tables() {
     t.bf16[0][b] = to_bf16(e4m3).bits;  // exact: every fp8 value is a bf16 value
     t.bf16[1][b] = to_bf16(e5m2).bits;
   }
+  for (int f = 0; f < 2; ++f)
+    for (int m = 0; m < 128; ++m) {
+      t.bf16_lo[f][m] = static_cast<uint8_t>(t.bf16[f][m] & 0xff);
+      t.bf16_hi[f][m] = static_cast<uint8_t>(t.bf16[f][m] >> 8);
+    }
   return t;
 }
 
@@ -166,6 +171,19 @@ Prefetch set_split_prefetch(Prefetch mode) {
   return static_cast<Prefetch>(prefetch_mode().exchange(static_cast<int>(mode)));
 }
 
+namespace {
+std::atomic<bool>& fp8_vbmi_setting() {
+  static std::atomic<bool> enabled{true};
+  return enabled;
+}
+}  // namespace
+
+bool fp8_vbmi() {
+  return cpu_features().avx512vbmi && fp8_vbmi_setting().load(std::memory_order_relaxed);
+}
+
+bool set_fp8_vbmi(bool enabled) { return fp8_vbmi_setting().exchange(enabled); }
+
 void* thread_scratch(size_t bytes) {
   thread_local std::unique_ptr<void, FreeDeleter> buffer;
   thread_local size_t capacity = 0;
@@ -195,9 +213,11 @@ void attention(const AttentionParams& p) {
   // Head-major order: the tasks a thread takes one after another read the same KV head, whose
   // K/V then stays in its caches (prefill re-reads a head's keys for every query tile).
   const int64_t items = p.num_items;
-  const bool prefetch = split_prefetch();  // here, not per task: it reads the environment
+  TaskOptions options;
+  options.split_prefetch = split_prefetch();  // here, not per task: it reads the environment
+  options.fp8_vbmi = fp8_vbmi();
   pool.parallel_for(items * groups, [&](int64_t t, int) {
-    kernel(p, p.items[t % items], static_cast<int32_t>(t / items) * group, group, prefetch);
+    kernel(p, p.items[t % items], static_cast<int32_t>(t / items) * group, group, options);
   });
   if (p.num_merges == 0) return;
   const PartialMergeKernel merge_partials = select_partial_merge(isa);

@@ -73,7 +73,7 @@ class ItemTask {
   static constexpr bool kConvertK = !std::is_same_v<KvType, typename T::Native>;
 
   ItemTask(const AttentionParams& p, const WorkItem& item, int32_t head0, int32_t heads,
-           bool split_prefetch)
+           const TaskOptions& options)
       : p_(p),
         item_(item),
         head0_(head0),
@@ -91,7 +91,9 @@ class ItemTask {
     chunk_ = imin(total_rows_, kMaxRows);
     few_ = chunk_ <= kFewRows;
     split_ = few_ && few_rows_split_applies<T, KvType>(chunk_, p.head_dim_qk, p.head_dim_v);
-    prefetch_on_ = few_ && (!split_ || split_prefetch);
+    prefetch_on_ = few_ && (!split_ || options.split_prefetch);
+    vbmi_ = few_ && !split_ && kVbmiType && options.fp8_vbmi && p.head_dim_qk % 64 == 0 &&
+            p.head_dim_v % 64 == 0;
     causal_ = p.causal && !p.custom_mask;
     mask_base_ = p.custom_mask ? p.custom_mask + p.mask_indptr[req] : nullptr;
     q_esz_ = static_cast<int64_t>(dtype_size(p.q_dtype));
@@ -124,12 +126,21 @@ class ItemTask {
         if (prefetch_on_) prefetch_.finish();
       }
       if (split_) unsplit_outputs(rows);
+      if (vbmi_) {
+        for (int h = 0; h < heads_; ++h) {
+          const Tile<T> t = state_.tile(base_, h);
+          for (int r = 0; r < rows; ++r) natural_order_vbmi(t.o + r * t.dv_pad, p_.head_dim_v);
+        }
+      }
       store_outputs(row0, rows);
     }
   }
 
  private:
   static constexpr int64_t kKvEsz = sizeof(KvType);
+  // fp8 KV that the few-rows path may stage with stage_fp8_vbmi (bf16 steps: T::kPack == 2).
+  static constexpr bool kVbmiType =
+      T::kPack == 2 && (std::is_same_v<KvType, fp8_e4m3_t> || std::is_same_v<KvType, fp8_e5m2_t>);
 
   int block_keys(int64_t j0) const { return static_cast<int>(clamp64(kv_end_ - j0, 0, BK)); }
 
@@ -184,6 +195,7 @@ class ItemTask {
     // The split path reads K in place: no staged copy.
     const size_t staged_at =
         layout.add<Step>(few_ && kConvertK && !split_ ? size_t(BK) * q_pitch : 0);
+    const size_t staged_v_at = layout.add<Step>(vbmi_ ? size_t(BK) * (dv / 2) : 0);
     char* s = static_cast<char*>(thread_scratch(layout.bytes()));
     state_ = HeadState<T>{reinterpret_cast<Step*>(s + q_at),     reinterpret_cast<float*>(s + o_at),
                           reinterpret_cast<float*>(s + lsum_at), reinterpret_cast<float*>(s + m_at),
@@ -194,6 +206,7 @@ class ItemTask {
     ahead_rows_ = block_rows_[1] + BK;
     scores_ = reinterpret_cast<float*>(s + scores_at);
     staged_ = reinterpret_cast<Step*>(s + staged_at);
+    staged_v_ = reinterpret_cast<Step*>(s + staged_v_at);
     Tile<T>& t = base_;
     t.q_pitch = q_pitch;
     t.steps_qk = steps_qk;
@@ -233,6 +246,7 @@ class ItemTask {
         if constexpr (HasSplitKv<T>::value) {
           if (split_) split_order(q, p_.head_dim_qk);
         }
+        if (vbmi_) vbmi_order(q, p_.head_dim_qk);
         t.m[r] = kNegInf;
       }
       std::memset(t.o, 0, sizeof(float) * rows * t.dv_pad);
@@ -288,6 +302,9 @@ class ItemTask {
       pv_rows(t, rows);
       return;
     }
+    if constexpr (kVbmiType) {
+      if (vbmi_) return run_head_block_vbmi(t, rows, n, k, v);
+    }
     const char* key_rows[BK];
     const char* value_rows[BK];
     for (int i = 0; i < n; ++i) {
@@ -306,6 +323,46 @@ class ItemTask {
     }
     few_rows_softmax(t, rows, scores_);
     few_rows_pv<T, KvType>(t, rows, value_rows, n, dv, tables_, prefetch_);
+  }
+
+  // Few rows, fp8 KV staged 64 values at a time (stage_fp8_vbmi): the block's K and V rows as
+  // bf16 steps in the order of fp8_vbmi_value, which Q (vbmi_order) and O (natural_order_vbmi)
+  // follow too; then the bf16 products on the staged rows.
+  void run_head_block_vbmi(const Tile<T>& t, int rows, int n, const HeadRows& k,
+                           const HeadRows& v) {
+    using Native = typename T::Native;
+    const int dqk = p_.head_dim_qk, dv = p_.head_dim_v;
+    const int format = std::is_same_v<KvType, fp8_e4m3_t> ? 0 : 1;
+    const uint8_t* lo = tables_.bf16_lo[format];
+    const uint8_t* hi = tables_.bf16_hi[format];
+    stage_fp8_vbmi(k.base, k.row_bytes, k.rows, n, dqk, t.q_pitch,
+                   reinterpret_cast<uint32_t*>(staged_), lo, hi);
+    stage_fp8_vbmi(v.base, v.row_bytes, v.rows, n, dv, dv / 2,
+                   reinterpret_cast<uint32_t*>(staged_v_), lo, hi);
+    const char* key_rows[BK];
+    const char* value_rows[BK];
+    for (int i = 0; i < n; ++i) {
+      key_rows[i] = reinterpret_cast<const char*>(staged_ + i * t.q_pitch);
+      value_rows[i] = reinterpret_cast<const char*>(staged_v_ + i * (dv / 2));
+    }
+    few_rows_qk<T, Native>(t, rows, key_rows, n, dqk, scores_, tables_, prefetch_);
+    few_rows_softmax(t, rows, scores_);
+    few_rows_pv<T, Native>(t, rows, value_rows, n, dv, tables_, prefetch_);
+  }
+  // A Q row (bf16 steps) into the order of fp8_vbmi_value, and an O row (floats) back.
+  static void vbmi_order(Step* q, int dim) {
+    for (int g = 0; g < dim / 2; g += 32) {
+      Step tmp[32];
+      for (int j = 0; j < 32; ++j) tmp[j] = q[g + fp8_vbmi_value(2 * j) / 2];
+      std::memcpy(q + g, tmp, sizeof(tmp));
+    }
+  }
+  static void natural_order_vbmi(float* o, int dim) {
+    for (int g = 0; g < dim; g += 64) {
+      float tmp[64];
+      for (int k = 0; k < 64; ++k) tmp[fp8_vbmi_value(k)] = o[g + k];
+      std::memcpy(o + g, tmp, sizeof(tmp));
+    }
   }
 
   // A block on the split path (AVX2): QK slot-major, 4 keys at a time for every head of the task
@@ -398,6 +455,7 @@ class ItemTask {
   int total_rows_, chunk_;
   bool few_, causal_;
   bool split_;        // few rows through the split path (attention_few_rows.h)
+  bool vbmi_;         // few rows, fp8 KV staged by stage_fp8_vbmi (run_head_block_vbmi)
   bool prefetch_on_;  // few rows: prefetch_ runs (head-major path: always; split: see
                       // run_block_split)
   const uint8_t* mask_base_;
@@ -413,6 +471,7 @@ class ItemTask {
   bool spread_before_ = false;  // few rows: the last block prefetched two blocks ahead
   float* scores_ = nullptr;
   Step* staged_ = nullptr;
+  Step* staged_v_ = nullptr;  // vbmi_: the block's V rows
 };
 
 // T with the KV block of few-row tasks: smaller blocks suit them (measured on Zen 4: the
@@ -424,12 +483,12 @@ struct FewRowsBlocks : T {
 
 template <class T, class KvType>
 void run_item(const AttentionParams& p, const WorkItem& item, int32_t head0, int32_t heads,
-              bool split_prefetch) {
+              const TaskOptions& options) {
   if constexpr (T::kFewRowsBlockKeys != T::kBlockKeys) {
     if (item.q_len * (p.num_qo_heads / p.num_kv_heads) <= kFewRows)
-      return ItemTask<FewRowsBlocks<T>, KvType>(p, item, head0, heads, split_prefetch).run();
+      return ItemTask<FewRowsBlocks<T>, KvType>(p, item, head0, heads, options).run();
   }
-  ItemTask<T, KvType>(p, item, head0, heads, split_prefetch).run();
+  ItemTask<T, KvType>(p, item, head0, heads, options).run();
 }
 
 // The item kernel of T for a KV dtype (null when T does not take it).

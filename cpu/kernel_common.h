@@ -44,15 +44,32 @@ void* thread_scratch(size_t bytes);
 struct Fp8Tables {
   alignas(64) uint16_t bf16[2][256];
   alignas(64) float f32[2][256];
+  // The low and high bytes of bf16[f][m] for the 128 magnitudes m (the sign is bit 7 of both
+  // the fp8 byte and the bf16 high byte): the byte-permute tables of stage_fp8_vbmi.
+  alignas(64) uint8_t bf16_lo[2][128];
+  alignas(64) uint8_t bf16_hi[2][128];
 };
 const Fp8Tables& fp8_tables();
+
+// The fp8 rows at base + rows[i] * row_bytes (i < n) of `dim` values (a multiple of 64) -> bf16
+// steps (two values each) at dst + i * pitch, in the order of fp8_vbmi_value, through the
+// byte tables of one fp8 format (cpu/fp8_vbmi.cpp; AVX512_VBMI CPUs only).
+void stage_fp8_vbmi(const char* base, int64_t row_bytes, const int64_t* rows, int n, int dim,
+                    int pitch, uint32_t* dst, const uint8_t* lo_table, const uint8_t* hi_table);
+// Which value of its group of 64 stage_fp8_vbmi puts at position k (0 .. 63) of the group:
+// values 16 L + 0 .. 7 of the four 128-bit lanes L first, then values 16 L + 8 .. 15.
+constexpr int fp8_vbmi_value(int k) { return 16 * ((k % 32) / 8) + 8 * (k / 32) + k % 8; }
 
 // One task of a plan: a work item for KV heads head0 .. head0 + heads - 1; one partial-state
 // merge (all heads of one row of a merge item); one row (all heads) of merge_state /
 // merge_states.
-// split_prefetch: the policy split_prefetch() gave, read once per attention() call.
+// What attention() reads once per call, on the calling thread, for every task.
+struct TaskOptions {
+  bool split_prefetch = false;  // split_prefetch()
+  bool fp8_vbmi = false;        // fp8_vbmi()
+};
 using ItemKernel = void (*)(const AttentionParams& p, const WorkItem& item, int32_t head0,
-                            int32_t heads, bool split_prefetch);
+                            int32_t heads, const TaskOptions& options);
 using PartialMergeKernel = void (*)(const AttentionParams& p, const MergeItem& m, int32_t row);
 using MergeRowKernel = void (*)(const MergeParams& p, int64_t row);
 

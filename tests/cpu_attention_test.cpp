@@ -23,12 +23,19 @@ namespace {
 
 using test::Rng;
 
-// Every ISA level up to the one this CPU supports.
-std::vector<cpu::Isa> isa_levels() {
-  std::vector<cpu::Isa> levels;
+// Every kernel path up to the best this CPU has: each ISA level, and at the AVX-512 BF16 level
+// fp8 decode both with the VBMI staging (where the CPU has it) and without it.
+struct KernelPath {
+  cpu::Isa isa;
+  bool fp8_vbmi;
+};
+std::vector<KernelPath> kernel_paths() {
+  std::vector<KernelPath> paths;
   for (int i = 0; i <= static_cast<int>(cpu::detected_isa()); ++i)
-    levels.push_back(static_cast<cpu::Isa>(i));
-  return levels;
+    paths.push_back({static_cast<cpu::Isa>(i), false});
+  if (cpu::detected_isa() == cpu::Isa::avx512_bf16 && cpu_features().avx512vbmi)
+    paths.push_back({cpu::Isa::avx512_bf16, true});
+  return paths;
 }
 
 // Sets a CPU kernel setting for a scope (the setter returns the previous value).
@@ -45,6 +52,17 @@ class ScopedSetting {
 };
 using IsaCap = ScopedSetting<cpu::Isa, &cpu::set_isa_cap>;
 using SplitPrefetch = ScopedSetting<cpu::Prefetch, &cpu::set_split_prefetch>;
+using Fp8Vbmi = ScopedSetting<bool, &cpu::set_fp8_vbmi>;
+
+// A kernel path for a scope.
+class PathScope {
+ public:
+  explicit PathScope(const KernelPath& path) : cap_(path.isa), vbmi_(path.fp8_vbmi) {}
+
+ private:
+  IsaCap cap_;
+  Fp8Vbmi vbmi_;
+};
 
 // An environment variable set for a scope, then put back as it was (a CI run may set it).
 class ScopedEnv {
@@ -97,7 +115,8 @@ struct Case {
                  in_order_pages ? " in_order" : " shuffled", " causal=", causal,
                  " window=", window_left, " cap=", soft_cap, " scale=", sm_scale,
                  " mask=", custom_mask, " split=", fixed_split, " q_tile=", q_tile,
-                 " isa=", cpu::isa_name(cpu::active_isa()), " kv_lens=");
+                 " isa=", cpu::isa_name(cpu::active_isa()), " fp8_vbmi=", cpu::fp8_vbmi(),
+                 " kv_lens=");
     for (int32_t l : kv_lens) s += str_cat(l, ",");
     if (op != Op::decode) {
       s += " q_lens=";
@@ -318,8 +337,8 @@ TEST(CpuAttention, IsaCapArgumentsAreChecked) {
 
 TEST(CpuAttention, RaggedPrefillGrid) {
   FLASHKV_SEEDED_RNG(rng, 101);
-  for (cpu::Isa isa : isa_levels()) {
-    IsaCap cap(isa);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
     for (int iter = 0; iter < 10; ++iter) {
       Case c;
       c.op = Op::ragged;
@@ -347,8 +366,8 @@ TEST(CpuAttention, RaggedPrefillGrid) {
 
 TEST(CpuAttention, PagedPrefillGrid) {
   FLASHKV_SEEDED_RNG(rng, 102);
-  for (cpu::Isa isa : isa_levels()) {
-    IsaCap cap(isa);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
     for (int iter = 0; iter < 10; ++iter) {
       Case c;
       c.op = Op::paged_prefill;
@@ -375,8 +394,8 @@ TEST(CpuAttention, PagedPrefillGrid) {
 
 TEST(CpuAttention, PagedDecodeGrid) {
   FLASHKV_SEEDED_RNG(rng, 103);
-  for (cpu::Isa isa : isa_levels()) {
-    IsaCap cap(isa);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
     for (int iter = 0; iter < 8; ++iter) {
       Case c;
       c.op = Op::decode;
@@ -405,10 +424,10 @@ TEST(CpuAttention, DecodeMultiHeadTasksOverManyBlocks) {
   // Groups of 1 - 4, 6 and 8: every row tile of the AVX2 split path (4, 2 and 1 rows).
   const int gqa[] = {1, 2, 3, 4, 8, 6};
   const int dims[] = {64, 128, 256};
-  for (cpu::Isa isa : isa_levels())
+  for (const KernelPath& path : kernel_paths())
     for (cpu::Prefetch prefetch : {cpu::Prefetch::off, cpu::Prefetch::on}) {
       // The split path with and without its software prefetch (see split_prefetch()).
-      IsaCap cap(isa);
+      PathScope scope(path);
       SplitPrefetch pf(prefetch);
       for (int iter = 0; iter < 6; ++iter) {
         Case c;
@@ -423,6 +442,11 @@ TEST(CpuAttention, DecodeMultiHeadTasksOverManyBlocks) {
         c.page_size = iter % 4 < 2 ? 1 : 16;
         c.in_order_pages = iter % 2 == 0;
         c.dtype = c.kv_dtype = iter == 5 ? DType::f32 : DType::bf16;
+        if (iter == 1 || iter == 4) {  // fp8 at head dims 64 and 256
+          c.kv_dtype = iter == 1 ? DType::fp8_e5m2 : DType::fp8_e4m3;
+          c.k_scale = 0.5f;
+          c.v_scale = 2.0f;
+        }
         c.fixed_split = iter % 3 == 2 ? 96 : 0;
         c.causal = false;
         run_case(c, rng);
@@ -476,8 +500,8 @@ TEST(CpuAttention, HeadDims) {
   FLASHKV_SEEDED_RNG(rng, 104);
   const int dims[][2] = {{64, 64},   {80, 80}, {96, 96},  {128, 128},
                          {256, 256}, {96, 64}, {64, 128}, {72, 40}};
-  for (cpu::Isa isa : isa_levels()) {
-    IsaCap cap(isa);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
     for (const auto& d : dims) {
       for (DType dt : {DType::bf16, DType::f32}) {
         Case c;
@@ -498,8 +522,8 @@ TEST(CpuAttention, HeadDims) {
 
 TEST(CpuAttention, Fp8KvWithScales) {
   FLASHKV_SEEDED_RNG(rng, 105);
-  for (cpu::Isa isa : isa_levels()) {
-    IsaCap cap(isa);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
     for (DType kv : {DType::fp8_e4m3, DType::fp8_e5m2}) {
       for (DType q : {DType::bf16, DType::f32, DType::f16}) {
         Case c;
@@ -509,7 +533,7 @@ TEST(CpuAttention, Fp8KvWithScales) {
         for (int i = 0; i < 5; ++i) c.q_lens[i] = std::min(c.kv_lens[i], rng.uniform_int(0, 20));
         c.hq = 8;
         c.hkv = 2;
-        c.dqk = c.dv = 96;
+        c.dqk = c.dv = kv == DType::fp8_e5m2 ? 64 : 96;  // 64: the VBMI staging, 96: not
         c.page_size = 16;
         c.dtype = q;
         c.kv_dtype = kv;
@@ -527,8 +551,8 @@ TEST(CpuAttention, Fp8KvWithScales) {
 // they belong to. Groups of 4 and 8 (the AVX2 split path), 2 (the others).
 TEST(CpuAttention, Fp8EveryCodeAndNaN) {
   FLASHKV_SEEDED_RNG(rng, 107);
-  for (cpu::Isa isa : isa_levels()) {
-    IsaCap cap(isa);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
     for (DType kv : {DType::fp8_e4m3, DType::fp8_e5m2}) {
       for (int group : {2, 4, 8}) {
         Case c;
@@ -555,8 +579,8 @@ TEST(CpuAttention, Fp8EveryCodeAndNaN) {
 // dims.
 TEST(CpuAttention, NaNInKvReachesTheOutput) {
   FLASHKV_SEEDED_RNG(rng, 108);
-  for (cpu::Isa isa : isa_levels()) {
-    IsaCap cap(isa);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
     for (DType kv : {DType::bf16, DType::f32, DType::fp8_e4m3}) {
       for (int group : {1, 4, 8}) {
         for (Op op : {Op::decode, Op::paged_prefill}) {
@@ -593,8 +617,8 @@ TEST(CpuAttention, NaNInKvReachesTheOutput) {
 // window; non-causal cross attention.
 TEST(CpuAttention, CustomMaskAndNonCausal) {
   FLASHKV_SEEDED_RNG(rng, 106);
-  for (cpu::Isa isa : isa_levels()) {
-    IsaCap cap(isa);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
     for (int iter = 0; iter < 4; ++iter) {
       Case c;
       c.op = iter % 2 ? Op::paged_prefill : Op::ragged;
@@ -618,8 +642,8 @@ TEST(CpuAttention, CustomMaskAndNonCausal) {
 // past the keys, a mask row of zeros: O = 0, LSE = -inf, never NaN.
 TEST(CpuAttention, EmptyRows) {
   FLASHKV_SEEDED_RNG(rng, 107);
-  for (cpu::Isa isa : isa_levels()) {
-    IsaCap cap(isa);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
     Case c;
     c.op = Op::ragged;
     c.q_lens = {5, 3, 40};
@@ -691,8 +715,8 @@ reference::Result result_of(const Tensor& o, const Tensor& lse) {
 // Random states (some with LSE = -inf and garbage O) merged against the reference merge.
 TEST(CpuAttention, MergeStateAndStates) {
   FLASHKV_SEEDED_RNG(rng, 109);
-  for (cpu::Isa isa : isa_levels()) {
-    IsaCap cap(isa);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
     for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
       const int rows = 7, heads = 3, dim = 72;
       auto random_lse = [&](Tensor& lse) {

@@ -16,6 +16,7 @@ struct CpuFeatures {
   bool avx512bw = false;
   bool avx512vl = false;
   bool avx512bf16 = false;
+  bool avx512vbmi = false;
   bool amd = false;  // vendor "AuthenticAMD" (the CPU attention's prefetch policy follows it)
   int family = 0;    // display family and model (cpuid leaf 1, extended fields included)
   int model = 0;
