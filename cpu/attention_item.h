@@ -125,13 +125,7 @@ class ItemTask {
         }
         if (prefetch_on_) prefetch_.finish();
       }
-      if (split_) unsplit_outputs(rows);
-      if (vbmi_) {
-        for (int h = 0; h < heads_; ++h) {
-          const Tile<T> t = state_.tile(base_, h);
-          for (int r = 0; r < rows; ++r) natural_order_vbmi(t.o + r * t.dv_pad, p_.head_dim_v);
-        }
-      }
+      if (split_ || vbmi_) outputs_in_natural_order(rows);
       store_outputs(row0, rows);
     }
   }
@@ -401,13 +395,16 @@ class ItemTask {
   // Few rows: head h's scores [chunk_, BK] (one buffer for every head off the split path).
   float* head_scores(int h) const { return scores_ + (split_ ? size_t(h) * chunk_ * BK : 0); }
 
-  // The split path's outputs back in natural dim order.
-  void unsplit_outputs(int rows) {
-    if constexpr (HasSplitKv<T>::value) {
-      for (int h = 0; h < heads_; ++h) {
-        const Tile<T> t = state_.tile(base_, h);
-        for (int r = 0; r < rows; ++r)
-          natural_order(t.o + r * t.dv_pad, p_.head_dim_v, kSplitFactor<KvType>);
+  // The outputs of the split path and of the VBMI staging back in natural dim order.
+  void outputs_in_natural_order(int rows) {
+    for (int h = 0; h < heads_; ++h) {
+      const Tile<T> t = state_.tile(base_, h);
+      for (int r = 0; r < rows; ++r) {
+        float* o = t.o + r * t.dv_pad;
+        if constexpr (HasSplitKv<T>::value) {
+          if (split_) natural_order(o, p_.head_dim_v, kSplitFactor<KvType>);
+        }
+        if (vbmi_) natural_order_vbmi(o, p_.head_dim_v);
       }
     }
   }
