@@ -115,7 +115,7 @@ PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
     check_out.push_back(Tensor::empty({T, hd_out}, c.dtype, device_));
     fill_bytes(check_out.back().data(), device_, 0xFF, check_out.back().view().nbytes());
   }
-  std::vector<TensorView> check_q(check_layers.size());
+  std::vector<LayerInputs> check_in(check_layers.size());
 
   PassResult r;
   synchronize(device_);
@@ -135,7 +135,7 @@ PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
     TensorView out;
     if (at != check_layers.end()) {
       out = check_out[at - check_layers.begin()];
-      check_q[at - check_layers.begin()] = q;
+      check_in[at - check_layers.begin()] = {q, k, v};
     }
     last_out = backend_->forward(q, k, v, spec, b, /*save_kv_cache=*/true, out);
     if (check.scan_every_layer && l + 1 < c.num_layers)
@@ -144,7 +144,7 @@ PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
   synchronize(device_);
   const auto t1 = std::chrono::steady_clock::now();
   r.ms = std::chrono::duration<double, std::milli>(t1 - t0).count() - r.check_ms;
-  verify_pass(step, check, check_layers, check_entries, check_q, check_out, last_out, r);
+  verify_pass(step, check, check_layers, check_entries, check_in, check_out, last_out, r);
   r.check_ms +=
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
   return r;
@@ -173,7 +173,7 @@ void Model::scan_between_layers(const TensorView& out, int64_t rows, const std::
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void Model::compare_layer(const LayerSpec& layer, const CheckedRows& rows, const TensorView& q_all,
+void Model::compare_layer(const LayerSpec& layer, const CheckedRows& rows, const LayerInputs& in,
                           const TensorView& out_all, const char* what, PassResult& r) {
   const ModelConfig& c = config_;
   int64_t total = 0;
@@ -183,11 +183,15 @@ void Model::compare_layer(const LayerSpec& layer, const CheckedRows& rows, const
   const size_t row_bytes = q.view().nbytes() / static_cast<size_t>(total);
   int64_t at = 0;
   for (const auto& [first, n] : rows.ranges) {
-    copy_rows(q_all, first, n, static_cast<char*>(q.data()) + at * row_bytes);
+    copy_rows(in.q, first, n, static_cast<char*>(q.data()) + at * row_bytes);
     copy_rows(out_all, first, n, static_cast<char*>(out.data()) + at * row_bytes);
     at += n;
   }
-  const reference::Result ref = layer_reference(layer, rows.reqs, q, *pool_);
+  // The ragged extend reads the new tokens' K/V as given, not rounded to an fp8 pool's dtype.
+  const bool fresh = in.k.defined() && backend_->reads_new_kv_from_input(layer);
+  const reference::Result ref =
+      layer_reference(layer, rows.reqs, q, *pool_, nullptr, nullptr, fresh ? in.k : TensorView(),
+                      fresh ? in.v : TensorView());
   const Errors err = compare(out, TensorView(), ref);
   const Tolerance tol = tolerance_for(c.dtype, is_fp8(c.kv_dtype));
   ++r.checked;
@@ -204,7 +208,7 @@ void Model::compare_layer(const LayerSpec& layer, const CheckedRows& rows, const
 void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
                         const std::vector<int>& check_layers,
                         const std::vector<size_t>& check_entries,
-                        const std::vector<TensorView>& check_q,
+                        const std::vector<LayerInputs>& check_in,
                         const std::vector<Tensor>& check_out, const TensorView& last_out,
                         PassResult& r) {
   const ModelConfig& c = config_;
@@ -231,13 +235,15 @@ void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
     rr.encoder_len = e.seq->encoder_len;
     rr.seq_len = e.seq_len;
     rr.qo_len = n;
+    rr.new_len = e.num_new;
+    rr.new_row = step.qo_begin(i);
     if (const uint8_t* m = step.mask(i)) rr.mask = m + int64_t{e.num_new - n} * e.seq_len;
     rows.reqs.push_back(rr);
     rows.ranges.emplace_back(step.qo_begin(i) + e.num_new - n, n);
   }
   const std::string what = str_cat(mode_name(b.mode), " pass of ", b.batch_size, " requests");
   for (size_t k = 0; k < check_layers.size(); ++k)
-    compare_layer(c.layer(check_layers[k]), rows, check_q[k], check_out[k], what.c_str(), r);
+    compare_layer(c.layer(check_layers[k]), rows, check_in[k], check_out[k], what.c_str(), r);
 }
 
 void Model::enable_multi_step_draft(int topk, int num_steps) {
@@ -299,7 +305,7 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
       fill_bytes(check_out.back().data(), device_, 0xFF, check_out.back().view().nbytes());
     }
   }
-  std::vector<TensorView> check_q(checks.size());
+  std::vector<LayerInputs> check_in(checks.size());  // q alone: decode reads K/V from the pool
   TensorView last_out;
 
   PassResult r;
@@ -315,7 +321,7 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
       TensorView out;
       if (at != checks.end()) {
         out = check_out[at - checks.begin()];
-        check_q[at - checks.begin()] = q;
+        check_in[at - checks.begin()].q = q;
       }
       last_out = multi_step_->forward(st, q, k, v, c.layer(l), true, out);
       if (check.scan_every_layer && (st + 1 < steps || l + 1 < c.num_layers))
@@ -349,7 +355,7 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
     }
     const std::string what =
         str_cat("draft step ", step, " of ", bs, " requests x ", topk, " branches");
-    compare_layer(c.layer(checks[k].second), checked, check_q[k], check_out[k], what.c_str(), r);
+    compare_layer(c.layer(checks[k].second), checked, check_in[k], check_out[k], what.c_str(), r);
   }
   r.check_ms +=
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();

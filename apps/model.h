@@ -88,8 +88,13 @@ class Model {
     std::vector<ReferenceRequest> reqs;
     std::vector<std::pair<int64_t, int64_t>> ranges;
   };
-  // Compares one checked layer's output rows with the reference; scans `last_out` for NaN.
-  void compare_layer(const LayerSpec& layer, const CheckedRows& rows, const TensorView& q,
+  // What a checked layer was given: q, and the new tokens' k / v (undefined where none).
+  struct LayerInputs {
+    TensorView q, k, v;
+  };
+  // Compares one checked layer's output rows with the reference (which reads the new tokens'
+  // K/V from `in` where the pass did, else from the pool).
+  void compare_layer(const LayerSpec& layer, const CheckedRows& rows, const LayerInputs& in,
                      const TensorView& out, const char* what, PassResult& r);
   // Copies `rows` rows of a layer's output to the host and notes its first NaN or Inf in `r`.
   void scan_for_nonfinite(const TensorView& out, int64_t rows, const std::string& what,
@@ -100,7 +105,7 @@ class Model {
   // After a pass: scans the last output for NaN / Inf and compares the checked layers' outputs.
   void verify_pass(const StepBatch& step, const CheckOptions& check,
                    const std::vector<int>& check_layers, const std::vector<size_t>& check_entries,
-                   const std::vector<TensorView>& check_q, const std::vector<Tensor>& check_out,
+                   const std::vector<LayerInputs>& check_in, const std::vector<Tensor>& check_out,
                    const TensorView& last_out, PassResult& r);
 
   ModelConfig config_;

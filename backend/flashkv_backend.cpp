@@ -43,6 +43,13 @@ TensorView as_heads(const TensorView& t, int64_t heads, int64_t dim, const char*
   return v;
 }
 
+// An extend planned for the ragged path runs it on the full wrapper's self-attention layers: the
+// new tokens attend to each other from the given k / v, and to the cached prefix from the pool.
+bool ragged_layer(bool use_ragged, WrapperKind kind, const LayerSpec& layer) {
+  return use_ragged && kind == WrapperKind::full && !layer.is_cross_attention &&
+         layer.attn_type != AttentionType::ENCODER_ONLY;
+}
+
 }  // namespace
 
 // The host half of a planned batch: everything init_forward_metadata decides before it touches a
@@ -691,6 +698,14 @@ int wrapper_index(const BackendOptions& o, const LayerSpec& layer) {
 }
 }  // namespace
 
+bool FlashKVBackend::reads_new_kv_from_input(const LayerSpec& layer) const {
+  if (active_ == nullptr) return false;
+  const HostPlan& n = active_->plan;
+  const int wi = wrapper_index(options_, layer);
+  return wi < static_cast<int>(n.wrappers.size()) &&
+         ragged_layer(n.use_ragged, n.wrappers[wi].kind, layer);
+}
+
 TensorView FlashKVBackend::forward_decode(const TensorView& q, const TensorView& k,
                                           const TensorView& v, const LayerSpec& layer,
                                           const ForwardBatch& b, bool save_kv_cache,
@@ -751,7 +766,7 @@ TensorView FlashKVBackend::forward_extend(const TensorView& q, const TensorView&
     return flat_output(io.out);
   }
   const bool save = save_kv_cache && io.k.defined();
-  const bool ragged = n.use_ragged && wr.kind == WrapperKind::full && !layer.is_cross_attention;
+  const bool ragged = ragged_layer(n.use_ragged, wr.kind, layer);
   if (!ragged) {
     // One paged pass over everything the wrapper indexes; the new K/V must be in the pool first.
     io.opt.causal = wr.paged_causal;

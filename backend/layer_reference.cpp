@@ -29,11 +29,36 @@ Tensor gather_rows(const TensorView& src, const std::vector<int32_t>& rows) {
   return out;
 }
 
+// K or V rows of the requests as float, each `pool_row` >= 0 from the pool (times its scale),
+// each other one row -1 - pool_row of `fresh`: [rows.size(), Hkv, D].
+Tensor mixed_rows(const TensorView& pool, float scale, const TensorView& fresh,
+                  const std::vector<int64_t>& rows) {
+  std::vector<int32_t> from_pool, from_fresh;
+  for (int64_t r : rows)
+    (r >= 0 ? from_pool : from_fresh).push_back(static_cast<int32_t>(r >= 0 ? r : -1 - r));
+  const Tensor a = gather_rows(pool, from_pool), b = gather_rows(fresh, from_fresh);
+  const int64_t width = pool.shape[1] * pool.shape[2];
+  Tensor out = Tensor::empty(
+      {std::max<int64_t>(static_cast<int64_t>(rows.size()), 1), pool.shape[1], pool.shape[2]},
+      DType::f32);
+  float* dst = out.ptr<float>();
+  int64_t ia = 0, ib = 0;
+  for (int64_t r : rows) {
+    const bool p = r >= 0;
+    const int64_t at = (p ? ia++ : ib++) * width;
+    for (int64_t e = 0; e < width; ++e)
+      *dst++ = p ? static_cast<float>(load_as_double(a.data(), pool.dtype, at + e) * scale)
+                 : static_cast<float>(load_as_double(b.data(), fresh.dtype, at + e));
+  }
+  return out;
+}
+
 }  // namespace
 
 reference::Result layer_reference(const LayerSpec& layer, const std::vector<ReferenceRequest>& reqs,
                                   const TensorView& q, const KVPool& full_pool,
-                                  const KVPool* swa_pool, const SWAAllocator* swa_allocator) {
+                                  const KVPool* swa_pool, const SWAAllocator* swa_allocator,
+                                  const TensorView& new_k, const TensorView& new_v) {
   FLASHKV_CHECK(layer.attn_type != AttentionType::ENCODER_ONLY, "layer_reference: layer ",
                 layer.layer_id, " is ENCODER_ONLY (it attends to its own k/v, not the pool)");
   FLASHKV_CHECK((swa_pool == nullptr) == (swa_allocator == nullptr),
@@ -47,7 +72,22 @@ reference::Result layer_reference(const LayerSpec& layer, const std::vector<Refe
       .dim(1, layer.num_qo_heads, "num_qo_heads")
       .dim(2, layer.head_dim_qk, "head_dim_qk");
 
-  std::vector<int32_t> kv_rows, qo_len, kv_len;
+  const bool fresh = new_k.defined();
+  FLASHKV_CHECK(fresh == new_v.defined(), "layer_reference: new_k and new_v go together");
+  const TensorView& pk = pool.k(layer.layer_id);
+  if (fresh) {
+    for (const TensorView* t : {&new_k, &new_v})
+      Expect(*t, t == &new_k ? "new_k" : "new_v")
+          .ndim(3)
+          .contiguous()
+          .float_dtype()
+          .dim(1, pk.shape[1], "the pool's KV heads")
+          .dim(2, pk.shape[2], "the pool's head dim");
+    FLASHKV_CHECK_EQ("layer_reference: new_v rows", new_v.shape[0], new_k.shape[0]);
+  }
+
+  std::vector<int32_t> qo_len, kv_len;
+  std::vector<int64_t> kv_rows;  // >= 0: a pool row; else row -1 - x of new_k / new_v
   std::vector<uint8_t> mask;
   bool any_mask = false;
   for (const ReferenceRequest& r : reqs) any_mask = any_mask || (r.mask != nullptr && !cross);
@@ -62,7 +102,17 @@ reference::Result layer_reference(const LayerSpec& layer, const std::vector<Refe
     FLASHKV_CHECK(r.slots != nullptr || r.encoder_len + r.seq_len == 0, "layer_reference: request ",
                   i, ": slots is null");
     const int32_t begin = cross ? 0 : r.encoder_len, n = cross ? r.encoder_len : r.seq_len;
+    const int32_t new_len = fresh ? r.new_len : 0;
+    if (fresh)
+      FLASHKV_CHECK(
+          new_len >= 0 && new_len <= n && r.new_row >= 0 && r.new_row + new_len <= new_k.shape[0],
+          "layer_reference: request ", i, ": new tokens [", r.new_row, ", ", r.new_row + new_len,
+          ") expected within the ", n, " KV tokens and new_k's ", new_k.shape[0], " rows");
     for (int32_t j = 0; j < n; ++j) {
+      if (j >= n - new_len) {
+        kv_rows.push_back(-1 - (r.new_row + (j - (n - new_len))));
+        continue;
+      }
       int32_t slot = r.slots[begin + j];
       FLASHKV_CHECK(slot >= 0 && slot < full_pool.num_rows(), "layer_reference: request ", i,
                     ": slot ", slot, " outside the pool [0, ", full_pool.num_rows(), ")");
@@ -80,8 +130,17 @@ reference::Result layer_reference(const LayerSpec& layer, const std::vector<Refe
   }
   FLASHKV_CHECK_EQ("layer_reference: q rows (sum of qo_len)", q.shape[0], q_rows);
 
-  Tensor k = gather_rows(pool.k(layer.layer_id), kv_rows);
-  Tensor v = gather_rows(pool.v(layer.layer_id), kv_rows);
+  float k_scale = pool.k_scale(layer.layer_id), v_scale = pool.v_scale(layer.layer_id);
+  Tensor k, v;
+  if (fresh) {
+    k = mixed_rows(pk, k_scale, new_k, kv_rows);
+    v = mixed_rows(pool.v(layer.layer_id), v_scale, new_v, kv_rows);
+    k_scale = v_scale = 1.0f;
+  } else {
+    const std::vector<int32_t> slots(kv_rows.begin(), kv_rows.end());
+    k = gather_rows(pk, slots);
+    v = gather_rows(pool.v(layer.layer_id), slots);
+  }
   AttentionOptions opt;
   opt.causal = !cross;
   opt.window_left = layer.sliding_window_size;
@@ -99,8 +158,7 @@ reference::Result layer_reference(const LayerSpec& layer, const std::vector<Refe
     kv_indptr[i + 1] = kv_indptr[i] + kv_len[i];
   }
   return reference::ragged_attention(q, k, v, Tensor::from_i32(qo_indptr),
-                                     Tensor::from_i32(kv_indptr), opt, pool.k_scale(layer.layer_id),
-                                     pool.v_scale(layer.layer_id));
+                                     Tensor::from_i32(kv_indptr), opt, k_scale, v_scale);
 }
 
 }  // namespace flashkv

@@ -192,10 +192,12 @@ ForwardBatch Harness::make_batch(ForwardMode mode, std::vector<Request*> reqs,
   return b;
 }
 
-reference::Result Harness::reference_for(const ForwardBatch& b, int l, const Tensor& q_host) {
+reference::Result Harness::reference_for(const ForwardBatch& b, int l, const Tensor& q_host,
+                                         const Tensor* k_host, const Tensor* v_host) {
   // The tree mask of a verify pass is packed request after request, [qo_len, seq_len] each.
   std::vector<ReferenceRequest> reqs;
-  int64_t mask_offset = 0;
+  int64_t mask_offset = 0, new_row = 0;
+  const bool fresh = k_host != nullptr && backend_->reads_new_kv_from_input(layer(l));
   for (size_t i = 0; i < batch_reqs_.size(); ++i) {
     const Request& r = *batch_reqs_[i];
     ReferenceRequest rr;
@@ -203,6 +205,9 @@ reference::Result Harness::reference_for(const ForwardBatch& b, int l, const Ten
     rr.encoder_len = r.encoder_len;
     rr.seq_len = r.seq_len;
     rr.qo_len = b.extend_len(static_cast<int32_t>(i));
+    rr.new_len = rr.qo_len;
+    rr.new_row = new_row;
+    new_row += rr.qo_len;
     if (b.mode == ForwardMode::TARGET_VERIFY) {
       rr.mask = mask_host_.ptr<uint8_t>() + mask_offset;
       mask_offset += int64_t{rr.qo_len} * rr.seq_len;
@@ -210,7 +215,8 @@ reference::Result Harness::reference_for(const ForwardBatch& b, int l, const Ten
     reqs.push_back(rr);
   }
   return layer_reference(layer(l), reqs, q_host, *pool_, swa_pool_.get(),
-                         swa_pool_ ? swa_alloc_ : nullptr);
+                         swa_pool_ ? swa_alloc_ : nullptr, fresh ? k_host->view() : TensorView(),
+                         fresh ? v_host->view() : TensorView());
 }
 
 void Harness::check_layer(const ForwardBatch& b, int l, const Tensor& q_host,
@@ -343,7 +349,7 @@ std::vector<Tensor> Harness::forward_and_check(const ForwardBatch& b, uint64_t q
       SCOPED_TRACE(::testing::Message() << "layer " << l << " (encoder-only)");
       expect_close(h3, TensorView(), ref, shape_.dtype, false);
     } else {
-      auto ref = reference_for(b, l, q);
+      auto ref = reference_for(b, l, q, &k, &v);
       SCOPED_TRACE(::testing::Message() << "layer " << l << " mode " << mode_name(b.mode));
       expect_close(h3, TensorView(), ref, shape_.dtype, is_fp8(shape_.kv_dtype));
     }

@@ -109,7 +109,10 @@ class Harness {
  private:
   void fill_random_kv(const std::vector<int32_t>& slots, bool encoder);
   void shuffle_free_pages();
-  reference::Result reference_for(const ForwardBatch& b, int layer, const Tensor& q_host);
+  // k_host / v_host: the layer's new K/V, read by the reference where the pass read them from
+  // its input (FlashKVBackend::reads_new_kv_from_input) instead of from the pool.
+  reference::Result reference_for(const ForwardBatch& b, int layer, const Tensor& q_host,
+                                  const Tensor* k_host = nullptr, const Tensor* v_host = nullptr);
 
   ModelShape shape_;
   Rng rng_;

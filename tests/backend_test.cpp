@@ -166,13 +166,22 @@ TEST_P(BackendTest, Fp8KvCacheAndSoftCap) {
     ModelShape s = shape();
     s.kv_dtype = kv;
     s.logit_cap = 30.0f;
-    // The ragged pass reads the new tokens' K/V as given (bf16), the reference reads them back
-    // from the pool (rounded to fp8): e5m2's 2-bit mantissa puts that gap past the fp8
-    // tolerance, so its extend runs as one paged pass over the pool (multimodal).
-    BackendOptions o;
-    o.is_multimodal = kv == DType::fp8_e5m2;
-    Harness h(s, o);
-    extend_then_decode(h, {70, 0}, {9, 14});
+    // Both extend paths: ragged (the new tokens' K/V read as given, the prefix from the fp8
+    // pool; the reference reads them where the pass did) and one paged pass over the pool
+    // (multimodal). e5m2's 2-bit mantissa would put the ragged pass past the fp8 tolerance
+    // against a reference that read the new tokens back from the pool.
+    for (bool multimodal : {false, true}) {
+      SCOPED_TRACE(multimodal ? "one paged pass" : "ragged");
+      BackendOptions o;
+      o.is_multimodal = multimodal;
+      Harness h(s, o);
+      Request a = h.add_request(70), b = h.add_request(0);
+      h.run_and_check(h.make_batch(ForwardMode::EXTEND, {&a, &b}, {9, 14}));
+      EXPECT_EQ(h.backend().uses_ragged(), !multimodal);
+      EXPECT_EQ(h.backend().reads_new_kv_from_input(h.layer(0)), !multimodal);
+      h.run_and_check(h.make_batch(ForwardMode::DECODE, {&a, &b}, {1, 1}));
+      EXPECT_FALSE(h.backend().reads_new_kv_from_input(h.layer(0)));
+    }
   }
 }
 

@@ -101,6 +101,19 @@ TEST(Cli, ServeChatWritesTheJsonContract) {
   EXPECT_GT(number(j, "prefix_hit_rate"), 0);
 }
 
+// An fp8 e5m2 pool through the ragged extend: the check's reference reads the new tokens' K/V
+// as the pass did (as given, not rounded to e5m2's 2-bit mantissa), the prefix from the pool.
+TEST(Cli, ServeChecksAnFp8E5m2Pool) {
+  const std::string json = temp_path("serve-e5m2.json");
+  const RunResult r = flashkv(
+      "serve --device cpu --requests 24 --layers 2 --kv-dtype fp8_e5m2 --check --quiet --json " +
+      json);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const JsonValue j = parse_json(read_file(json));
+  expect_serve_contract(j, 24);
+  EXPECT_GT(number(j, "prefix_hit_rate"), 0);  // extends over a cached prefix ran
+}
+
 TEST(Cli, ServeSpeculativeWorkload) {
   const std::string json = temp_path("spec.json");
   const RunResult r = flashkv(

@@ -475,5 +475,77 @@ TEST(LayerReference, BadInput) {
             std::string::npos);
 }
 
+// A pass that read its new tokens' K/V from its input: those rows come from new_k / new_v as
+// they are, the others from the pool times its scales.
+TEST(LayerReference, NewTokensFromTheGivenKv) {
+  using test::random_tensor;
+  using test::Rng;
+  KVPoolConfig pc;
+  pc.num_slots = 8;
+  pc.num_kv_heads = 2;
+  pc.head_dim_qk = 64;
+  pc.dtype = DType::fp8_e5m2;
+  KVPool pool(pc);
+  pool.set_scales(0, 0.5f, 2.0f);
+  Rng rng(7);
+  for (const TensorView& t : {pool.k(0), pool.v(0)}) {
+    const Tensor x = random_tensor(rng, {8, 2, 64}, DType::f32);
+    for (int64_t i = 0; i < t.numel(); ++i)
+      store_from_double(t.data, t.dtype, i, load_as_double(x.data(), DType::f32, i));
+  }
+  LayerSpec l;
+  l.num_qo_heads = 4;
+  l.num_kv_heads = 2;
+  l.head_dim_qk = 64;
+  const Tensor q = random_tensor(rng, {2, 4, 64}, DType::bf16);
+  const Tensor nk = random_tensor(rng, {4, 2, 64}, DType::bf16);
+  const Tensor nv = random_tensor(rng, {4, 2, 64}, DType::bf16);
+  // Three tokens in slots 5, 2, 6; the last two are new, rows 1 and 2 of nk / nv.
+  std::vector<int32_t> slots = {5, 2, 6};
+  ReferenceRequest r{slots.data(), 0, 3, 2, nullptr};
+  r.new_len = 2;
+  r.new_row = 1;
+  const reference::Result got = layer_reference(l, {r}, q, pool, nullptr, nullptr, nk, nv);
+
+  Tensor k = Tensor::empty({3, 2, 64}, DType::f32), v = Tensor::empty({3, 2, 64}, DType::f32);
+  for (int64_t e = 0; e < 128; ++e) {
+    k.ptr<float>()[e] = float(load_as_double(pool.k(0).data, pc.dtype, 5 * 128 + e) * 0.5);
+    v.ptr<float>()[e] = float(load_as_double(pool.v(0).data, pc.dtype, 5 * 128 + e) * 2.0);
+    for (int j = 1; j < 3; ++j) {
+      k.ptr<float>()[j * 128 + e] = float(load_as_double(nk.data(), DType::bf16, j * 128 + e));
+      v.ptr<float>()[j * 128 + e] = float(load_as_double(nv.data(), DType::bf16, j * 128 + e));
+    }
+  }
+  AttentionOptions opt;
+  opt.causal = true;
+  const reference::Result want =
+      reference::ragged_attention(q, k, v, Tensor::from_i32({0, 2}), Tensor::from_i32({0, 3}), opt);
+  ASSERT_EQ(got.o.size(), want.o.size());
+  for (size_t i = 0; i < want.o.size(); ++i) EXPECT_NEAR(got.o[i], want.o[i], 1e-6) << i;
+  for (size_t i = 0; i < want.lse.size(); ++i) EXPECT_NEAR(got.lse[i], want.lse[i], 1e-6) << i;
+  // Read from the pool, the new tokens differ (e5m2 rounds them).
+  const reference::Result pooled = layer_reference(l, {r}, q, pool);
+  double diff = 0;
+  for (size_t i = 0; i < want.o.size(); ++i)
+    diff = std::max(diff, std::abs(pooled.o[i] - want.o[i]));
+  EXPECT_GT(diff, 1e-3);
+
+  EXPECT_NE(error_of([&] {
+              layer_reference(l, {r}, q, pool, nullptr, nullptr, nk);
+            }).find("new_k and new_v go together"),
+            std::string::npos);
+  ReferenceRequest past = r;
+  past.new_row = 3;
+  EXPECT_NE(error_of([&] {
+              layer_reference(l, {past}, q, pool, nullptr, nullptr, nk, nv);
+            }).find("new tokens [3, 5)"),
+            std::string::npos);
+  ReferenceRequest longer = r;
+  longer.new_len = 4;
+  EXPECT_THROW(layer_reference(l, {longer}, q, pool, nullptr, nullptr, nk, nv), Error);
+  const Tensor wrong = random_tensor(rng, {4, 1, 64}, DType::bf16);
+  EXPECT_THROW(layer_reference(l, {r}, q, pool, nullptr, nullptr, wrong, wrong), Error);
+}
+
 }  // namespace
 }  // namespace flashkv::app

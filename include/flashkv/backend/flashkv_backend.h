@@ -80,6 +80,10 @@ class FlashKVBackend : public AttentionBackend {
   // What the last init_forward_metadata decided (for tests and tracing).
   bool uses_ragged() const;
   bool extend_without_prefix() const;
+  // Whether this pass of `layer` reads the new tokens' K/V from the k/v it is given (the ragged
+  // extend path), not back from the pool. They differ where the pool rounds them (fp8 KV), so a
+  // reference of the pass must read them where the pass did (layer_reference's new_k / new_v).
+  bool reads_new_kv_from_input(const LayerSpec& layer) const;
 
  protected:
   TensorView forward_decode(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -29,6 +29,10 @@ struct ReferenceRequest {
   // TARGET_VERIFY: the tree-mask rows of those queries, [qo_len, seq_len] row-major (0/1);
   // null: causal. Cross-attention layers ignore it.
   const uint8_t* mask = nullptr;
+  // With layer_reference's new_k / new_v: the request's last new_len decoder tokens (this pass's
+  // new ones) are rows [new_row, new_row + new_len) of those, not pool rows.
+  int32_t new_len = 0;
+  int64_t new_row = 0;
 };
 
 // q: host [sum qo_len, Hq, D_qk], the layer's query rows request after request. pool: the
@@ -37,9 +41,14 @@ struct ReferenceRequest {
 // cross-attention layers see the encoder tokens, non-causally. Throws flashkv::Error on an
 // ENCODER_ONLY layer (it reads no pool), a slot outside the pool, qo_len outside 0..seq_len, or q
 // rows that do not match the requests.
+// new_k / new_v (both or neither; host or device, [rows, Hkv, D]): the k / v the pass was given,
+// for a pass that read its new tokens from them (FlashKVBackend::reads_new_kv_from_input); the
+// pool's rows are then dequantized with its scales and the new tokens taken as they are.
 reference::Result layer_reference(const LayerSpec& layer, const std::vector<ReferenceRequest>& reqs,
                                   const TensorView& q, const KVPool& pool,
                                   const KVPool* swa_pool = nullptr,
-                                  const SWAAllocator* swa_allocator = nullptr);
+                                  const SWAAllocator* swa_allocator = nullptr,
+                                  const TensorView& new_k = TensorView(),
+                                  const TensorView& new_v = TensorView());
 
 }  // namespace flashkv
