@@ -489,7 +489,7 @@ TEST(LayerReference, NewTokensFromTheGivenKv) {
   pool.set_scales(0, 0.5f, 2.0f);
   Rng rng(7);
   for (const TensorView& t : {pool.k(0), pool.v(0)}) {
-    const Tensor x = random_tensor(rng, {8, 2, 64}, DType::f32);
+    const Tensor x = random_tensor(rng, {t.shape[0], t.shape[1], t.shape[2]}, DType::f32);
     for (int64_t i = 0; i < t.numel(); ++i)
       store_from_double(t.data, t.dtype, i, load_as_double(x.data(), DType::f32, i));
   }
