@@ -13,7 +13,7 @@ namespace {
 // Rows `rows` of a pool tensor [num_rows, Hkv, D] copied into a host tensor [rows.size(), Hkv, D]
 // of the pool's dtype. A device pool is read in runs of consecutive slots (the allocators hand
 // out ascending runs), so a long sequence costs a few copies, not one per token.
-Tensor gather_rows(const TensorView& src, const std::vector<int32_t>& rows) {
+Tensor gather_rows(const TensorView& src, const std::vector<int64_t>& rows) {
   const int64_t n = static_cast<int64_t>(rows.size());
   Tensor out = Tensor::empty({std::max<int64_t>(n, 1), src.shape[1], src.shape[2]}, src.dtype);
   const size_t row_bytes = static_cast<size_t>(src.shape[1] * src.shape[2]) * dtype_size(src.dtype);
@@ -33,9 +33,8 @@ Tensor gather_rows(const TensorView& src, const std::vector<int32_t>& rows) {
 // each other one row -1 - pool_row of `fresh`: [rows.size(), Hkv, D].
 Tensor mixed_rows(const TensorView& pool, float scale, const TensorView& fresh,
                   const std::vector<int64_t>& rows) {
-  std::vector<int32_t> from_pool, from_fresh;
-  for (int64_t r : rows)
-    (r >= 0 ? from_pool : from_fresh).push_back(static_cast<int32_t>(r >= 0 ? r : -1 - r));
+  std::vector<int64_t> from_pool, from_fresh;
+  for (int64_t r : rows) (r >= 0 ? from_pool : from_fresh).push_back(r >= 0 ? r : -1 - r);
   const Tensor a = gather_rows(pool, from_pool), b = gather_rows(fresh, from_fresh);
   const int64_t width = pool.shape[1] * pool.shape[2];
   Tensor out = Tensor::empty(
@@ -74,7 +73,7 @@ reference::Result layer_reference(const LayerSpec& layer, const std::vector<Refe
 
   const bool fresh = new_k.defined();
   FLASHKV_CHECK(fresh == new_v.defined(), "layer_reference: new_k and new_v go together");
-  const TensorView& pk = pool.k(layer.layer_id);
+  const TensorView pk = pool.k(layer.layer_id), pv = pool.v(layer.layer_id);
   if (fresh) {
     for (const TensorView* t : {&new_k, &new_v})
       Expect(*t, t == &new_k ? "new_k" : "new_v")
@@ -134,12 +133,11 @@ reference::Result layer_reference(const LayerSpec& layer, const std::vector<Refe
   Tensor k, v;
   if (fresh) {
     k = mixed_rows(pk, k_scale, new_k, kv_rows);
-    v = mixed_rows(pool.v(layer.layer_id), v_scale, new_v, kv_rows);
+    v = mixed_rows(pv, v_scale, new_v, kv_rows);
     k_scale = v_scale = 1.0f;
   } else {
-    const std::vector<int32_t> slots(kv_rows.begin(), kv_rows.end());
-    k = gather_rows(pk, slots);
-    v = gather_rows(pool.v(layer.layer_id), slots);
+    k = gather_rows(pk, kv_rows);
+    v = gather_rows(pv, kv_rows);
   }
   AttentionOptions opt;
   opt.causal = !cross;
