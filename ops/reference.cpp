@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
+
+#include "flashkv/core/thread_pool.h"
 
 namespace flashkv::reference {
 namespace {
@@ -32,41 +35,59 @@ Shapes check_qkv(const TensorView& q, const TensorView& k, const TensorView& v) 
   return {q.shape[1], k.shape[1], q.shape[2], v.shape[2]};
 }
 
-// Attention of one request: query rows [q_begin, q_begin + q_len) of q, KV entries j = 0..kv_len-1
-// found at rows kv_row[j] of k/v. mask: the request's [q_len, kv_len] matrix or null.
-void attend_request(const TensorView& q, int64_t q_begin, int64_t q_len,
-                    const std::vector<int64_t>& kv_row, const TensorView& k, const TensorView& v,
-                    double k_scale, double v_scale, const AttentionOptions& opt,
-                    const uint8_t* mask, Result& out) {
-  const Shapes s{q.shape[1], k.shape[1], q.shape[2], v.shape[2]};
-  const int64_t group = s.hq / s.hkv;
-  const int64_t kv_len = static_cast<int64_t>(kv_row.size());
-  const double sm_scale = opt.sm_scale > 0 ? opt.sm_scale : 1.0 / std::sqrt(double(s.dqk));
-  // Dequantized K/V of the request: [kv_len, Hkv, D].
-  std::vector<double> kd(kv_len * s.hkv * s.dqk), vd(kv_len * s.hkv * s.dv);
+// One request's share of a batch: query rows [q_begin, q_begin + q_len) of q, KV entries
+// j = 0..kv_len-1 at rows kv_row[j] of k/v; mask: the request's [q_len, kv_len] matrix or null.
+struct RequestRows {
+  int64_t q_begin = 0, q_len = 0;
+  std::vector<int64_t> kv_row;
+  const uint8_t* mask = nullptr;
+};
+
+// A request's K/V rows as doubles times their scales: [kv_len, Hkv, D] each.
+struct DequantizedKv {
+  std::vector<double> k, v;
+};
+
+DequantizedKv dequantize(const RequestRows& r, const TensorView& k, const TensorView& v,
+                         double k_scale, double v_scale) {
+  const int64_t hkv = k.shape[1], dqk = k.shape[2], dv = v.shape[2];
+  const int64_t kv_len = static_cast<int64_t>(r.kv_row.size());
+  DequantizedKv out{std::vector<double>(kv_len * hkv * dqk),
+                    std::vector<double>(kv_len * hkv * dv)};
   for (int64_t j = 0; j < kv_len; ++j)
-    for (int64_t h = 0; h < s.hkv; ++h) {
-      load_row(k, kv_row[j], h, k_scale, &kd[(j * s.hkv + h) * s.dqk]);
-      load_row(v, kv_row[j], h, v_scale, &vd[(j * s.hkv + h) * s.dv]);
+    for (int64_t h = 0; h < hkv; ++h) {
+      load_row(k, r.kv_row[j], h, k_scale, &out.k[(j * hkv + h) * dqk]);
+      load_row(v, r.kv_row[j], h, v_scale, &out.v[(j * hkv + h) * dv]);
     }
+  return out;
+}
+
+// Query rows [qi0, qi1) of request r (every head), written to their own rows of out.
+void attend_rows(const TensorView& q, const RequestRows& r, const DequantizedKv& kv,
+                 int64_t num_kv_heads, int64_t dv, const AttentionOptions& opt, int64_t qi0,
+                 int64_t qi1, Result& out) {
+  const Shapes s{q.shape[1], num_kv_heads, q.shape[2], dv};
+  const int64_t group = s.hq / s.hkv;
+  const int64_t kv_len = static_cast<int64_t>(r.kv_row.size());
+  const double sm_scale = opt.sm_scale > 0 ? opt.sm_scale : 1.0 / std::sqrt(double(s.dqk));
   std::vector<double> qd(s.dqk), score(kv_len);
   std::vector<char> allowed(kv_len);
-  for (int64_t qi = 0; qi < q_len; ++qi) {
-    const int64_t pos = kv_len - q_len + qi;  // absolute position of this query
+  for (int64_t qi = qi0; qi < qi1; ++qi) {
+    const int64_t pos = kv_len - r.q_len + qi;  // absolute position of this query
     for (int64_t j = 0; j < kv_len; ++j) {
-      bool ok = mask ? mask[qi * kv_len + j] != 0 : (!opt.causal || j <= pos);
+      bool ok = r.mask ? r.mask[qi * kv_len + j] != 0 : (!opt.causal || j <= pos);
       if (opt.window_left >= 0 && j < pos - opt.window_left) ok = false;
       allowed[j] = ok;
     }
     for (int64_t h = 0; h < s.hq; ++h) {
       const int64_t kvh = h / group;
-      load_row(q, q_begin + qi, h, 1.0, qd.data());
+      load_row(q, r.q_begin + qi, h, 1.0, qd.data());
       double m = kNegInf;  // over the numbers among the scores: a NaN score is not a maximum
       bool any = false;
       for (int64_t j = 0; j < kv_len; ++j) {
         if (!allowed[j]) continue;
         any = true;
-        const double* kr = &kd[(j * s.hkv + kvh) * s.dqk];
+        const double* kr = &kv.k[(j * s.hkv + kvh) * s.dqk];
         double dot = 0;
         for (int64_t d = 0; d < s.dqk; ++d) dot += qd[d] * kr[d];
         double sc = dot * sm_scale;
@@ -74,8 +95,8 @@ void attend_request(const TensorView& q, int64_t q_begin, int64_t q_len,
         score[j] = sc;
         m = std::max(m, sc);
       }
-      double* o = &out.o[((q_begin + qi) * s.hq + h) * s.dv];
-      double& lse = out.lse[(q_begin + qi) * s.hq + h];
+      double* o = &out.o[((r.q_begin + qi) * s.hq + h) * s.dv];
+      double& lse = out.lse[(r.q_begin + qi) * s.hq + h];
       std::fill(o, o + s.dv, 0.0);
       if (!any) {
         lse = kNegInf;
@@ -88,12 +109,58 @@ void attend_request(const TensorView& q, int64_t q_begin, int64_t q_len,
         if (!allowed[j]) continue;
         const double p = std::exp(score[j] - m);
         sum += p;
-        const double* vr = &vd[(j * s.hkv + kvh) * s.dv];
+        const double* vr = &kv.v[(j * s.hkv + kvh) * s.dv];
         for (int64_t d = 0; d < s.dv; ++d) o[d] += p * vr[d];
       }
       for (int64_t d = 0; d < s.dv; ++d) o[d] /= sum;
       lse = (m + std::log(sum)) / std::log(2.0);
     }
+  }
+}
+
+// Requests are taken in groups of up to 4 per thread, whose dequantized K/V is held at once, up
+// to this size (at least one request a group).
+constexpr int64_t kDequantizedBytes = int64_t{256} << 20;
+// Query rows of a request per work item.
+constexpr int64_t kRowsPerItem = 4;
+
+// Attention of every request (validated by the caller) on the process's thread pool: groups of
+// requests are dequantized side by side, then their query rows computed in items of a few rows.
+// Each output row is computed by one item in the order a serial loop would use, so the result
+// does not depend on the number of threads.
+void attend_requests(const TensorView& q, const std::vector<RequestRows>& reqs, const TensorView& k,
+                     const TensorView& v, double k_scale, double v_scale,
+                     const AttentionOptions& opt, Result& out) {
+  ThreadPool& pool = ThreadPool::global();
+  const size_t max_group = 4 * static_cast<size_t>(pool.size());
+  const int64_t row_bytes =
+      k.shape[1] * (k.shape[2] + v.shape[2]) * static_cast<int64_t>(sizeof(double));
+  // Bytes of a request's dequantized K/V (none without query rows: it is not read).
+  auto kv_bytes = [&](const RequestRows& r) {
+    return r.q_len > 0 ? static_cast<int64_t>(r.kv_row.size()) * row_bytes : 0;
+  };
+  for (size_t first = 0; first < reqs.size();) {
+    size_t end = first;
+    int64_t bytes = 0;
+    do {
+      bytes += kv_bytes(reqs[end]);
+      ++end;
+    } while (end < reqs.size() && end - first < max_group &&
+             bytes + kv_bytes(reqs[end]) <= kDequantizedBytes);
+    std::vector<DequantizedKv> kv(end - first);
+    pool.parallel_for(static_cast<int64_t>(end - first), [&](int64_t i, int) {
+      if (reqs[first + i].q_len > 0) kv[i] = dequantize(reqs[first + i], k, v, k_scale, v_scale);
+    });
+    std::vector<std::pair<size_t, int64_t>> items;  // (request, first query row)
+    for (size_t i = first; i < end; ++i)
+      for (int64_t qi = 0; qi < reqs[i].q_len; qi += kRowsPerItem) items.emplace_back(i, qi);
+    pool.parallel_for(static_cast<int64_t>(items.size()), [&](int64_t it, int) {
+      const auto [i, qi] = items[it];
+      const RequestRows& r = reqs[i];
+      attend_rows(q, r, kv[i - first], k.shape[1], v.shape[2], opt, qi,
+                  std::min(qi + kRowsPerItem, r.q_len), out);
+    });
+    first = end;
   }
 }
 
@@ -147,6 +214,7 @@ Result ragged_attention(const TensorView& q, const TensorView& k, const TensorVi
   const int64_t batch = qo_indptr.numel() - 1;
   check_mask(opt, batch);
   int64_t mask_running = 0;
+  std::vector<RequestRows> reqs(batch);
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t qb = index_at(qo_indptr, i), qe = index_at(qo_indptr, i + 1);
     const int64_t kb = index_at(kv_indptr, i), ke = index_at(kv_indptr, i + 1);
@@ -154,11 +222,14 @@ Result ragged_attention(const TensorView& q, const TensorView& k, const TensorVi
                   ", ", qe, ") outside q's ", q.shape[0], " rows");
     FLASHKV_CHECK(kb >= 0 && kb <= ke && ke <= k.shape[0], "kv_indptr: request ", i, " rows [", kb,
                   ", ", ke, ") outside k's ", k.shape[0], " rows");
-    std::vector<int64_t> rows(ke - kb);
-    for (int64_t j = 0; j < ke - kb; ++j) rows[j] = kb + j;
-    const uint8_t* mask = request_mask(opt, i, &mask_running, qe - qb, ke - kb);
-    attend_request(q, qb, qe - qb, rows, k, v, k_scale, v_scale, opt, mask, out);
+    RequestRows& r = reqs[i];
+    r.q_begin = qb;
+    r.q_len = qe - qb;
+    r.kv_row.resize(ke - kb);
+    for (int64_t j = 0; j < ke - kb; ++j) r.kv_row[j] = kb + j;
+    r.mask = request_mask(opt, i, &mask_running, qe - qb, ke - kb);
   }
+  attend_requests(q, reqs, k, v, k_scale, v_scale, opt, out);
   return out;
 }
 
@@ -183,6 +254,7 @@ Result paged_attention(const TensorView& q, const TensorView& qo_indptr, const P
   }
   Result out = make_result(q.shape[0], s);
   int64_t mask_running = 0;
+  std::vector<RequestRows> reqs(batch);
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t qb = qo_indptr.defined() ? index_at(qo_indptr, i) : i;
     const int64_t qe = qo_indptr.defined() ? index_at(qo_indptr, i + 1) : i + 1;
@@ -192,17 +264,20 @@ Result paged_attention(const TensorView& q, const TensorView& qo_indptr, const P
     const int64_t e0 = index_at(kv.indptr, i), e1 = index_at(kv.indptr, i + 1);
     FLASHKV_CHECK(e0 >= 0 && e1 <= kv.indices.numel(), "kv.indptr: request ", i, " entries [", e0,
                   ", ", e1, ") outside kv.indices' ", kv.indices.numel(), " entries");
-    std::vector<int64_t> rows(kv_len);
+    RequestRows& r = reqs[i];
+    r.q_begin = qb;
+    r.q_len = qe - qb;
+    r.kv_row.resize(kv_len);
     for (int64_t j = 0; j < kv_len; ++j) {
       const int64_t entry = index_at(kv.indices, e0 + j / kv.page_size);
       const int64_t slot = entry * kv.page_size + j % kv.page_size;
       FLASHKV_CHECK(slot >= 0 && slot < kv.k.shape[0], "kv.indices: request ", i, " entry ",
                     e0 + j / kv.page_size, " points at slot ", slot, ", pool has ", kv.k.shape[0]);
-      rows[j] = slot;
+      r.kv_row[j] = slot;
     }
-    const uint8_t* mask = request_mask(opt, i, &mask_running, qe - qb, kv_len);
-    attend_request(q, qb, qe - qb, rows, kv.k, kv.v, kv.k_scale, kv.v_scale, opt, mask, out);
+    r.mask = request_mask(opt, i, &mask_running, qe - qb, kv_len);
   }
+  attend_requests(q, reqs, kv.k, kv.v, kv.k_scale, kv.v_scale, opt, out);
   return out;
 }
 
