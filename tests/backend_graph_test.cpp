@@ -14,6 +14,8 @@
 #if FLASHKV_WITH_CUDA
 #include <cuda_runtime_api.h>
 
+#include "cuda_capture.h"
+
 namespace flashkv::test {
 namespace {
 
@@ -93,12 +95,12 @@ TEST(CudaBackendGraph, CaptureEveryBatchSizeReplayOtherBatches) {
       copy_bytes(v.data(), s.device, v_host.data(), Device::cpu(), v_host.view().nbytes());
       CUDA_OK(cudaDeviceSynchronize());
       if (capture) {
-        cudaGraph_t graph;
-        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        for (int l = 0; l < s.num_layers; ++l)
-          h.backend().forward(q.view().rows(0, T), k.view().rows(0, T), v.view().rows(0, T),
-                              h.layer(l), b, true, outs[l].view().rows(0, T));
-        CUDA_OK(cudaStreamEndCapture(stream, &graph));
+        cudaGraph_t graph = test::capture_graph(stream, [&] {
+          for (int l = 0; l < s.num_layers; ++l)
+            h.backend().forward(q.view().rows(0, T), k.view().rows(0, T), v.view().rows(0, T),
+                                h.layer(l), b, true, outs[l].view().rows(0, T));
+        });
+        ASSERT_NE(graph, nullptr);
         CUDA_OK(cudaGraphInstantiate(&graphs[bs], graph, 0));
         CUDA_OK(cudaGraphDestroy(graph));
       }
@@ -115,6 +117,58 @@ TEST(CudaBackendGraph, CaptureEveryBatchSizeReplayOtherBatches) {
       if (g) CUDA_OK(cudaGraphExecDestroy(g));
     CUDA_OK(cudaStreamDestroy(stream));
   }
+}
+
+// A forward that rejects its arguments while a graph is being captured (as a model runner's
+// capture of a wrongly sized batch would): the error is a flashkv::Error, the capture is ended
+// with it, and the same thread can synchronize, capture and replay the pass afterwards.
+TEST(CudaBackendGraph, ARejectedForwardInsideACaptureLeavesTheThreadUsable) {
+  FLASHKV_REQUIRE_GPU();
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreate(&stream));
+  ModelShape s;
+  s.device = Device::cuda(0);
+  s.num_layers = 1;
+  BackendOptions o;
+  o.stream = Stream{stream};
+  Harness h(s, o);
+  h.backend().init_cuda_graph_state(2, 2);
+  std::vector<Request> reqs = {h.add_request(300), h.add_request(41)};
+  ForwardBatch b = h.make_batch(ForwardMode::DECODE, {&reqs[0], &reqs[1]}, {1, 1});
+  h.backend().init_forward_metadata_capture_cuda_graph(b);
+  const Tensor q_host = random_tensor(h.rng(), {2, s.hq, s.head_dim}, s.dtype);
+  const Tensor k_host = random_tensor(h.rng(), {2, s.hkv, s.head_dim}, s.dtype);
+  const Tensor v_host = random_tensor(h.rng(), {2, s.hkv, s.head_dim}, s.dtype);
+  Tensor q = Tensor::empty({2, s.hq, s.head_dim}, s.dtype, s.device);
+  Tensor k = Tensor::empty({2, s.hkv, s.head_dim}, s.dtype, s.device);
+  Tensor v = Tensor::empty({2, s.hkv, s.head_dim}, s.dtype, s.device);
+  q.copy_from(q_host);
+  k.copy_from(k_host);
+  v.copy_from(v_host);
+  Tensor out = Tensor::empty({2, int64_t{s.hq} * s.head_dim}, s.dtype, s.device);
+  Tensor narrow = Tensor::empty({2, int64_t{s.hq} * s.head_dim - 8}, s.dtype, s.device);
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::string error = error_of([&] {
+    (void)capture_graph(stream,
+                        [&] { h.backend().forward(q, k, v, h.layer(0), b, true, narrow.view()); });
+  });
+  EXPECT_NE(error.find("out"), std::string::npos) << error;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusActive;
+  CUDA_OK(cudaStreamIsCapturing(stream, &status));
+  EXPECT_EQ(status, cudaStreamCaptureStatusNone);
+  CUDA_OK(
+      cudaDeviceSynchronize());  // cudaErrorStreamCaptureUnsupported had the capture stayed open
+  cudaGraph_t graph =
+      capture_graph(stream, [&] { h.backend().forward(q, k, v, h.layer(0), b, true, out.view()); });
+  ASSERT_NE(graph, nullptr);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  h.check_layer(b, 0, q_host, out);
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 }  // namespace

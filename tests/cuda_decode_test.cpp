@@ -13,6 +13,8 @@
 
 #if FLASHKV_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "cuda_capture.h"
 #endif
 
 namespace flashkv {
@@ -593,10 +595,9 @@ TEST(CudaDecode, GraphReplayWithANewBatch) {
     PagedKV kv{dv.k, dv.v, indptr_d, indices_d, last_d, c.page_size};
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the copies above ran on another stream
     if (round == 0) {
-      cudaGraph_t graph;
-      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-      paged_decode(plan, dv.q, kv, c.opt, out_d, lse_d, ws, Stream{stream});
-      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+      cudaGraph_t graph = test::capture_graph(
+          stream, [&] { paged_decode(plan, dv.q, kv, c.opt, out_d, lse_d, ws, Stream{stream}); });
+      ASSERT_NE(graph, nullptr);
       ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
       cudaGraphDestroy(graph);
     }

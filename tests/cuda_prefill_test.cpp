@@ -19,6 +19,8 @@
 
 #if FLASHKV_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "cuda_capture.h"
 #endif
 
 namespace flashkv {
@@ -647,10 +649,8 @@ void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
 #if FLASHKV_WITH_CUDA
     cudaStream_t stream;
     ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-    cudaGraph_t graph;
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    run_both(Stream{stream});
-    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraph_t graph = test::capture_graph(stream, [&] { run_both(Stream{stream}); });
+    ASSERT_NE(graph, nullptr);
     cudaGraphExec_t exec;
     ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
     for (int rep = 0; rep < 2; ++rep) {  // the second replay starts from the first's outputs
@@ -1054,10 +1054,9 @@ TEST(CudaPrefill, GraphCaptureReplaysNewPlan) {
   AttentionOptions opt;
   load(in_a);
   ws.upload(plan_a, s);
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  paged_prefill(plan_a, q, qo, kv, opt, out, lse, ws, s);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraph_t graph =
+      test::capture_graph(stream, [&] { paged_prefill(plan_a, q, qo, kv, opt, out, lse, ws, s); });
+  ASSERT_NE(graph, nullptr);
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
