@@ -48,93 +48,90 @@ struct DequantizedKv {
   std::vector<double> k, v;
 };
 
-DequantizedKv dequantize(const RequestRows& r, const TensorView& k, const TensorView& v,
-                         double k_scale, double v_scale) {
+// Rows [j0, j1) of request r's K/V into kv (sized for the whole request).
+void dequantize(const RequestRows& r, const TensorView& k, const TensorView& v, double k_scale,
+                double v_scale, int64_t j0, int64_t j1, DequantizedKv& kv) {
   const int64_t hkv = k.shape[1], dqk = k.shape[2], dv = v.shape[2];
-  const int64_t kv_len = static_cast<int64_t>(r.kv_row.size());
-  DequantizedKv out{std::vector<double>(kv_len * hkv * dqk),
-                    std::vector<double>(kv_len * hkv * dv)};
-  for (int64_t j = 0; j < kv_len; ++j)
+  for (int64_t j = j0; j < j1; ++j)
     for (int64_t h = 0; h < hkv; ++h) {
-      load_row(k, r.kv_row[j], h, k_scale, &out.k[(j * hkv + h) * dqk]);
-      load_row(v, r.kv_row[j], h, v_scale, &out.v[(j * hkv + h) * dv]);
+      load_row(k, r.kv_row[j], h, k_scale, &kv.k[(j * hkv + h) * dqk]);
+      load_row(v, r.kv_row[j], h, v_scale, &kv.v[(j * hkv + h) * dv]);
     }
-  return out;
 }
 
-// Query rows [qi0, qi1) of request r (every head), written to their own rows of out.
-void attend_rows(const TensorView& q, const RequestRows& r, const DequantizedKv& kv,
-                 int64_t num_kv_heads, int64_t dv, const AttentionOptions& opt, int64_t qi0,
-                 int64_t qi1, Result& out) {
+// Query row qi of request r, query heads [h0, h1), written to their own places in out.
+void attend_row(const TensorView& q, const RequestRows& r, const DequantizedKv& kv,
+                int64_t num_kv_heads, int64_t dv, const AttentionOptions& opt, int64_t qi,
+                int64_t h0, int64_t h1, Result& out) {
   const Shapes s{q.shape[1], num_kv_heads, q.shape[2], dv};
   const int64_t group = s.hq / s.hkv;
   const int64_t kv_len = static_cast<int64_t>(r.kv_row.size());
   const double sm_scale = opt.sm_scale > 0 ? opt.sm_scale : 1.0 / std::sqrt(double(s.dqk));
   std::vector<double> qd(s.dqk), score(kv_len);
   std::vector<char> allowed(kv_len);
-  for (int64_t qi = qi0; qi < qi1; ++qi) {
-    const int64_t pos = kv_len - r.q_len + qi;  // absolute position of this query
+  const int64_t pos = kv_len - r.q_len + qi;  // absolute position of this query
+  for (int64_t j = 0; j < kv_len; ++j) {
+    bool ok = r.mask ? r.mask[qi * kv_len + j] != 0 : (!opt.causal || j <= pos);
+    if (opt.window_left >= 0 && j < pos - opt.window_left) ok = false;
+    allowed[j] = ok;
+  }
+  for (int64_t h = h0; h < h1; ++h) {
+    const int64_t kvh = h / group;
+    load_row(q, r.q_begin + qi, h, 1.0, qd.data());
+    double m = kNegInf;  // over the numbers among the scores: a NaN score is not a maximum
+    bool any = false;
     for (int64_t j = 0; j < kv_len; ++j) {
-      bool ok = r.mask ? r.mask[qi * kv_len + j] != 0 : (!opt.causal || j <= pos);
-      if (opt.window_left >= 0 && j < pos - opt.window_left) ok = false;
-      allowed[j] = ok;
+      if (!allowed[j]) continue;
+      any = true;
+      const double* kr = &kv.k[(j * s.hkv + kvh) * s.dqk];
+      double dot = 0;
+      for (int64_t d = 0; d < s.dqk; ++d) dot += qd[d] * kr[d];
+      double sc = dot * sm_scale;
+      if (opt.logits_soft_cap > 0) sc = opt.logits_soft_cap * std::tanh(sc / opt.logits_soft_cap);
+      score[j] = sc;
+      m = std::max(m, sc);
     }
-    for (int64_t h = 0; h < s.hq; ++h) {
-      const int64_t kvh = h / group;
-      load_row(q, r.q_begin + qi, h, 1.0, qd.data());
-      double m = kNegInf;  // over the numbers among the scores: a NaN score is not a maximum
-      bool any = false;
-      for (int64_t j = 0; j < kv_len; ++j) {
-        if (!allowed[j]) continue;
-        any = true;
-        const double* kr = &kv.k[(j * s.hkv + kvh) * s.dqk];
-        double dot = 0;
-        for (int64_t d = 0; d < s.dqk; ++d) dot += qd[d] * kr[d];
-        double sc = dot * sm_scale;
-        if (opt.logits_soft_cap > 0) sc = opt.logits_soft_cap * std::tanh(sc / opt.logits_soft_cap);
-        score[j] = sc;
-        m = std::max(m, sc);
-      }
-      double* o = &out.o[((r.q_begin + qi) * s.hq + h) * s.dv];
-      double& lse = out.lse[(r.q_begin + qi) * s.hq + h];
-      std::fill(o, o + s.dv, 0.0);
-      if (!any) {
-        lse = kNegInf;
-        continue;
-      }
-      // A NaN score (NaN in K) makes p, the sum, O and LSE NaN, as plain arithmetic would; even
-      // when it is the only allowed entry (m still -inf).
-      double sum = 0;
-      for (int64_t j = 0; j < kv_len; ++j) {
-        if (!allowed[j]) continue;
-        const double p = std::exp(score[j] - m);
-        sum += p;
-        const double* vr = &kv.v[(j * s.hkv + kvh) * s.dv];
-        for (int64_t d = 0; d < s.dv; ++d) o[d] += p * vr[d];
-      }
-      for (int64_t d = 0; d < s.dv; ++d) o[d] /= sum;
-      lse = (m + std::log(sum)) / std::log(2.0);
+    double* o = &out.o[((r.q_begin + qi) * s.hq + h) * s.dv];
+    double& lse = out.lse[(r.q_begin + qi) * s.hq + h];
+    std::fill(o, o + s.dv, 0.0);
+    if (!any) {
+      lse = kNegInf;
+      continue;
     }
+    // A NaN score (NaN in K) makes p, the sum, O and LSE NaN, as plain arithmetic would; even
+    // when it is the only allowed entry (m still -inf).
+    double sum = 0;
+    for (int64_t j = 0; j < kv_len; ++j) {
+      if (!allowed[j]) continue;
+      const double p = std::exp(score[j] - m);
+      sum += p;
+      const double* vr = &kv.v[(j * s.hkv + kvh) * s.dv];
+      for (int64_t d = 0; d < s.dv; ++d) o[d] += p * vr[d];
+    }
+    for (int64_t d = 0; d < s.dv; ++d) o[d] /= sum;
+    lse = (m + std::log(sum)) / std::log(2.0);
   }
 }
 
 // Requests are taken in groups of up to 4 per thread, whose dequantized K/V is held at once, up
 // to this size (at least one request a group).
 constexpr int64_t kDequantizedBytes = int64_t{256} << 20;
-// Query rows of a request per work item.
-constexpr int64_t kRowsPerItem = 4;
+// KV rows a request's dequantization hands to one thread at a time.
+constexpr int64_t kDequantizeRows = 256;
 
-// Attention of every request (validated by the caller) on the process's thread pool: groups of
-// requests are dequantized side by side, then their query rows computed in items of a few rows.
-// Each output row is computed by one item in the order a serial loop would use, so the result
-// does not depend on the number of threads.
+// Attention of every request (validated by the caller) on the process's thread pool: a group of
+// requests is dequantized in runs of rows side by side, then computed in items of one query row
+// and a range of its heads (whole rows when there are enough of them to keep every thread busy;
+// a check of a few rows of a long context splits their heads). Each (row, head) is computed by
+// one item in the order a serial loop would use, so the result does not depend on the number of
+// threads.
 void attend_requests(const TensorView& q, const std::vector<RequestRows>& reqs, const TensorView& k,
                      const TensorView& v, double k_scale, double v_scale,
                      const AttentionOptions& opt, Result& out) {
   ThreadPool& pool = ThreadPool::global();
   const size_t max_group = 4 * static_cast<size_t>(pool.size());
-  const int64_t row_bytes =
-      k.shape[1] * (k.shape[2] + v.shape[2]) * static_cast<int64_t>(sizeof(double));
+  const int64_t hkv = k.shape[1], dqk = k.shape[2], dv = v.shape[2], hq = q.shape[1];
+  const int64_t row_bytes = hkv * (dqk + dv) * static_cast<int64_t>(sizeof(double));
   // Bytes of a request's dequantized K/V (none without query rows: it is not read).
   auto kv_bytes = [&](const RequestRows& r) {
     return r.q_len > 0 ? static_cast<int64_t>(r.kv_row.size()) * row_bytes : 0;
@@ -148,17 +145,40 @@ void attend_requests(const TensorView& q, const std::vector<RequestRows>& reqs, 
     } while (end < reqs.size() && end - first < max_group &&
              bytes + kv_bytes(reqs[end]) <= kDequantizedBytes);
     std::vector<DequantizedKv> kv(end - first);
-    pool.parallel_for(static_cast<int64_t>(end - first), [&](int64_t i, int) {
-      if (reqs[first + i].q_len > 0) kv[i] = dequantize(reqs[first + i], k, v, k_scale, v_scale);
-    });
-    std::vector<std::pair<size_t, int64_t>> items;  // (request, first query row)
-    for (size_t i = first; i < end; ++i)
-      for (int64_t qi = 0; qi < reqs[i].q_len; qi += kRowsPerItem) items.emplace_back(i, qi);
-    pool.parallel_for(static_cast<int64_t>(items.size()), [&](int64_t it, int) {
-      const auto [i, qi] = items[it];
+    std::vector<std::pair<size_t, int64_t>> runs;  // (request, first KV row)
+    int64_t rows = 0;                              // query rows of the group
+    for (size_t i = first; i < end; ++i) {
       const RequestRows& r = reqs[i];
-      attend_rows(q, r, kv[i - first], k.shape[1], v.shape[2], opt, qi,
-                  std::min(qi + kRowsPerItem, r.q_len), out);
+      if (r.q_len == 0) continue;
+      const int64_t n = static_cast<int64_t>(r.kv_row.size());
+      kv[i - first].k.resize(n * hkv * dqk);
+      kv[i - first].v.resize(n * hkv * dv);
+      for (int64_t j = 0; j < n; j += kDequantizeRows) runs.emplace_back(i, j);
+      rows += r.q_len;
+    }
+    pool.parallel_for(static_cast<int64_t>(runs.size()), [&](int64_t it, int) {
+      const auto [i, j] = runs[it];
+      const RequestRows& r = reqs[i];
+      dequantize(r, k, v, k_scale, v_scale, j,
+                 std::min<int64_t>(j + kDequantizeRows, static_cast<int64_t>(r.kv_row.size())),
+                 kv[i - first]);
+    });
+    const int64_t want = 4 * static_cast<int64_t>(pool.size());
+    const int64_t splits =
+        std::clamp<int64_t>((want + rows - 1) / std::max<int64_t>(rows, 1), 1, hq);
+    const int64_t heads_per_item = (hq + splits - 1) / splits;
+    struct Item {
+      size_t request;
+      int64_t row, head0;
+    };
+    std::vector<Item> items;
+    for (size_t i = first; i < end; ++i)
+      for (int64_t qi = 0; qi < reqs[i].q_len; ++qi)
+        for (int64_t h = 0; h < hq; h += heads_per_item) items.push_back({i, qi, h});
+    pool.parallel_for(static_cast<int64_t>(items.size()), [&](int64_t it, int) {
+      const Item& w = items[it];
+      attend_row(q, reqs[w.request], kv[w.request - first], hkv, dv, opt, w.row, w.head0,
+                 std::min(w.head0 + heads_per_item, hq), out);
     });
     first = end;
   }

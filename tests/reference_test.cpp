@@ -663,37 +663,43 @@ TEST(Reference, PagedDecodeIsOneQueryRowPerRequest) {
 
 TEST(Reference, SameBitsOnThePoolAsOnOneThread) {
   FLASHKV_SEEDED_RNG(rng, 211);
-  // The pool computes rows in items of a few rows of one request, groups of requests side by side
-  // (4 a thread); called from a pool worker, the reference runs serially. More requests than a
-  // group of 2 threads, row counts not multiples of an item, empty requests, a window and GQA.
-  const std::vector<int32_t> q_lens = {13, 1, 0, 6, 9, 1, 1, 2, 5, 1, 0, 3, 1},
-                             kv_lens = {40, 3, 5, 6, 64, 0, 17, 9, 5, 33, 2, 3, 1};
-  RaggedBatch b(rng, q_lens, kv_lens, 8, 2, 24, 16);
-  AttentionOptions opt = options(true);
-  opt.window_left = 20;
-  const Result pooled = b.run(opt);
-  Result serial;
-  ThreadPool other(2);
-  other.parallel_for(2, [&](int64_t i, int) {
-    if (i == 0) serial = b.run(opt);
-  });
-  ASSERT_EQ(serial.o.size(), pooled.o.size());
-  ASSERT_EQ(serial.lse.size(), pooled.lse.size());
-  EXPECT_EQ(std::memcmp(serial.o.data(), pooled.o.data(), pooled.o.size() * sizeof(double)), 0);
-  EXPECT_EQ(std::memcmp(serial.lse.data(), pooled.lse.data(), pooled.lse.size() * sizeof(double)),
-            0);
-  // And the rows are what the reference gives request by request.
-  for (size_t i = 0; i < q_lens.size(); ++i) {
-    const auto qi = test::indptr_of(q_lens), ki = test::indptr_of(kv_lens);
-    const Result one = reference::ragged_attention(
-        b.q.view().rows(qi[i], qi[i + 1]), b.k.view().rows(ki[i], ki[i + 1]),
-        b.v.view().rows(ki[i], ki[i + 1]), Tensor::from_i32({0, q_lens[i]}),
-        Tensor::from_i32({0, kv_lens[i]}), opt);
-    for (int64_t r = 0; r < q_lens[i]; ++r)
-      for (int h = 0; h < 8; ++h) {
-        EXPECT_EQ(one.lse_at(r, h), pooled.lse_at(qi[i] + r, h));
-        for (int d = 0; d < 16; ++d) EXPECT_EQ(one.o_at(r, h, d), pooled.o_at(qi[i] + r, h, d));
-      }
+  // The pool computes a group of requests (4 a thread) at a time, in items of one query row and
+  // a range of its heads (every head when there are many rows; a few rows have their heads
+  // split); called from a pool worker, the reference runs serially. Many requests with row
+  // counts of 0 - 13, and a check-like batch of 3 rows of long contexts; a window and GQA.
+  const std::vector<std::vector<int32_t>> q_lens = {{13, 1, 0, 6, 9, 1, 1, 2, 5, 1, 0, 3, 1},
+                                                    {2, 1}};
+  const std::vector<std::vector<int32_t>> kv_lens = {{40, 3, 5, 6, 64, 0, 17, 9, 5, 33, 2, 3, 1},
+                                                     {700, 300}};
+  for (size_t c = 0; c < q_lens.size(); ++c) {
+    SCOPED_TRACE(testing::Message() << "batch " << c);
+    RaggedBatch b(rng, q_lens[c], kv_lens[c], 8, 2, 24, 16);
+    AttentionOptions opt = options(true);
+    opt.window_left = c == 0 ? 20 : 500;
+    const Result pooled = b.run(opt);
+    Result serial;
+    ThreadPool other(2);
+    other.parallel_for(2, [&](int64_t i, int) {
+      if (i == 0) serial = b.run(opt);
+    });
+    ASSERT_EQ(serial.o.size(), pooled.o.size());
+    ASSERT_EQ(serial.lse.size(), pooled.lse.size());
+    EXPECT_EQ(std::memcmp(serial.o.data(), pooled.o.data(), pooled.o.size() * sizeof(double)), 0);
+    EXPECT_EQ(std::memcmp(serial.lse.data(), pooled.lse.data(), pooled.lse.size() * sizeof(double)),
+              0);
+    // And the rows are what the reference gives request by request.
+    const auto qi = test::indptr_of(q_lens[c]), ki = test::indptr_of(kv_lens[c]);
+    for (size_t i = 0; i < q_lens[c].size(); ++i) {
+      const Result one = reference::ragged_attention(
+          b.q.view().rows(qi[i], qi[i + 1]), b.k.view().rows(ki[i], ki[i + 1]),
+          b.v.view().rows(ki[i], ki[i + 1]), Tensor::from_i32({0, q_lens[c][i]}),
+          Tensor::from_i32({0, kv_lens[c][i]}), opt);
+      for (int64_t r = 0; r < q_lens[c][i]; ++r)
+        for (int h = 0; h < 8; ++h) {
+          EXPECT_EQ(one.lse_at(r, h), pooled.lse_at(qi[i] + r, h));
+          for (int d = 0; d < 16; ++d) EXPECT_EQ(one.o_at(r, h, d), pooled.o_at(qi[i] + r, h, d));
+        }
+    }
   }
 }
 
