@@ -7,8 +7,6 @@
 #error "include cpu/attention_loads.h only from an ISA translation unit (cpu/attention_<isa>.cpp)"
 #endif
 
-#include <algorithm>
-
 #include "attention_kernel.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {

@@ -5,6 +5,7 @@
 // copy (the one-definition rule holds), and only the kernels themselves use the wider ISA.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
