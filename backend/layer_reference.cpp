@@ -41,17 +41,17 @@ Tensor mixed_rows(const TensorView& pool, float scale, const TensorView& fresh,
   Tensor out = Tensor::empty(
       {std::max<int64_t>(static_cast<int64_t>(rows.size()), 1), pool.shape[1], pool.shape[2]},
       DType::f32);
-  // Row i's place in a (>= 0) or in b (-1 - place); then runs of rows on the thread pool.
+  // Row i's place in a (rows[i] >= 0) or in b; then runs of rows on the thread pool.
   std::vector<int64_t> place(rows.size());
   int64_t ia = 0, ib = 0;
-  for (size_t i = 0; i < rows.size(); ++i) place[i] = rows[i] >= 0 ? ia++ : -1 - ib++;
+  for (size_t i = 0; i < rows.size(); ++i) place[i] = rows[i] >= 0 ? ia++ : ib++;
   float* dst = out.ptr<float>();
   constexpr int64_t kRowsPerItem = 256;
   const int64_t n = static_cast<int64_t>(rows.size());
   ThreadPool::global().parallel_for((n + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item, int) {
     for (int64_t i = item * kRowsPerItem; i < std::min(n, (item + 1) * kRowsPerItem); ++i) {
-      const bool p = place[i] >= 0;
-      const int64_t at = (p ? place[i] : -1 - place[i]) * width;
+      const bool p = rows[i] >= 0;
+      const int64_t at = place[i] * width;
       float* o = dst + i * width;
       for (int64_t e = 0; e < width; ++e)
         o[e] = p ? static_cast<float>(load_as_double(a.data(), pool.dtype, at + e) * scale)

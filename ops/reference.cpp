@@ -60,10 +60,8 @@ void dequantize(const RequestRows& r, const TensorView& k, const TensorView& v, 
 }
 
 // Query row qi of request r, query heads [h0, h1), written to their own places in out.
-void attend_row(const TensorView& q, const RequestRows& r, const DequantizedKv& kv,
-                int64_t num_kv_heads, int64_t dv, const AttentionOptions& opt, int64_t qi,
-                int64_t h0, int64_t h1, Result& out) {
-  const Shapes s{q.shape[1], num_kv_heads, q.shape[2], dv};
+void attend_row(const TensorView& q, const Shapes& s, const RequestRows& r, const DequantizedKv& kv,
+                const AttentionOptions& opt, int64_t qi, int64_t h0, int64_t h1, Result& out) {
   const int64_t group = s.hq / s.hkv;
   const int64_t kv_len = static_cast<int64_t>(r.kv_row.size());
   const double sm_scale = opt.sm_scale > 0 ? opt.sm_scale : 1.0 / std::sqrt(double(s.dqk));
@@ -125,13 +123,13 @@ constexpr int64_t kDequantizeRows = 256;
 // a check of a few rows of a long context splits their heads). Each (row, head) is computed by
 // one item in the order a serial loop would use, so the result does not depend on the number of
 // threads.
-void attend_requests(const TensorView& q, const std::vector<RequestRows>& reqs, const TensorView& k,
-                     const TensorView& v, double k_scale, double v_scale,
+void attend_requests(const TensorView& q, const Shapes& s, const std::vector<RequestRows>& reqs,
+                     const TensorView& k, const TensorView& v, double k_scale, double v_scale,
                      const AttentionOptions& opt, Result& out) {
   ThreadPool& pool = ThreadPool::global();
-  const size_t max_group = 4 * static_cast<size_t>(pool.size());
-  const int64_t hkv = k.shape[1], dqk = k.shape[2], dv = v.shape[2], hq = q.shape[1];
-  const int64_t row_bytes = hkv * (dqk + dv) * static_cast<int64_t>(sizeof(double));
+  // Requests a group holds at most, and the items a group should have: 4 a thread.
+  const int64_t per_group = 4 * static_cast<int64_t>(pool.size());
+  const int64_t row_bytes = s.hkv * (s.dqk + s.dv) * static_cast<int64_t>(sizeof(double));
   // Bytes of a request's dequantized K/V (none without query rows: it is not read).
   auto kv_bytes = [&](const RequestRows& r) {
     return r.q_len > 0 ? static_cast<int64_t>(r.kv_row.size()) * row_bytes : 0;
@@ -142,7 +140,7 @@ void attend_requests(const TensorView& q, const std::vector<RequestRows>& reqs, 
     do {
       bytes += kv_bytes(reqs[end]);
       ++end;
-    } while (end < reqs.size() && end - first < max_group &&
+    } while (end < reqs.size() && static_cast<int64_t>(end - first) < per_group &&
              bytes + kv_bytes(reqs[end]) <= kDequantizedBytes);
     std::vector<DequantizedKv> kv(end - first);
     std::vector<std::pair<size_t, int64_t>> runs;  // (request, first KV row)
@@ -151,8 +149,8 @@ void attend_requests(const TensorView& q, const std::vector<RequestRows>& reqs, 
       const RequestRows& r = reqs[i];
       if (r.q_len == 0) continue;
       const int64_t n = static_cast<int64_t>(r.kv_row.size());
-      kv[i - first].k.resize(n * hkv * dqk);
-      kv[i - first].v.resize(n * hkv * dv);
+      kv[i - first].k.resize(n * s.hkv * s.dqk);
+      kv[i - first].v.resize(n * s.hkv * s.dv);
       for (int64_t j = 0; j < n; j += kDequantizeRows) runs.emplace_back(i, j);
       rows += r.q_len;
     }
@@ -163,10 +161,9 @@ void attend_requests(const TensorView& q, const std::vector<RequestRows>& reqs, 
                  std::min<int64_t>(j + kDequantizeRows, static_cast<int64_t>(r.kv_row.size())),
                  kv[i - first]);
     });
-    const int64_t want = 4 * static_cast<int64_t>(pool.size());
     const int64_t splits =
-        std::clamp<int64_t>((want + rows - 1) / std::max<int64_t>(rows, 1), 1, hq);
-    const int64_t heads_per_item = (hq + splits - 1) / splits;
+        std::clamp<int64_t>((per_group + rows - 1) / std::max<int64_t>(rows, 1), 1, s.hq);
+    const int64_t heads_per_item = (s.hq + splits - 1) / splits;
     struct Item {
       size_t request;
       int64_t row, head0;
@@ -174,11 +171,11 @@ void attend_requests(const TensorView& q, const std::vector<RequestRows>& reqs, 
     std::vector<Item> items;
     for (size_t i = first; i < end; ++i)
       for (int64_t qi = 0; qi < reqs[i].q_len; ++qi)
-        for (int64_t h = 0; h < hq; h += heads_per_item) items.push_back({i, qi, h});
+        for (int64_t h = 0; h < s.hq; h += heads_per_item) items.push_back({i, qi, h});
     pool.parallel_for(static_cast<int64_t>(items.size()), [&](int64_t it, int) {
       const Item& w = items[it];
-      attend_row(q, reqs[w.request], kv[w.request - first], hkv, dv, opt, w.row, w.head0,
-                 std::min(w.head0 + heads_per_item, hq), out);
+      attend_row(q, s, reqs[w.request], kv[w.request - first], opt, w.row, w.head0,
+                 std::min(w.head0 + heads_per_item, s.hq), out);
     });
     first = end;
   }
@@ -249,7 +246,7 @@ Result ragged_attention(const TensorView& q, const TensorView& k, const TensorVi
     for (int64_t j = 0; j < ke - kb; ++j) r.kv_row[j] = kb + j;
     r.mask = request_mask(opt, i, &mask_running, qe - qb, ke - kb);
   }
-  attend_requests(q, reqs, k, v, k_scale, v_scale, opt, out);
+  attend_requests(q, s, reqs, k, v, k_scale, v_scale, opt, out);
   return out;
 }
 
@@ -297,7 +294,7 @@ Result paged_attention(const TensorView& q, const TensorView& qo_indptr, const P
     }
     r.mask = request_mask(opt, i, &mask_running, qe - qb, kv_len);
   }
-  attend_requests(q, reqs, kv.k, kv.v, kv.k_scale, kv.v_scale, opt, out);
+  attend_requests(q, s, reqs, kv.k, kv.v, kv.k_scale, kv.v_scale, opt, out);
   return out;
 }
 

@@ -1,6 +1,6 @@
 // The float64 reference: SEMANTICS.md, implemented literally. The oracle of every test.
 // Takes host tensors of any float dtype (fp8 KV dequantized with the scales). Runs on the
-// process's thread pool (ThreadPool::global()), each output row computed by one thread in
+// process's thread pool (ThreadPool::global()), each (row, head) computed by one thread in
 // the same order as a serial loop: the result does not depend on the number of threads.
 // NaN in the inputs propagates as plain arithmetic does: a NaN in an allowed key makes that
 // query head's scores, O and LSE NaN (even when it is the only allowed key); a NaN in an allowed
