@@ -30,7 +30,7 @@
 #include "flashkv/core/buffer.h"
 #include "flashkv/ops/attention.h"
 #ifdef FLASHKV_DECODE_TRACE
-#include "decode/trace.cuh"
+#include "flashkv/kernels/decode_trace.h"
 #endif
 
 namespace {
@@ -184,8 +184,8 @@ void print_stream_ends(const std::vector<cuda::decode::TraceRecord>& rec, size_t
   std::printf("\n");
 }
 
-// One replay's timeline (see cuda/decode/trace.cuh): per launch of the graph (the first left
-// out), the release gap and span, and per CTA the phase durations; medians over launches.
+// One replay's timeline (see flashkv/kernels/decode_trace.h): per launch of the graph (the first
+// left out), the release gap and span, and per CTA the phase durations; medians over launches.
 void print_trace(cudaGraphExec_t exec, cudaStream_t stream, int sets) {
   using cuda::decode::TraceRecord;
   cuda::decode::decode_trace_reset();

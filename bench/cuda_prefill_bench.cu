@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "flashkv/kernels/kernels.h"
 #include "flashkv/ops/attention.h"
-#include "flashkv/ops/kernels.h"
 
 namespace {
 

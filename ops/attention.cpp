@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "flashkv/ops/kernels.h"
+#include "flashkv/kernels/kernels.h"
 
 namespace flashkv {
 namespace {
@@ -355,7 +355,7 @@ PreparedAttention prepare_ragged_prefill(const PrefillPlan& plan, const TensorVi
   p.kv_indptr = static_cast<const int32_t*>(kv_indptr.data);
   check_mask_extent(p, opt);
   check_device_support(p, q.device, false);
-  return PreparedAttention(p, q.device, false);
+  return PreparedAttention(std::make_shared<const AttentionParams>(p), q.device, false);
 }
 
 PreparedAttention prepare_paged_prefill(const PrefillPlan& plan, const TensorView& q,
@@ -374,7 +374,7 @@ PreparedAttention prepare_paged_prefill(const PrefillPlan& plan, const TensorVie
   p.qo_indptr = static_cast<const int32_t*>(qo_indptr.data);
   check_mask_extent(p, opt);
   check_device_support(p, q.device, false);
-  return PreparedAttention(p, q.device, false);
+  return PreparedAttention(std::make_shared<const AttentionParams>(p), q.device, false);
 }
 
 PreparedAttention prepare_paged_decode(const DecodePlan& plan, const TensorView& q,
@@ -393,22 +393,22 @@ PreparedAttention prepare_paged_decode(const DecodePlan& plan, const TensorView&
                      ws);
   check_mask_extent(p, opt);
   check_device_support(p, q.device, true);
-  return PreparedAttention(p, q.device, true);
+  return PreparedAttention(std::make_shared<const AttentionParams>(p), q.device, true);
 }
 
 void PreparedAttention::run(Stream stream) const {
   if (device_.is_cpu()) {
-    cpu::attention(params_);
+    cpu::attention(*params_);
     return;
   }
 #if FLASHKV_WITH_CUDA
   if (decode_)
-    cuda::paged_decode(params_, stream);
+    cuda::paged_decode(*params_, stream);
   else
-    cuda::prefill(params_, stream);
+    cuda::prefill(*params_, stream);
 #else
   (void)stream;
-  no_cuda_build(params_.paged ? "paged attention" : "ragged_prefill");
+  no_cuda_build(params_->paged ? "paged attention" : "ragged_prefill");
 #endif
 }
 

@@ -1,5 +1,7 @@
 #include "flashkv/ops/draft_ops.h"
 
+#include "flashkv/kernels/kv_kernels.h"
+
 namespace flashkv {
 
 void build_draft_kv_indices(const TensorView& req_to_token, const TensorView& req_pool_indices,
@@ -74,22 +76,4 @@ void build_draft_kv_indices(const TensorView& req_to_token, const TensorView& re
       "build_draft_kv_indices: CUDA tensors given, but this flashkv was built without CUDA");
 #endif
 }
-
-namespace cpu {
-void build_draft_kv_indices(const DraftKVIndicesParams& p) {
-  for (int32_t r = 0; r < p.bs; ++r) {
-    const int32_t* src = p.req_to_token + p.req_pool_indices[r] * p.req_to_token_stride;
-    const int32_t len = p.seq_lens[r];
-    for (int32_t b = 0; b < p.topk; ++b) {
-      const int32_t row = r * p.topk + b;
-      int32_t* dst = p.kv_indices + p.kv_indptr[row];
-      for (int32_t j = 0; j < len; ++j) dst[j] = src[j];
-      const int32_t* draft = p.draft_loc + (int64_t{r} * p.topk + b) * p.num_steps;
-      for (int32_t s = 0; s <= p.step; ++s) dst[len + s] = draft[s];
-      p.step_loc[row] = draft[p.step];
-    }
-  }
-}
-}  // namespace cpu
-
 }  // namespace flashkv

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "flashkv/core/cuda_runtime.h"
-#include "flashkv/ops/kv_kernels.h"
+#include "flashkv/kernels/kv_kernels.h"
 
 namespace flashkv {
 namespace {
@@ -114,18 +114,18 @@ PreparedAppendKV prepare_append_kv(const TensorView& k_new, const TensorView& v_
     set_cuda_device(dev);  // throws: built without CUDA
 #endif
   }
-  return PreparedAppendKV(p, dev);
+  return PreparedAppendKV(std::make_shared<const AppendKVParams>(p), dev);
 }
 
 void PreparedAppendKV::run(Stream stream) const {
-  if (params_.num_tokens == 0) return;
+  if (params_->num_tokens == 0) return;
   if (device_.is_cpu()) {
-    cpu::append_kv(params_);
+    cpu::append_kv(*params_);
     return;
   }
   set_cuda_device(device_);
 #if FLASHKV_WITH_CUDA
-  cuda::append_kv(params_, stream);
+  cuda::append_kv(*params_, stream);
 #endif
 }
 

@@ -3,7 +3,7 @@
 # clang-tidy warning.
 #   format:  clang-format --dry-run -Werror (.clang-format) over every tracked C++/CUDA source and
 #            header (*.cpp *.h *.cu *.cuh).
-#   headers: every tracked host header (*.h outside cuda/) compiles on its own.
+#   headers: every tracked host header (*.h outside kernels/cuda/) compiles on its own.
 #   tidy:    clang-tidy (.clang-tidy) over every tracked host C++ translation unit (*.cpp:
 #            library, apps, tests, benchmarks, fuzz targets, Python bindings), in parallel, with
 #            the compile_commands.json of a CPU-only clang configure in the build directory; the
@@ -37,19 +37,19 @@ check_format() {
 }
 
 # Every tracked host header compiles on its own, so the include order (which clang-format sorts)
-# never matters. The per-ISA pieces of cpu/ are checked as an AVX-512 BF16 unit includes them
-# (their ISA namespace and target); the headers in cuda/ are nvcc's (left out).
+# never matters. The per-ISA pieces of kernels/cpu/ are checked as an AVX-512 BF16 unit includes
+# them (their ISA namespace and target); the headers in kernels/cuda/ are nvcc's (left out).
 check_headers() {
   local start=$SECONDS
   echo "== headers compile on their own ($clang_cxx)"
-  local -a flags=(-std=c++17 -fsyntax-only -DFLASHKV_WITH_CUDA=0 -Iinclude -Iapps -Ibench/lib
-                  -Icpu -Itests)
+  local -a flags=(-std=c++17 -fsyntax-only -DFLASHKV_WITH_CUDA=0 -Iinclude -Ikernels/include
+                  -Ireference/include -Iapps/sim -Iapps/cli -Ibench/lib -Ikernels/cpu -Itests)
   local python=${PYTHON:-python3} nb_include
   if nb_include=$("$python" -m nanobind --include_dir 2>/dev/null); then
     flags+=(-I"$nb_include" -I"$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')")
   fi
   local -a headers
-  mapfile -t headers < <(git ls-files '*.h' ':!cuda/')
+  mapfile -t headers < <(git ls-files '*.h' ':!kernels/cuda/')
   if [ -z "$nb_include" ]; then
     echo "headers: nanobind not found for $python: python/*.h not checked (pip install nanobind)"
     mapfile -t headers < <(printf '%s\n' "${headers[@]}" | grep -v '^python/')
@@ -59,7 +59,7 @@ check_headers() {
   printf '%s\0' "${headers[@]}" | xargs -0 -P "$jobs" -I{} sh -c '
     h=$1; shift
     set -- "$@" -I"$(dirname "$h")"
-    case "$h" in cpu/*) set -- "$@" -DFLASHKV_CPU_ISA_NS=avx512bf16 -DFLASHKV_CPU_HAS_BF16=1 \
+    case "$h" in kernels/cpu/*) set -- "$@" -DFLASHKV_CPU_ISA_NS=avx512bf16 -DFLASHKV_CPU_HAS_BF16=1 \
       -mavx2 -mfma -mf16c -mbmi -mbmi2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16;;
     esac
     printf "#include \"%s\"\n" "$h" | "$0" "$@" -x c++ - 2>&1 && exit 0

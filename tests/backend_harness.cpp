@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "flashkv/backend/layer_reference.h"
 #include "flashkv/ops/kv_ops.h"
+#include "flashkv/reference/layer_reference.h"
 
 namespace flashkv::test {
 

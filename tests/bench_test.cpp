@@ -10,6 +10,7 @@
 #include "attention_bench.h"
 #include "flashkv/core/error.h"
 #include "flashkv/core/thread_pool.h"
+#include "json.h"
 #include "report.h"
 #include "roofline.h"
 
@@ -162,7 +163,7 @@ TEST(Bench, RejectsBadCasesAndNames) {
   EXPECT_THROW(run_case(c, machine, quick_timing()), Error);  // roofline is the CPU's
   EXPECT_THROW(bench_grid("huge", Device::cpu()), Error);
   EXPECT_THROW(parse_op("verify"), Error);
-  EXPECT_THROW(write_text_file("/nonexistent-dir/x.json", "{}"), Error);
+  EXPECT_THROW(app::write_text_file("/nonexistent-dir/x.json", "{}"), Error);
 }
 
 }  // namespace

@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "flashkv/core/cpu_features.h"
+#include "flashkv/kernels/kernels.h"
 #include "flashkv/ops/attention.h"
-#include "flashkv/ops/kernels.h"
-#include "flashkv/ops/reference.h"
+#include "flashkv/reference/reference.h"
 #include "test_util.h"
 
 namespace flashkv {

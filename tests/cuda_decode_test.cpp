@@ -8,7 +8,7 @@
 #include <numeric>
 
 #include "flashkv/ops/attention.h"
-#include "flashkv/ops/reference.h"
+#include "flashkv/reference/reference.h"
 #include "test_util.h"
 
 #if FLASHKV_WITH_CUDA

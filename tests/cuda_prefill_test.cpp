@@ -12,9 +12,9 @@
 #include <optional>
 #include <string>
 
+#include "flashkv/kernels/kernels.h"
 #include "flashkv/ops/attention.h"
-#include "flashkv/ops/kernels.h"
-#include "flashkv/ops/reference.h"
+#include "flashkv/reference/reference.h"
 #include "test_util.h"
 
 #if FLASHKV_WITH_CUDA

@@ -10,11 +10,11 @@
 #include <cstring>
 #include <functional>
 
+#include "flashkv/kernels/kv_convert.h"
 #include "flashkv/kvcache/allocator.h"
 #include "flashkv/kvcache/kv_pool.h"
 #include "flashkv/kvcache/req_to_token_pool.h"
 #include "flashkv/kvcache/swa_allocator.h"
-#include "flashkv/ops/kv_convert.h"
 #include "test_util.h"
 
 namespace flashkv {

@@ -1,7 +1,7 @@
 // Tests of the float64 reference itself: cases small enough to work out by hand, invariants of
 // the attention function on random inputs, equivalences between its ragged / paged / masked /
 // merged forms, and argument checks.
-#include "flashkv/ops/reference.h"
+#include "flashkv/reference/reference.h"
 
 #include <gtest/gtest.h>
 
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "flashkv/core/thread_pool.h"
-#include "flashkv/ops/compare.h"
+#include "flashkv/reference/compare.h"
 #include "test_util.h"
 
 namespace flashkv {

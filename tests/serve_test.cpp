@@ -8,9 +8,9 @@
 #include <random>
 #include <set>
 
-#include "flashkv/backend/layer_reference.h"
 #include "flashkv/kvcache/kv_pool.h"
 #include "flashkv/kvcache/req_to_token_pool.h"
+#include "flashkv/reference/layer_reference.h"
 #include "json.h"
 #include "prefix_cache.h"
 #include "scheduler.h"

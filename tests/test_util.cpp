@@ -3,7 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "flashkv/ops/compare.h"
+#include "flashkv/reference/compare.h"
 
 namespace flashkv::test {
 

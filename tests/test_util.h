@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "flashkv/core/buffer.h"
-#include "flashkv/ops/reference.h"
+#include "flashkv/reference/reference.h"
 
 namespace flashkv::test {
 

@@ -6,7 +6,7 @@
 #include <numeric>
 
 #include "flashkv/ops/attention.h"
-#include "flashkv/ops/reference.h"
+#include "flashkv/reference/reference.h"
 #include "test_util.h"
 
 namespace flashkv {

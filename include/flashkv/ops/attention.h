@@ -2,14 +2,17 @@
 // the device chosen by the tensors (CPU tensors run the CPU kernels, CUDA tensors the CUDA ones).
 #pragma once
 
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "flashkv/core/buffer.h"
 #include "flashkv/core/tensor.h"
-#include "flashkv/ops/params.h"
 #include "flashkv/plan/plan.h"
 
 namespace flashkv {
+
+struct AttentionParams;  // the kernel contract (internal)
 
 // A batch's paged KV. K/V pools are NHD: k [num_slots, Hkv, D_qk], v [num_slots, Hkv, D_v],
 // dtype f32/f16/bf16/fp8_e4m3/fp8_e5m2 (both the same); slot s sits on page s / page_size.
@@ -139,10 +142,10 @@ class PreparedAttention {
   friend PreparedAttention prepare_paged_decode(const DecodePlan&, const TensorView&,
                                                 const PagedKV&, const AttentionOptions&,
                                                 const TensorView&, const TensorView&, Workspace&);
-  PreparedAttention(const AttentionParams& params, Device device, bool decode)
-      : params_(params), device_(device), decode_(decode) {}
+  PreparedAttention(std::shared_ptr<const AttentionParams> params, Device device, bool decode)
+      : params_(std::move(params)), device_(device), decode_(decode) {}
 
-  AttentionParams params_;
+  std::shared_ptr<const AttentionParams> params_;
   Device device_;
   bool decode_ = false;
 };

@@ -20,24 +20,4 @@ void build_draft_kv_indices(const TensorView& req_to_token, const TensorView& re
                             const TensorView& kv_indptr, const TensorView& kv_indices,
                             const TensorView& step_loc, Stream stream = {});
 
-// The kernels (internal).
-struct DraftKVIndicesParams {
-  const int32_t* req_to_token = nullptr;
-  int64_t req_to_token_stride = 0, max_reqs = 0, max_context_len = 0;
-  const int32_t* req_pool_indices = nullptr;
-  const int32_t* seq_lens = nullptr;
-  const int32_t* draft_loc = nullptr;
-  int32_t bs = 0, topk = 0, num_steps = 0, step = 0;
-  const int32_t* kv_indptr = nullptr;
-  int32_t* kv_indices = nullptr;
-  int64_t num_indices = 0;
-  int32_t* step_loc = nullptr;
-};
-namespace cpu {
-void build_draft_kv_indices(const DraftKVIndicesParams& p);
-}
-namespace cuda {
-void build_draft_kv_indices(const DraftKVIndicesParams& p, Stream stream);
-}
-
 }  // namespace flashkv

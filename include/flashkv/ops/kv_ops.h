@@ -10,10 +10,14 @@
 // the skipped outputs are left as they were, or written as the dummy slot 0 where noted).
 #pragma once
 
+#include <memory>
+#include <utility>
+
 #include "flashkv/core/tensor.h"
-#include "flashkv/ops/kv_kernels.h"
 
 namespace flashkv {
+
+struct AppendKVParams;  // the kernel contract (internal)
 
 // Writes the K/V rows of new tokens into a layer's pool: for each token t,
 //   k_pool[out_cache_loc[t], h, :] = k_new[t, h, :] / k_scale   (v likewise with v_scale),
@@ -37,10 +41,10 @@ class PreparedAppendKV {
  private:
   friend PreparedAppendKV prepare_append_kv(const TensorView&, const TensorView&, const TensorView&,
                                             const TensorView&, const TensorView&, float, float);
-  PreparedAppendKV(const AppendKVParams& params, Device device)
-      : params_(params), device_(device) {}
+  PreparedAppendKV(std::shared_ptr<const AppendKVParams> params, Device device)
+      : params_(std::move(params)), device_(device) {}
 
-  AppendKVParams params_;
+  std::shared_ptr<const AppendKVParams> params_;
   Device device_;
 };
 PreparedAppendKV prepare_append_kv(const TensorView& k_new, const TensorView& v_new,

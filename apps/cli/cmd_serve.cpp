@@ -1,0 +1,134 @@
+// flashkv serve: runs a serving workload through FlashKVBackend (scheduler.h says how) and
+// reports throughput, attention time per pass, prefix-cache reuse, KV use and, with --check,
+// how many sampled layer outputs matched the float64 reference.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <limits>
+
+#include "args.h"
+#include "commands.h"
+#include "flashkv/core/thread_pool.h"
+#include "json.h"
+#include "model_flags.h"
+#include "scheduler.h"
+#include "serve_report.h"
+#include "workload.h"
+
+namespace flashkv::app {
+
+namespace {
+
+// The KV pool when --kv-slots is auto: room for three quarters of the running-request cap at
+// the workload's average length (prefix sharing makes the rest fit), and at least twice the
+// longest request; at most what fits the memory budget.
+int64_t auto_kv_slots(const Workload& w, int max_running, int64_t max_slots) {
+  int64_t total = 0, longest = 0;
+  for (const RequestSpec& r : w.requests) {
+    const int64_t need = Scheduler::slots_needed(r, w.spec);
+    total += need;
+    longest = std::max(longest, need);
+  }
+  const int64_t average = total / static_cast<int64_t>(w.requests.size());
+  int64_t slots = std::max(2 * longest, int64_t{max_running} * average * 3 / 4);
+  slots = (slots + 255) / 256 * 256;
+  return std::min(slots, std::max(max_slots, longest));
+}
+
+}  // namespace
+
+int cmd_serve(int argc, char** argv) {
+  const ModelDefaults cpu_model{4, 8, 2, 64}, gpu_model{32, 32, 8, 128};
+  std::vector<FlagSpec> flags = {
+      {"--device", "auto|cpu|cuda[:N]", "device to serve on", "auto"},
+      {"--workload", "chat|long|spec|FILE", "built-in workload or a workload file (JSON)", "chat"},
+      {"--requests", "N", "number of requests (auto: the workload's own count)", "auto"},
+      {"--check", "", "compare sampled layer outputs with the float64 reference", ""},
+      {"--json", "FILE", "write the report's figures as JSON", ""},
+      {"--save-workload", "FILE", "write the workload as a file that reads back identically", ""},
+      {"--seed", "N", "random seed (workload, activations, draft trees)", "1"}};
+  for (FlagSpec& f : model_flags(cpu_model, gpu_model, "-1")) flags.push_back(std::move(f));
+  flags.insert(
+      flags.end(),
+      {{"--kv-slots", "N", "KV pool size in tokens (auto: from the workload)", "auto"},
+       {"--token-budget", "N", "new prompt tokens per extend pass (auto: 512 / 8192)", "auto"},
+       {"--max-running", "N", "requests in flight (auto: 16 / 256)", "auto"},
+       {"--quiet", "", "no progress line", ""}});
+  Args args(
+      argc, argv, 2, "serve",
+      "Serves a workload through FlashKVBackend: requests arrive over time with shared prompt\n"
+      "prefixes (a prefix cache reuses their KV), a continuous-batching scheduler runs extend\n"
+      "and decode passes over a stack of attention layers fed random activations, and each\n"
+      "request generates tokens until its output length. Sizes default to a small model on a\n"
+      "CPU and a Llama-3-8B-shaped one on a GPU. Exit code 1 when a check or an end-of-run\n"
+      "invariant fails.",
+      std::move(flags));
+  const Device device = args.device();
+  const bool gpu = device.is_cuda();
+  const uint64_t seed = static_cast<uint64_t>(args.get_int("--seed"));
+  args.require_writable("--json");
+  args.require_writable("--save-workload");
+
+  const ModelConfig model = model_from_flags(args, gpu, cpu_model, gpu_model);
+
+  const std::string& which = args.get("--workload");
+  const int requests = args.get_int("--requests", 1, kMaxWorkloadRequests, 0);
+  Workload workload;
+  try {
+    workload = is_builtin_workload(which) ? builtin_workload(which, requests, gpu, seed)
+                                          : load_workload_file(which, requests, seed);
+  } catch (const Error& e) {
+    // A name that is neither built in nor a file reads "--workload chta: cannot read (no such
+    // file)".
+    args.fail(str_cat("--workload ", e.what()));
+  }
+
+  // Saved before the run, so that a run that fails can be replayed from it.
+  if (!args.get("--save-workload").empty())
+    write_text_file(args.get("--save-workload"), workload_to_json(workload));
+
+  SchedulerOptions so;
+  so.seed = seed;
+  so.token_budget = args.get_int("--token-budget", 1, 1 << 24, gpu ? 8192 : 512);
+  so.max_running = args.get_int("--max-running", 1, 1 << 16, gpu ? 256 : 16);
+  so.check.enabled = args.flag("--check");
+  // The pool may use half the GPU's memory, or 2 GiB of host memory.
+  const int64_t slot_bytes = int64_t{model.num_layers + (workload.spec.enabled ? 1 : 0)} * 2 *
+                             model.num_kv_heads * model.head_dim *
+                             static_cast<int64_t>(dtype_size(model.kv_dtype));
+  const int64_t budget =
+      gpu ? static_cast<int64_t>(device_info(device).memory_bytes / 2) : (int64_t{2} << 30);
+  const int64_t max_slots = std::max<int64_t>(budget / slot_bytes, 256);
+  so.kv_slots = args.get("--kv-slots") == "auto"
+                    ? auto_kv_slots(workload, so.max_running, max_slots)
+                    : args.get_int("--kv-slots", 1, std::numeric_limits<int>::max() - 4096, 0);
+  for (size_t i = 0; i < workload.requests.size(); ++i) {
+    const int64_t need = Scheduler::slots_needed(workload.requests[i], workload.spec);
+    if (need > so.kv_slots)
+      args.fail(str_cat("request ", i, " of workload ", workload.name, " needs ", need,
+                        " KV slots, more than the pool's ", so.kv_slots, " (--kv-slots)"));
+  }
+
+  ServeSetup setup;
+  setup.workload = workload.name;
+  setup.device = device.str();
+  setup.threads_or_sms = gpu ? device_info(device).num_sms : ThreadPool::global().size();
+  setup.model = model;
+  setup.scheduler = so;
+  setup.spec = workload.spec;
+  setup.prompt_tokens = workload.prompt_tokens();
+  setup.output_tokens = workload.output_tokens();
+  setup.num_prefixes = workload.num_prefixes;
+
+  Scheduler scheduler(workload, model, device, so);
+  ProgressLine progress(stderr, isatty(fileno(stderr)) != 0, !args.flag("--quiet"));
+  const ServeStats stats = scheduler.run([&](const Progress& p) { progress.update(p); });
+  progress.finish();
+  print_serve_report(std::cout, setup, stats);
+  if (!args.get("--json").empty()) write_text_file(args.get("--json"), serve_json(setup, stats));
+  return stats.check_failures == 0 && stats.invariant_failures.empty() ? 0 : 1;
+}
+
+}  // namespace flashkv::app

@@ -1,0 +1,106 @@
+#include "report.h"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "flashkv/core/error.h"
+#include "json.h"
+
+namespace flashkv::bench {
+using app::json_number;
+using app::json_string;
+namespace {
+
+std::string fixed(double x, int decimals) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, x);
+  return buf;
+}
+
+}  // namespace
+
+void print_machine(std::ostream& os, const Roofline& m) {
+  os << "machine: " << m.name << " (" << m.device.str() << ", " << m.cores_or_sms
+     << (m.device.is_cpu() ? " threads" : " SMs") << "): read " << fixed(m.read_gbps, 1)
+     << " GB/s, copy " << fixed(m.copy_gbps, 1) << " GB/s, matmul " << fixed(m.matmul_gflops, 0)
+     << " GFLOP/s (" << m.matmul_kind << ")\n";
+}
+
+void print_table_header(std::ostream& os) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%-8s %5s %6s %7s %-11s %3s %-8s %-14s %11s %9s %8s %6s\n", "op",
+                "batch", "qo_len", "kv_len", "Hq/Hkv/D", "P", "slots", "dtype/kv", "us", "GB/s",
+                "TFLOP/s", "roof");
+  os << buf;
+}
+
+void print_table_row(std::ostream& os, const CaseResult& r) {
+  const BenchCase& c = r.c;
+  const std::string heads = str_cat(c.num_qo_heads, "/", c.num_kv_heads, "/", c.head_dim);
+  const std::string types = str_cat(dtype_name(c.dtype), "/", dtype_name(c.kv_dtype));
+  char buf[200];
+  std::snprintf(buf, sizeof buf,
+                "%-8s %5d %6d %7d %-11s %3d %-8s %-14s %11.1f %9.1f %8.3f %5.1f%%\n", op_name(c.op),
+                c.batch, c.qo_len, c.kv_len, heads.c_str(), c.page_size, c.layout_name(),
+                types.c_str(), r.us, r.gbps, r.tflops, 100.0 * r.roofline_fraction);
+  os << buf;
+}
+
+void print_table(std::ostream& os, const BenchReport& report) {
+  print_machine(os, report.machine);
+  print_table_header(os);
+  for (const CaseResult& r : report.cases) print_table_row(os, r);
+}
+
+std::string to_json(const BenchReport& report) {
+  const Roofline& m = report.machine;
+  std::ostringstream os;
+  os << "{\n  \"machine\": {\"device\": " << json_string(m.device.str())
+     << ", \"name\": " << json_string(m.name)
+     << ", \"cores\": " << (m.device.is_cpu() ? m.cores_or_sms : 0)
+     << ", \"sms\": " << (m.device.is_cuda() ? m.cores_or_sms : 0)
+     << ", \"read_gbps\": " << json_number(m.read_gbps)
+     << ", \"copy_gbps\": " << json_number(m.copy_gbps)
+     << ", \"matmul_gflops\": " << json_number(m.matmul_gflops)
+     << ", \"matmul_kind\": " << json_string(m.matmul_kind)
+     << ", \"buffer_bytes\": " << m.buffer_bytes << "},\n  \"cases\": [";
+  for (size_t i = 0; i < report.cases.size(); ++i) {
+    const CaseResult& r = report.cases[i];
+    const BenchCase& c = r.c;
+    os << (i ? ",\n" : "\n") << "    {\"op\": " << json_string(op_name(c.op))
+       << ", \"device\": " << json_string(c.device.str()) << ", \"batch\": " << c.batch
+       << ", \"qo_len\": " << c.qo_len << ", \"kv_len\": " << c.kv_len
+       << ", \"prefix_len\": " << c.prefix_len() << ", \"num_qo_heads\": " << c.num_qo_heads
+       << ", \"num_kv_heads\": " << c.num_kv_heads << ", \"head_dim\": " << c.head_dim
+       << ", \"page_size\": " << c.page_size << ", \"kv_layout\": " << json_string(c.layout_name())
+       << ", \"dtype\": " << json_string(dtype_name(c.dtype))
+       << ", \"kv_dtype\": " << json_string(dtype_name(c.kv_dtype))
+       << ", \"us\": " << json_number(r.us) << ", \"gbps\": " << json_number(r.gbps)
+       << ", \"tflops\": " << json_number(r.tflops)
+       << ", \"roofline_fraction\": " << json_number(r.roofline_fraction)
+       << ", \"runs\": " << r.runs << ", \"cuda_graph\": " << (r.cuda_graph ? "true" : "false")
+       << "}";
+  }
+  os << (report.cases.empty() ? "]\n}\n" : "\n  ]\n}\n");
+  return os.str();
+}
+
+std::string to_csv(const BenchReport& report) {
+  std::ostringstream os;
+  os << "op,device,batch,qo_len,kv_len,prefix_len,num_qo_heads,num_kv_heads,head_dim,page_size,"
+        "kv_layout,dtype,kv_dtype,us,gbps,tflops,roofline_fraction,runs,cuda_graph\n";
+  for (const CaseResult& r : report.cases) {
+    const BenchCase& c = r.c;
+    os << op_name(c.op) << ',' << c.device.str() << ',' << c.batch << ',' << c.qo_len << ','
+       << c.kv_len << ',' << c.prefix_len() << ',' << c.num_qo_heads << ',' << c.num_kv_heads << ','
+       << c.head_dim << ',' << c.page_size << ',' << c.layout_name() << ',' << dtype_name(c.dtype)
+       << ',' << dtype_name(c.kv_dtype) << ',' << json_number(r.us) << ',' << json_number(r.gbps)
+       << ',' << json_number(r.tflops) << ',' << json_number(r.roofline_fraction) << ',' << r.runs
+       << ',' << (r.cuda_graph ? 1 : 0) << '\n';
+  }
+  return os.str();
+}
+
+}  // namespace flashkv::bench

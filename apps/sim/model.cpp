@@ -1,0 +1,365 @@
+#include "model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+
+#include "flashkv/reference/compare.h"
+#include "flashkv/reference/layer_reference.h"
+#include "invariants.h"
+
+namespace flashkv::app {
+
+LayerSpec ModelConfig::layer(int i) const {
+  LayerSpec l;
+  l.layer_id = i;
+  l.num_qo_heads = num_qo_heads;
+  l.num_kv_heads = num_kv_heads;
+  l.head_dim_qk = head_dim;
+  if (sliding_window >= 0 && i % 2 == 0) l.sliding_window_size = sliding_window;
+  if (encoder_decoder && i % 2 == 1) l.is_cross_attention = true;
+  return l;
+}
+
+std::string ModelConfig::str() const {
+  std::string s =
+      str_cat(num_layers, " layers, ", num_qo_heads, "/", num_kv_heads, " heads, head dim ",
+              head_dim, ", ", dtype_name(dtype), ", kv ", dtype_name(kv_dtype));
+  if (sliding_window >= 0) s += str_cat(", window ", sliding_window, " on even layers");
+  if (encoder_decoder) s += ", cross attention on odd layers";
+  return s;
+}
+
+Model::Model(const ModelConfig& config, Device device, int64_t kv_slots, uint64_t seed)
+    : config_(config), device_(device), gen_(seed) {
+  KVPoolConfig pc;
+  pc.num_slots = kv_slots;
+  pc.num_layers = config.num_layers;
+  pc.num_kv_heads = config.num_kv_heads;
+  pc.head_dim_qk = config.head_dim;
+  pc.dtype = config.kv_dtype;
+  pc.device = device;
+  pool_ = std::make_unique<KVPool>(pc);
+  if (is_fp8(config.kv_dtype))
+    for (int l = 0; l < config.num_layers; ++l) pool_->set_scales(l, 0.5f, 2.0f);
+  BackendOptions o;
+  o.device = device;
+  o.q_dtype = config.dtype;
+  o.num_qo_heads = config.num_qo_heads;
+  o.num_kv_heads = config.num_kv_heads;
+  o.head_dim_qk = config.head_dim;
+  o.sliding_window_size = config.sliding_window;
+  o.is_encoder_decoder = config.encoder_decoder;
+  backend_ = std::make_unique<FlashKVBackend>(o);
+}
+
+void Model::reserve_bank(int64_t elements) {
+  // Twice the largest slice, so slices start anywhere in the first half.
+  const int64_t want = 2 * elements + 4096;
+  if (bank_.defined() && bank_.numel() >= want) return;
+  const int64_t size = std::max<int64_t>(want, int64_t{1} << 20);
+  Tensor host = Tensor::empty({size}, config_.dtype);
+  fill_normal(host, gen_());
+  bank_ = host.to(device_);
+}
+
+TensorView Model::activations(int64_t rows, int heads, int dim) {
+  const int64_t n = rows * heads * dim;
+  // 64-element aligned offsets keep every slice as aligned as a fresh allocation's rows.
+  const int64_t slots = (bank_.numel() - n) / 64;
+  const int64_t offset =
+      std::uniform_int_distribution<int64_t>(0, std::max<int64_t>(slots - 1, 0))(gen_) * 64;
+  return TensorView(static_cast<char*>(bank_.data()) + offset * dtype_size(config_.dtype),
+                    config_.dtype, {rows, heads, dim}, device_);
+}
+
+namespace {
+
+// Rows [begin, begin + n) of a [rows, ...] device or host tensor, copied to the host.
+void copy_rows(const TensorView& src, int64_t begin, int64_t n, char* dst) {
+  const size_t row_bytes = src.nbytes() / static_cast<size_t>(src.shape[0]);
+  copy_bytes(dst, Device::cpu(), static_cast<const char*>(src.data) + begin * row_bytes, src.device,
+             n * row_bytes);
+}
+
+}  // namespace
+
+PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
+  ForwardBatch& b = step.batch();
+  b.token_to_kv_pool = pool_.get();
+  const ModelConfig& c = config_;
+  const int64_t T = step.num_tokens(), E = step.num_encoder_tokens();
+  const int64_t hd_out = int64_t{c.num_qo_heads} * c.head_dim;
+  reserve_bank(std::max(T, E) * hd_out);
+
+  // Which layers and requests to check, decided (and their buffers made) before timing.
+  std::vector<int> check_layers;
+  std::vector<size_t> check_entries;
+  if (check.enabled && T > 0) {
+    std::vector<int> layers(c.num_layers);
+    std::iota(layers.begin(), layers.end(), 0);
+    std::shuffle(layers.begin(), layers.end(), gen_);
+    layers.resize(std::min<size_t>(layers.size(), static_cast<size_t>(std::max(check.layers, 0))));
+    check_layers = layers;
+    for (size_t i = 0; i < step.entries().size(); ++i)
+      if (step.entries()[i].num_new > 0) check_entries.push_back(i);
+    std::shuffle(check_entries.begin(), check_entries.end(), gen_);
+    check_entries.resize(
+        std::min<size_t>(check_entries.size(), static_cast<size_t>(std::max(check.requests, 0))));
+    std::sort(check_entries.begin(), check_entries.end());
+  }
+  std::vector<Tensor> check_out;
+  for (size_t k = 0; k < check_layers.size(); ++k) {
+    // All-ones bytes are NaN in every float dtype: a row the layer does not write shows.
+    check_out.push_back(Tensor::empty({T, hd_out}, c.dtype, device_));
+    fill_bytes(check_out.back().data(), device_, 0xFF, check_out.back().view().nbytes());
+  }
+  std::vector<LayerInputs> check_in(check_layers.size());
+
+  PassResult r;
+  synchronize(device_);
+  const auto t0 = std::chrono::steady_clock::now();
+  backend_->init_forward_metadata(b);
+  TensorView last_out;
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerSpec spec = c.layer(l);
+    const TensorView q = activations(T, c.num_qo_heads, c.head_dim);
+    TensorView k, v;
+    const int64_t kv_rows = spec.is_cross_attention ? (step.write_encoder_kv() ? E : 0) : T;
+    if (kv_rows > 0) {
+      k = activations(kv_rows, c.num_kv_heads, c.head_dim);
+      v = activations(kv_rows, c.num_kv_heads, c.head_dim);
+    }
+    const auto at = std::find(check_layers.begin(), check_layers.end(), l);
+    TensorView out;
+    if (at != check_layers.end()) {
+      out = check_out[at - check_layers.begin()];
+      check_in[at - check_layers.begin()] = {q, k, v};
+    }
+    last_out = backend_->forward(q, k, v, spec, b, /*save_kv_cache=*/true, out);
+    if (check.scan_every_layer && l + 1 < c.num_layers)
+      scan_between_layers(last_out, T, str_cat("layer ", l), r);
+  }
+  synchronize(device_);
+  const auto t1 = std::chrono::steady_clock::now();
+  r.ms = std::chrono::duration<double, std::milli>(t1 - t0).count() - r.check_ms;
+  verify_pass(step, check, check_layers, check_entries, check_in, check_out, last_out, r);
+  r.check_ms +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+  return r;
+}
+
+void Model::scan_for_nonfinite(const TensorView& out, int64_t rows, const std::string& what,
+                               PassResult& r) {
+  if (rows == 0 || !out.defined() || r.nonfinite) return;
+  const int64_t width = int64_t{config_.num_qo_heads} * config_.head_dim;
+  Tensor host = Tensor::empty({rows, width}, config_.dtype);
+  copy_rows(out, 0, rows, static_cast<char*>(host.data()));
+  const int64_t at = first_nonfinite(host);
+  if (at < 0) return;
+  r.nonfinite = true;
+  r.nonfinite_where =
+      str_cat(what, ", output row ", at / width, ", head ", at % width / config_.head_dim, ": ",
+              load_as_double(host.data(), config_.dtype, at));
+}
+
+void Model::scan_between_layers(const TensorView& out, int64_t rows, const std::string& what,
+                                PassResult& r) {
+  synchronize(device_);
+  const auto t0 = std::chrono::steady_clock::now();
+  scan_for_nonfinite(out, rows, what, r);
+  r.check_ms +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Model::compare_layer(const LayerSpec& layer, const CheckedRows& rows, const LayerInputs& in,
+                          const TensorView& out_all, const char* what, PassResult& r) {
+  const ModelConfig& c = config_;
+  int64_t total = 0;
+  for (const auto& range : rows.ranges) total += range.second;
+  Tensor q = Tensor::empty({total, c.num_qo_heads, c.head_dim}, c.dtype);
+  Tensor out = Tensor::empty({total, c.num_qo_heads, c.head_dim}, c.dtype);
+  const size_t row_bytes = q.view().nbytes() / static_cast<size_t>(total);
+  int64_t at = 0;
+  for (const auto& [first, n] : rows.ranges) {
+    copy_rows(in.q, first, n, static_cast<char*>(q.data()) + at * row_bytes);
+    copy_rows(out_all, first, n, static_cast<char*>(out.data()) + at * row_bytes);
+    at += n;
+  }
+  // The ragged extend reads the new tokens' K/V as given, not rounded to an fp8 pool's dtype.
+  const bool fresh = in.k.defined() && backend_->reads_new_kv_from_input(layer);
+  const reference::Result ref =
+      layer_reference(layer, rows.reqs, q, *pool_, nullptr, nullptr, fresh ? in.k : TensorView(),
+                      fresh ? in.v : TensorView());
+  const Errors err = compare(out, TensorView(), ref);
+  const Tolerance tol = tolerance_for(c.dtype, is_fp8(c.kv_dtype));
+  ++r.checked;
+  r.worst_rel = std::max(r.worst_rel, err.rel);
+  if (err.nan && !r.nonfinite) {
+    r.nonfinite = true;
+    r.nonfinite_where = str_cat(what, ", layer ", layer.layer_id, ": NaN in a checked output");
+  }
+  if (!err.within(tol) && r.failures++ == 0)
+    r.failure = str_cat(what, ", layer ", layer.layer_id, ": errors ", err.str(), " past rel ",
+                        tol.rel, ", max_abs ", tol.max_abs);
+}
+
+void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
+                        const std::vector<int>& check_layers,
+                        const std::vector<size_t>& check_entries,
+                        const std::vector<LayerInputs>& check_in,
+                        const std::vector<Tensor>& check_out, const TensorView& last_out,
+                        PassResult& r) {
+  const ModelConfig& c = config_;
+  const ForwardBatch& b = step.batch();
+  scan_for_nonfinite(last_out, step.num_tokens(), str_cat("layer ", c.num_layers - 1), r);
+  if (check_layers.empty() || check_entries.empty()) return;
+
+  // The checked rows: the last `rows` new tokens of each sampled request. The float64 reference
+  // runs on one host thread: with check.rows > 0, rows are cut so that one layer's check costs
+  // about 2^25 multiply-adds (a long GPU-sized context gets fewer rows).
+  constexpr double kCheckWork = double(1 << 25);
+  CheckedRows rows;
+  for (size_t i : check_entries) {
+    const BatchEntry& e = step.entries()[i];
+    int32_t n = e.num_new;
+    if (check.rows > 0) {
+      const double per_row =
+          double(e.seq->encoder_len + e.seq_len) * c.num_qo_heads * 2 * c.head_dim;
+      const double fit = kCheckWork / (per_row * static_cast<double>(check_entries.size()));
+      n = std::max(1, std::min({e.num_new, check.rows, static_cast<int32_t>(std::min(fit, 1e9))}));
+    }
+    ReferenceRequest rr;
+    rr.slots = e.seq->slots.data();
+    rr.encoder_len = e.seq->encoder_len;
+    rr.seq_len = e.seq_len;
+    rr.qo_len = n;
+    rr.new_len = e.num_new;
+    rr.new_row = step.qo_begin(i);
+    if (const uint8_t* m = step.mask(i)) rr.mask = m + int64_t{e.num_new - n} * e.seq_len;
+    rows.reqs.push_back(rr);
+    rows.ranges.emplace_back(step.qo_begin(i) + e.num_new - n, n);
+  }
+  const std::string what = str_cat(mode_name(b.mode), " pass of ", b.batch_size, " requests");
+  for (size_t k = 0; k < check_layers.size(); ++k)
+    compare_layer(c.layer(check_layers[k]), rows, check_in[k], check_out[k], what.c_str(), r);
+}
+
+void Model::enable_multi_step_draft(int topk, int num_steps) {
+  multi_step_ = std::make_unique<MultiStepDraftBackend>(backend_->options(), topk, num_steps);
+}
+
+PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
+                                      const std::vector<int32_t>& seq_lens,
+                                      const std::vector<int32_t>& draft_slots,
+                                      ReqToTokenPool& req_to_token, const CheckOptions& check) {
+  FLASHKV_CHECK(multi_step_ != nullptr, "forward_draft_steps: call enable_multi_step_draft first");
+  const ModelConfig& c = config_;
+  const int topk = multi_step_->topk(), steps = multi_step_->num_steps();
+  const int64_t bs = static_cast<int64_t>(seqs.size()), rows = bs * topk;
+  FLASHKV_CHECK(
+      seq_lens.size() == seqs.size() && static_cast<int64_t>(draft_slots.size()) == rows * steps,
+      "forward_draft_steps: ", seqs.size(), " requests need as many seq_lens and ", rows * steps,
+      " draft slots, got ", seq_lens.size(), " and ", draft_slots.size());
+  const int64_t hd_out = int64_t{c.num_qo_heads} * c.head_dim;
+  reserve_bank(rows * hd_out);
+  ForwardBatch batch;
+  batch.mode = ForwardMode::DECODE;
+  batch.batch_size = static_cast<int32_t>(bs);
+  batch.req_to_token_pool = &req_to_token;
+  batch.token_to_kv_pool = pool_.get();
+  batch.seq_lens_cpu = seq_lens;
+  std::vector<int32_t> seq_rows;
+  seq_rows.reserve(seqs.size());
+  for (const Sequence* s : seqs) seq_rows.push_back(s->row);
+  const Tensor req_pool_indices = Tensor::from_i32(seq_rows, device_);
+  batch.req_pool_indices = req_pool_indices;
+  Tensor loc = Tensor::from_i32(draft_slots, device_);
+  TensorView loc3 = loc.view();
+  loc3.ndim = 3;
+  loc3.shape[0] = bs;
+  loc3.shape[1] = topk;
+  loc3.shape[2] = steps;
+  loc3.stride[0] = int64_t{topk} * steps;
+  loc3.stride[1] = steps;
+  loc3.stride[2] = 1;
+
+  // check.layers random (step, layer) pairs are checked, each for up to check.requests random
+  // rows (request, branch).
+  std::vector<std::pair<int, int>> checks;
+  std::vector<int64_t> check_rows;
+  std::vector<Tensor> check_out;
+  if (check.enabled && rows > 0) {
+    for (int st = 0; st < steps; ++st)
+      for (int l = 0; l < c.num_layers; ++l) checks.emplace_back(st, l);
+    std::shuffle(checks.begin(), checks.end(), gen_);
+    checks.resize(std::min<size_t>(checks.size(), static_cast<size_t>(std::max(check.layers, 1))));
+    for (int64_t i = 0; i < rows; ++i) check_rows.push_back(i);
+    std::shuffle(check_rows.begin(), check_rows.end(), gen_);
+    check_rows.resize(
+        std::min<size_t>(check_rows.size(), static_cast<size_t>(std::max(check.requests, 1))));
+    std::sort(check_rows.begin(), check_rows.end());
+    for (size_t k = 0; k < checks.size(); ++k) {
+      check_out.push_back(Tensor::empty({rows, hd_out}, c.dtype, device_));
+      fill_bytes(check_out.back().data(), device_, 0xFF, check_out.back().view().nbytes());
+    }
+  }
+  std::vector<LayerInputs> check_in(checks.size());  // q alone: decode reads K/V from the pool
+  TensorView last_out;
+
+  PassResult r;
+  synchronize(device_);
+  const auto t0 = std::chrono::steady_clock::now();
+  multi_step_->init_forward_metadata(batch, loc3);
+  for (int st = 0; st < steps; ++st)
+    for (int l = 0; l < c.num_layers; ++l) {
+      const TensorView q = activations(rows, c.num_qo_heads, c.head_dim);
+      const TensorView k = activations(rows, c.num_kv_heads, c.head_dim);
+      const TensorView v = activations(rows, c.num_kv_heads, c.head_dim);
+      const auto at = std::find(checks.begin(), checks.end(), std::make_pair(st, l));
+      TensorView out;
+      if (at != checks.end()) {
+        out = check_out[at - checks.begin()];
+        check_in[at - checks.begin()].q = q;
+      }
+      last_out = multi_step_->forward(st, q, k, v, c.layer(l), true, out);
+      if (check.scan_every_layer && (st + 1 < steps || l + 1 < c.num_layers))
+        scan_between_layers(last_out, rows, str_cat("step ", st, ", layer ", l), r);
+    }
+  synchronize(device_);
+  const auto t1 = std::chrono::steady_clock::now();
+  r.ms = std::chrono::duration<double, std::milli>(t1 - t0).count() - r.check_ms;
+
+  scan_for_nonfinite(last_out, rows, str_cat("step ", steps - 1, ", layer ", c.num_layers - 1), r);
+  for (size_t k = 0; k < checks.size(); ++k) {
+    const int step = checks[k].first;
+    // Row (request i, branch b) sees the request's cached tokens, then its branch's draft tokens
+    // up to this step.
+    std::vector<std::vector<int32_t>> row_slots;
+    CheckedRows checked;
+    for (int64_t row : check_rows) {
+      const int64_t i = row / topk;  // rows are (request, branch), branch fastest
+      std::vector<int32_t> slots(seqs[i]->slots.begin() + seqs[i]->encoder_len,
+                                 seqs[i]->slots.begin() + seqs[i]->encoder_len + seq_lens[i]);
+      for (int st = 0; st <= step; ++st) slots.push_back(draft_slots[row * steps + st]);
+      row_slots.push_back(std::move(slots));
+    }
+    for (size_t j = 0; j < check_rows.size(); ++j) {
+      ReferenceRequest rr;
+      rr.slots = row_slots[j].data();
+      rr.seq_len = static_cast<int32_t>(row_slots[j].size());
+      rr.qo_len = 1;
+      checked.reqs.push_back(rr);
+      checked.ranges.emplace_back(check_rows[j], 1);
+    }
+    const std::string what =
+        str_cat("draft step ", step, " of ", bs, " requests x ", topk, " branches");
+    compare_layer(c.layer(checks[k].second), checked, check_in[k], check_out[k], what.c_str(), r);
+  }
+  r.check_ms +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+  return r;
+}
+
+}  // namespace flashkv::app

@@ -1,9 +1,0 @@
-// Prefill kernels for head_dim_qk = 64, head_dim_v = 64, f16 queries (KV: f16, fp8 e4m3, fp8 e5m2).
-#include "prefill/kernel.cuh"
-
-#if defined(FLASHKV_HEAD_DIM_64)
-namespace fp = flashkv::cuda::prefill_detail;
-FLASHKV_INSTANTIATE_PREFILL(64, 64, __half, fp::KvFormat::kSame);
-FLASHKV_INSTANTIATE_PREFILL(64, 64, __half, fp::KvFormat::kE4M3);
-FLASHKV_INSTANTIATE_PREFILL(64, 64, __half, fp::KvFormat::kE5M2);
-#endif

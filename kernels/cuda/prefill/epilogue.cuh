@@ -1,0 +1,148 @@
+// Stores of one finished row block: normalised O in Q's dtype plus LSE to the outputs, or (split
+// items) fp32 O and LSE to the partial buffers at rows item.partial + token (layout of plan.h).
+// Output bytes are small next to the block's arithmetic, so each thread writes its fragment
+// pairs straight from registers.
+#pragma once
+
+#include "common/ptx.cuh"
+#include "flashkv/kernels/params.h"
+#include "prefill/mask.cuh"
+#include "prefill/tile_config.cuh"
+
+namespace flashkv::cuda::prefill_detail {
+
+// A final row block merged with p's merge state (p.merge_o / p.merge_lse, possibly the same
+// memory as the outputs) as it is stored. Under programmatic dependent launch the state comes
+// from the preceding kernel: wait for it here, before the first read of it (and write of O).
+//
+// The warp's rows of the state are copied with cp.async into the warp's own Q rows of shared
+// memory (only this warp reads them, and its KV loop is over), all in flight together: one
+// memory round trip a row block, where loads into registers would either spill (O already holds
+// 128 registers) or, issued between stores that may overwrite the state, wait one round trip
+// each. 16-byte chunk c of local row r sits at chunk c ^ (r & 7), so the quads' 4-byte reads of
+// eight rows hit 32 distinct banks. The LSEs come into registers alongside; an empty state's
+// values are loaded too and never used.
+template <typename Cfg>
+__device__ __forceinline__ void store_merged_block(const AttentionParams& p, const RowBlock& b,
+                                                   int kv_head, int group, int warp_row0, int lane,
+                                                   unsigned char* smem,
+                                                   const float (&o)[Cfg::kMTiles][Cfg::kDv / 8][4],
+                                                   const float (&scale)[Cfg::kMTiles][2],
+                                                   const float (&lse)[Cfg::kMTiles][2]) {
+  using QT = typename Cfg::Q;
+  static_assert(Cfg::kDqk >= Cfg::kDv && Cfg::kVChunks % 8 == 0,
+                "the merge state's rows must fit the warp's Q rows, in 8k chunks");
+  constexpr int kChunks = Cfg::kVChunks;
+  const float neg_inf = -__int_as_float(0x7f800000);
+  QT* stage = reinterpret_cast<QT*>(smem + Cfg::kQOffset) + warp_row0 * Cfg::kDqk;
+  ptx::grid_dependency_wait();
+  __syncwarp();  // every lane of the warp is past its last read of its Q rows
+#pragma unroll 4
+  for (int i = lane; i < Cfg::kRowsPerWarp * kChunks; i += 32) {
+    const int r = i / kChunks, c = i - r * kChunks;
+    const int x = warp_row0 + r;
+    const bool valid = x < b.rows;
+    const int item_row = b.row0 + x;
+    const int tok = item_row / group;
+    const int head = kv_head * group + (item_row - tok * group);
+    const QT* src = static_cast<const QT*>(p.merge_o);
+    if (valid)
+      src += (static_cast<int64_t>(b.q_begin) + tok) * p.merge_stride_n +
+             static_cast<int64_t>(head) * p.merge_stride_h + c * 8;
+    cp_async_16(stage + r * Cfg::kDv + (c ^ (r & 7)) * 8, src, valid ? 16 : 0);
+  }
+  cp_async_commit();
+  float prev_lse[Cfg::kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int x = warp_row0 + mt * 16 + (lane >> 2) + h * 8;
+      prev_lse[mt][h] = neg_inf;
+      if (x >= b.rows) continue;
+      const int item_row = b.row0 + x;
+      const int tok = item_row / group;
+      const int head = kv_head * group + (item_row - tok * group);
+      prev_lse[mt][h] =
+          p.merge_lse[(static_cast<int64_t>(b.q_begin) + tok) * p.num_qo_heads + head];
+    }
+  cp_async_wait<0>();
+  __syncwarp();  // the state is in shared memory, and every lane holds its previous LSEs
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = mt * 16 + (lane >> 2) + h * 8;
+      const int x = warp_row0 + r;
+      if (x >= b.rows) continue;
+      const int item_row = b.row0 + x;
+      const int tok = item_row / group;
+      const int head = kv_head * group + (item_row - tok * group);
+      const float m = fmaxf(prev_lse[mt][h], lse[mt][h]);
+      // An empty state (LSE -inf) weighs 0, and its values (never written, maybe NaN) are unused.
+      // A NaN state (NaN in the KV) weighs NaN (m is the maximum of the numbers), so the sum,
+      // O and LSE are NaN.
+      const float w_prev = prev_lse[mt][h] == neg_inf ? 0.0f : exp2f(prev_lse[mt][h] - m);
+      const float w_cur = lse[mt][h] == neg_inf ? 0.0f : exp2f(lse[mt][h] - m);
+      const float sum = w_prev + w_cur;
+      const float inv = sum != 0.0f ? 1.0f / sum : 0.0f;
+      const float a = w_prev * inv, c = w_cur * inv * scale[mt][h];
+      const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
+      QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h + (lane & 3) * 2;
+      const QT* prev = stage + r * Cfg::kDv + (lane & 3) * 2;
+#pragma unroll
+      for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
+        const float2 pv =
+            Pack2<QT>::to_floats(*reinterpret_cast<const uint32_t*>(prev + (dt ^ (r & 7)) * 8));
+        const float lo = (a != 0.0f ? a * pv.x : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h] : 0.0f);
+        const float hi =
+            (a != 0.0f ? a * pv.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);
+        *reinterpret_cast<uint32_t*>(dst + dt * 8) = Pack2<QT>::from_floats(lo, hi);
+      }
+      if (p.lse && (lane & 3) == 0)
+        p.lse[row * p.num_qo_heads + head] = sum != 0.0f ? m + __log2f(sum) : neg_inf;
+    }
+}
+
+template <typename Cfg>
+__device__ __forceinline__ void store_block(const AttentionParams& p, const RowBlock& b,
+                                            int kv_head, int group, int warp_row0, int lane,
+                                            unsigned char* smem,
+                                            const float (&o)[Cfg::kMTiles][Cfg::kDv / 8][4],
+                                            const float (&scale)[Cfg::kMTiles][2],
+                                            const float (&lse)[Cfg::kMTiles][2]) {
+  using QT = typename Cfg::Q;
+  const bool merge = p.merge_o != nullptr && b.partial < 0;
+  if (merge) store_merged_block<Cfg>(p, b, kv_head, group, warp_row0, lane, smem, o, scale, lse);
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int x = warp_row0 + mt * 16 + (lane >> 2) + h * 8;
+      if (merge || x >= b.rows) continue;
+      const int item_row = b.row0 + x;
+      const int tok = item_row / group;
+      const int head = kv_head * group + (item_row - tok * group);
+      const int col0 = (lane & 3) * 2;
+      const float sc = scale[mt][h];
+      if (b.partial < 0) {
+        const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
+        QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h + col0;
+#pragma unroll
+        for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
+          *reinterpret_cast<uint32_t*>(dst + dt * 8) =
+              Pack2<QT>::from_floats(o[mt][dt][2 * h] * sc, o[mt][dt][2 * h + 1] * sc);
+        if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = lse[mt][h];
+      } else {
+        const int64_t prow = static_cast<int64_t>(b.partial) + tok;
+        float* dst = p.partial_o + (prow * p.num_qo_heads + head) * Cfg::kDv + col0;
+#pragma unroll
+        for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
+          *reinterpret_cast<float2*>(dst + dt * 8) =
+              make_float2(o[mt][dt][2 * h] * sc, o[mt][dt][2 * h + 1] * sc);
+        if ((lane & 3) == 0) p.partial_lse[prow * p.num_qo_heads + head] = lse[mt][h];
+      }
+    }
+}
+
+}  // namespace flashkv::cuda::prefill_detail

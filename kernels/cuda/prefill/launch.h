@@ -1,0 +1,25 @@
+// Host-side declarations shared by cuda/prefill.cu (which selects a variant) and the explicit
+// instantiation files cuda/inst/prefill_*.cu (which compile one each, so builds parallelise).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flashkv/kernels/params.h"
+#include "prefill/primitives.cuh"
+
+namespace flashkv::cuda::prefill_detail {
+
+// Throws flashkv::Error naming `what` when `status` is not cudaSuccess.
+void check_cuda(cudaError_t status, const char* what);
+
+// Runs every work item of p for every KV head (grid: p.num_workers x Hkv). Explicitly
+// instantiated in cuda/inst/prefill_*.cu for the head dims the build enables.
+template <int DQK, int DV, typename QT, KvFormat KVF>
+void launch_prefill(const AttentionParams& p, cudaStream_t stream);
+
+// The sm_90a kernel (kernel_sm90.cuh): 16-bit Q/K/V at head dim 128, every variant of the
+// sm_80 kernel but fp8 KV. Instantiated in cuda/inst/prefill_sm90_d128.cu for bf16 and f16.
+template <typename QT>
+void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace flashkv::cuda::prefill_detail

@@ -1,0 +1,72 @@
+// Merge pass of split prefill items: each MergeItem's num_chunks fp32 partial states (rows
+// partial + c * q_len + token, plan.h) fold, in chunk order c = 0, 1, ..., into the final O (Q's
+// dtype) and LSE. One warp per (token, query head); lanes stride over D_v.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flashkv/kernels/params.h"
+#include "prefill/primitives.cuh"
+
+namespace flashkv::cuda::prefill_detail {
+
+constexpr int kMergeThreads = 256;
+
+template <typename QT>
+__device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int hq = p.num_qo_heads, dv = p.head_dim_v;
+  const float neg_inf = -__int_as_float(0x7f800000);
+  for (int pair = warp; pair < mi.q_len * hq; pair += kMergeThreads / 32) {
+    const int tok = pair / hq, head = pair - tok * hq;
+    auto prow = [&](int c) { return static_cast<int64_t>(mi.partial) + c * mi.q_len + tok; };
+    const int64_t row = static_cast<int64_t>(mi.q_begin) + tok;
+    // p's merge state (merge_o / merge_lse) is one more state, folded after the chunks; it may
+    // be the output row itself, so every lane reads it before any lane writes.
+    const float prev_lse = p.merge_o ? p.merge_lse[row * hq + head] : neg_inf;
+    const QT* prev = p.merge_o ? static_cast<const QT*>(p.merge_o) + row * p.merge_stride_n +
+                                     head * p.merge_stride_h
+                               : nullptr;
+    float m = prev_lse;
+    bool nan = prev_lse != prev_lse;
+    for (int c = 0; c < mi.num_chunks; ++c) {
+      const float l = p.partial_lse[prow(c) * hq + head];
+      m = fmaxf(m, l);  // the maximum of the numbers
+      nan |= l != l;
+    }
+    QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h;
+    __syncwarp();
+    // No chunk saw a visible key (nor did the merge state). A NaN state (NaN in the KV) is not
+    // empty: its weight is NaN, and so are O and LSE.
+    if (m == neg_inf && !nan) {
+      for (int d = lane; d < dv; d += 32) dst[d] = QT(0.0f);
+      if (p.lse && lane == 0) p.lse[row * hq + head] = neg_inf;
+      continue;
+    }
+    float sum = 0.0f;
+    for (int c = 0; c < mi.num_chunks; ++c) sum += exp2f(p.partial_lse[prow(c) * hq + head] - m);
+    const float w_prev = prev_lse == neg_inf ? 0.0f : exp2f(prev_lse - m);
+    sum += w_prev;
+    const float inv = 1.0f / sum;
+    for (int d = lane; d < dv; d += 32) {
+      float acc = 0.0f;
+      for (int c = 0; c < mi.num_chunks; ++c) {
+        const float w = exp2f(p.partial_lse[prow(c) * hq + head] - m);
+        acc += w * p.partial_o[(prow(c) * hq + head) * dv + d];
+      }
+      if (w_prev != 0.0f) acc += w_prev * static_cast<float>(prev[d]);
+      dst[d] = QT(acc * inv);
+    }
+    if (p.lse && lane == 0) p.lse[row * hq + head] = m + log2f(sum);
+  }
+}
+
+// grid.x = merges to run; CTA i merges merges[i]. With a CUDA-graph plan the grid is the
+// layout's merge capacity and the entries past this plan's merges are empty (q_len 0).
+template <typename QT>
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_partials_kernel(const __grid_constant__ AttentionParams p) {
+  merge_one<QT>(p, p.merges[blockIdx.x]);
+}
+
+}  // namespace flashkv::cuda::prefill_detail
