@@ -2,7 +2,7 @@
 // previous plan's vectors), on an H100-like CUDA DeviceInfo (132 SMs) and on a 64-thread CPU.
 // The target: plan_decode for 256 requests and plan_prefill for 64 requests under 5 us.
 // Built with Google Benchmark when it is installed; otherwise a plain timing loop prints the
-// median and the minimum of 15 repeats of 2000 calls. Results and method: bench/NOTES.md,
+// median and the minimum of 15 repeats of 2000 calls. Results and method: docs/perf/planner.md,
 // section "Planner".
 #include <algorithm>
 #include <chrono>

@@ -109,7 +109,7 @@ struct IndicesCase {
   int64_t extra = 7;  // kv_indices elements past the last request (must stay untouched)
 
   int64_t num_indices() const { return indptr.back() + extra; }
-  // The naive loop of SEMANTICS.md over a poisoned output.
+  // The naive loop of docs/SEMANTICS.md over a poisoned output.
   std::vector<int32_t> expected() const {
     std::vector<int32_t> out(static_cast<size_t>(num_indices()), kPoisonIndex);
     const int64_t ctx = req_to_token.size(1);

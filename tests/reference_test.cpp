@@ -722,7 +722,7 @@ TEST(Reference, EachCausalRowEqualsADecodeOverItsVisiblePrefix) {
 
 TEST(Reference, ExtendEqualsCausalNewTokensMergedWithThePrefix) {
   FLASHKV_SEEDED_RNG(rng, 212);
-  // SEMANTICS.md: extend = ragged causal attention over the new tokens, merged with non-causal
+  // docs/SEMANTICS.md: extend = ragged causal attention over the new tokens, merged with non-causal
   // paged attention over the cached prefix. Prefix lengths include 0.
   const std::vector<int32_t> new_lens = {4, 1, 6}, prefix_lens = {9, 0, 20};
   std::vector<int32_t> total(3);

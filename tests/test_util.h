@@ -1,5 +1,5 @@
-// Shared test helpers: seeded random tensors, NaN poisoning, the error metrics of SEMANTICS.md,
-// and GPU skipping.
+// Shared test helpers: seeded random tensors, NaN poisoning, the error metrics of
+// docs/SEMANTICS.md, and GPU skipping.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -56,7 +56,7 @@ double max_abs_error(const TensorView& out, const std::vector<double>& ref);
 double lse_max_error(const TensorView& lse, const std::vector<double>& ref);
 bool has_nan(const TensorView& t);
 
-// Checks out/lse against a reference result with the tolerances of SEMANTICS.md for `dtype`
+// Checks out/lse against a reference result with the tolerances of docs/SEMANTICS.md for `dtype`
 // (fp8_kv widens the output tolerance).
 void expect_close(const TensorView& out, const TensorView& lse, const reference::Result& ref,
                   DType dtype, bool fp8_kv = false);

@@ -47,7 +47,7 @@ struct CheckOptions {
 struct PassResult {
   double ms = 0;           // init_forward_metadata + every layer's forward, device synchronized
   int checked = 0;         // layer outputs compared with the reference
-  int failures = 0;        // ... outside the tolerance of SEMANTICS.md
+  int failures = 0;        // ... outside the tolerance of docs/SEMANTICS.md
   double worst_rel = 0;    // largest relative error seen
   bool nonfinite = false;  // a NaN or Inf in a scanned or checked output
   std::string nonfinite_where;  // the first one: layer, row and value

@@ -7,7 +7,7 @@
 //   prefix cache       the cache's own bookkeeping;
 //   finite outputs     no NaN or Inf in any layer's output of any pass;
 //   reference          sampled layer outputs (every check_every-th step) match the float64
-//                      reference within the tolerances of SEMANTICS.md;
+//                      reference within the tolerances of docs/SEMANTICS.md;
 //   pool at idle       whenever every request has finished, the pool holds exactly the prefix
 //                      cache's slots, and after every flush_every-th such point the cache is
 //                      flushed and the pool must be empty.

@@ -18,7 +18,7 @@ namespace flashkv::bench {
 // decode: paged_decode, one query per request over its paged KV.
 // prefill: ragged_prefill, causal, new tokens only (no cached prefix).
 // extend: ragged causal prefill over the new tokens + non-causal paged_prefill over the cached
-//   prefix + merge_state (SEMANTICS.md); with no prefix, the ragged kernel alone.
+//   prefix + merge_state (docs/SEMANTICS.md); with no prefix, the ragged kernel alone.
 enum class BenchOp { decode, prefill, extend };
 const char* op_name(BenchOp op);
 BenchOp parse_op(const std::string& name);  // "decode" | "prefill" | "extend"

@@ -45,7 +45,8 @@ class KVPool {
   // Layer `layer`'s K [num_rows, Hkv, D_qk] and V [num_rows, Hkv, D_v].
   const TensorView& k(int layer) const;
   const TensorView& v(int layer) const;
-  // The value a stored element stands for is float(stored) * scale (SEMANTICS.md, FP8 KV cache).
+  // The value a stored element stands for is float(stored) * scale (docs/SEMANTICS.md, "fp8 KV
+  // cache").
   float k_scale(int layer) const;
   float v_scale(int layer) const;
   // Throws unless both scales are finite and > 0.
