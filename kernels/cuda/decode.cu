@@ -37,7 +37,7 @@ bool use_programmatic_launch() {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-template <int D, typename QT, KvKind kKv>
+template <int D, typename QT, KvFormat kKv>
 LaunchFn pick_tiles(int group) {
   // 8 query heads per mma column tile. Up to 16 heads share one pass over the KV (two tiles;
   // head dim 256 keeps one, its accumulators would not fit the registers); larger groups run as
@@ -52,11 +52,11 @@ template <int D, typename QT>
 LaunchFn pick_kv(DType kv, int group) {
   switch (kv) {
     case DType::fp8_e4m3:
-      return pick_tiles<D, QT, KvKind::e4m3>(group);
+      return pick_tiles<D, QT, KvFormat::kE4M3>(group);
     case DType::fp8_e5m2:
-      return pick_tiles<D, QT, KvKind::e5m2>(group);
+      return pick_tiles<D, QT, KvFormat::kE5M2>(group);
     default:
-      return pick_tiles<D, QT, KvKind::same16>(group);
+      return pick_tiles<D, QT, KvFormat::kSame>(group);
   }
 }
 

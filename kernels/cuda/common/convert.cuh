@@ -1,5 +1,5 @@
 // Element conversions for the CUDA kernels: fp32 <-> bf16 / f16 (pairs packed in 32 bits), and
-// fp8 (e4m3 / e5m2) pairs to f16 pairs, exactly.
+// fp8 (e4m3 / e5m2) to f16 pairs or to fp32, exactly.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,10 +8,9 @@
 #include <cstdint>
 #include <type_traits>
 
-namespace flashkv::cuda {
+#include "common/kv_format.h"
 
-// The KV element kinds a kernel is compiled for.
-enum class KvKind : int { same16 = 0, e4m3 = 1, e5m2 = 2 };
+namespace flashkv::cuda {
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);
@@ -71,18 +70,18 @@ __device__ __forceinline__ half from_f32<half>(float x) {
 // f16 value. sm_89+ converts in hardware; older targets move the byte into the high half of the
 // lane (e5m2 is the high byte of an f16) or, for e4m3, shift exponent and mantissa into place and
 // apply the bias difference 2^8 with an exact multiply. fp8 NaN maps to NaN only on sm_89+.
-template <KvKind kKind>
+template <KvFormat kFormat>
 __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint16_t pair) {
-  static_assert(kKind == KvKind::e4m3 || kKind == KvKind::e5m2, "fp8 kinds only");
+  static_assert(kFormat == KvFormat::kE4M3 || kFormat == KvFormat::kE5M2, "fp8 formats only");
   uint32_t y;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  if constexpr (kKind == KvKind::e4m3)
+  if constexpr (kFormat == KvFormat::kE4M3)
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(y) : "h"(pair));
   else
     asm("cvt.rn.f16x2.e5m2x2 %0, %1;\n" : "=r"(y) : "h"(pair));
 #else
   const uint32_t t = __byte_perm(uint32_t{pair}, 0u, 0x1404);  // byte i into lane i's high byte
-  if constexpr (kKind == KvKind::e5m2) {
+  if constexpr (kFormat == KvFormat::kE5M2) {
     y = t;
   } else {
     const uint32_t bits = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
@@ -95,11 +94,34 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint16_t pair) {
 // fp8x2_to_f16x2 of the low (kHigh false) or high fp8 pair of a 32-bit word. The word is split
 // into its half-words (a register view, no instruction): on sm_89+ the conversion then reads the
 // high half in place, so that pair costs no shift.
-template <KvKind kKind, bool kHigh>
+template <KvFormat kFormat, bool kHigh>
 __device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t word) {
   uint16_t lo, hi;
   asm("mov.b32 {%0, %1}, %2;\n" : "=h"(lo), "=h"(hi) : "r"(word));
-  return fp8x2_to_f16x2<kKind>(kHigh ? hi : lo);
+  return fp8x2_to_f16x2<kFormat>(kHigh ? hi : lo);
+}
+
+// fp8 byte -> float, exact (every e4m3/e5m2 value is representable in f16 and bf16, so the
+// later narrowing to the 16-bit type is exact too). Done by bit placement and one multiply by a
+// power of two, which also handles subnormals; NaN stays NaN.
+__device__ __forceinline__ float e4m3_to_float(uint32_t x) {
+  const uint32_t mag = x & 0x7fu;
+  if (mag == 0x7fu) return __int_as_float(0x7fc00000);  // e4m3 has NaN only at S.1111.111
+  // Place E (4 bits) and M (3 bits) at the top of a float's exponent/mantissa fields: the value
+  // is then 2^(E - 127) * 1.M (or a float subnormal), off from the e4m3 value by 2^(127 - 7).
+  const float f = __uint_as_float(((x & 0x80u) << 24) | (mag << 20));
+  return f * 0x1p120f;
+}
+__device__ __forceinline__ float e5m2_to_float(uint32_t x) {
+  // e5m2 is the upper byte of an f16.
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(x << 8)));
+}
+template <KvFormat F>
+__device__ __forceinline__ float fp8_to_float(uint32_t x) {
+  if constexpr (F == KvFormat::kE4M3)
+    return e4m3_to_float(x);
+  else
+    return e5m2_to_float(x);
 }
 
 }  // namespace flashkv::cuda

@@ -6,7 +6,7 @@
 
 namespace flashkv::cuda::decode {
 
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::reset_state() {
 #pragma unroll
   for (int n = 0; n < NT; ++n)
@@ -28,7 +28,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::reset_state() {
 // d0 = c * D / 4 + 4 s .. d0 + 3, as pairs (d0, d0 + 1) and (d0 + 2, d0 + 3). A bf16 query
 // for fp8 KV is scaled by 2^e into f16 range (exact; every warp derives the same e from the
 // largest |q| of the item) and the item's score scales divided by 2^e.
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::load_q_frags(const unsigned char* stage) {
   const QT* qs = reinterpret_cast<const QT*>(stage + 2 * Tr::kTileBytes);
   float q_scale = 1.0f;
@@ -68,7 +68,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::load_q_frags(const unsigned char* stage)
 
 // S^T = K . Q^T for tokens [16 b, 16 b + 16) of the stage, accumulated in two halves (even
 // and odd k-steps) to halve the dependent mma chain.
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::scores(uint32_t k_smem, int b, float (&s)[NT][4]) const {
   float s2[NT][4];
 #pragma unroll
@@ -113,7 +113,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::scores(uint32_t k_smem, int b, float (&s
 }
 
 // O^T += V^T . P^T for tokens [16 b, 16 b + 16) of the stage.
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::accumulate(uint32_t v_smem, int b,
                                                    const uint32_t (&pb)[NT][2]) {
   if constexpr (!kFp8) {
@@ -165,7 +165,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::accumulate(uint32_t v_smem, int b,
 }
 
 // The dim of O^T fragment element (m-tile i, e >= 2 ? row r + 8 : row r).
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ int DecodeCta<Tr, QT, kKv>::out_dim(int i, int e) const {
   if constexpr (!kFp8)
     return 16 * i + r + (e >= 2 ? 8 : 0);
@@ -173,7 +173,7 @@ __device__ int DecodeCta<Tr, QT, kKv>::out_dim(int i, int e) const {
     return r * (D / 8) + 2 * i + (e >= 2 ? 1 : 0);
 }
 
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::block(const unsigned char* stage, int b, int valid) {
   const uint32_t k_smem = ptx::smem_addr(stage);
   float s[NT][4];

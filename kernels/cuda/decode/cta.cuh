@@ -72,12 +72,12 @@ __device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
                                ((Tr::kSwizzle ? (chunk ^ (row & 7)) : chunk) << 4));
 }
 
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 struct DecodeCta {
   static constexpr int D = Tr::kHeadDim;
   static constexpr int NT = Tr::kHeads / 8;
   static constexpr int T = Tr::kTileTokens;
-  static constexpr bool kFp8 = kKv != KvKind::same16;
+  static constexpr bool kFp8 = kKv != KvFormat::kSame;
   using MT = std::conditional_t<kFp8, half, QT>;  // mma operand type
 
   const AttentionParams& p;

@@ -47,7 +47,7 @@ namespace flashkv::cuda::decode {
 constexpr float kLog2e = 1.4426950408889634f;
 
 // indices_ready: fetch_first_indices_early ran (and a barrier followed it).
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::run(int32_t first_item, int32_t last_item,
                                             bool indices_ready) {
   prod.item = cons.item = first_item;
@@ -114,7 +114,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::run(int32_t first_item, int32_t last_ite
   FLASHKV_TRACE(timeline->mark(8); timeline->commit(last_item - first_item, merged_tiles);)
 }
 
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __global__ void __launch_bounds__(Tr::kThreads, 2)
     decode_kernel(const __grid_constant__ AttentionParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   cta.run(first_item, last_item, p.layout_ready);
 }
 
-template <int D, typename QT, KvKind kKv, int kNTiles>
+template <int D, typename QT, KvFormat kKv, int kNTiles>
 void launch_decode(const AttentionParams& p, cudaStream_t stream, bool programmatic) {
   using Tr = Traits<D, kKv, kNTiles>;
   auto kernel = decode_kernel<Tr, QT, kKv>;

@@ -9,7 +9,7 @@ namespace flashkv::cuda::decode {
 
 // Moves a walk to the first item (from c.item on) with KV to read; the compute walk
 // (finish_empty) also stores the result of every empty item it passes (O = 0, LSE = -inf).
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::seek(Cursor& c, bool finish_empty) {
   for (; c.item < c.last; ++c.item) {
     c.v = item(c.item);
@@ -25,7 +25,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::seek(Cursor& c, bool finish_empty) {
   }
 }
 
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::advance(Cursor& c) {
   c.first = false;
   c.pos += T;
@@ -38,7 +38,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::advance(Cursor& c) {
 // The kv_indices entry of the index walk's tile row `row` (token ind.pos + row; entry
 // j / page_size for page size > 1), and whether that token is in the item's range (else the
 // entry is the first one, a mapped address).
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ const int32_t* DecodeCta<Tr, QT, kKv>::index_entry(const Cursor& w, int row,
                                                               bool& valid) const {
   const int32_t j = w.pos + row;
@@ -49,7 +49,7 @@ __device__ const int32_t* DecodeCta<Tr, QT, kKv>::index_entry(const Cursor& w, i
 
 // The pool row of token j whose kv_indices entry is `entry`, clamped into the pool as
 // unsigned, so that a negative or too-large index never addresses outside it.
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ uint32_t DecodeCta<Tr, QT, kKv>::pool_row(int32_t entry, int32_t j) const {
   uint32_t slot = static_cast<uint32_t>(entry);
   if (p.page_size > 1) slot = slot * p.page_size + j % p.page_size;
@@ -59,7 +59,7 @@ __device__ uint32_t DecodeCta<Tr, QT, kKv>::pool_row(int32_t entry, int32_t j) c
 
 // Copies the kv_indices entries of the index walk's tile into its ring slot (one 4-byte copy
 // per token), and advances the walk.
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::fetch_indices() {
   if (ind.item >= ind.last) return;
   int32_t* ring = index_ring(ind_tile);
@@ -77,7 +77,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::fetch_indices() {
 // publishes the ring. Their K and V rows are prefetched into L2, so that the first copies
 // after the wait hit L2 instead of DRAM: the previous kernel's tail hides their DRAM latency.
 // (Prefetching further ahead made the streaming shapes slower: bench/NOTES.md, decode v9.)
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::fetch_first_indices_early(int32_t first_item,
                                                                   int32_t last_item) {
   ind.item = first_item;
@@ -98,13 +98,13 @@ __device__ void DecodeCta<Tr, QT, kKv>::fetch_first_indices_early(int32_t first_
 }
 
 // K/V base pointers of this CTA's KV head, offset by `chunk` 16-byte chunks.
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ const char* DecodeCta<Tr, QT, kKv>::k_base(int chunk) const {
   return static_cast<const char*>(p.k) + (int64_t{kv_head} * p.k_stride_h) * Tr::kKvBytes +
          chunk * 16;
 }
 
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ const char* DecodeCta<Tr, QT, kKv>::v_base(int chunk) const {
   return static_cast<const char*>(p.v) + (int64_t{kv_head} * p.v_stride_h) * Tr::kKvBytes +
          chunk * 16;
@@ -112,18 +112,18 @@ __device__ const char* DecodeCta<Tr, QT, kKv>::v_base(int chunk) const {
 
 // Bytes from one token's K (or V) row to the next: 32-bit (the launcher checks that the
 // stride fits), so that a row is one 32 x 32 -> 64-bit multiply-add off its base.
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ uint32_t DecodeCta<Tr, QT, kKv>::k_row_bytes() const {
   return static_cast<uint32_t>(p.k_stride_n) * Tr::kKvBytes;
 }
 
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ uint32_t DecodeCta<Tr, QT, kKv>::v_row_bytes() const {
   return static_cast<uint32_t>(p.v_stride_n) * Tr::kKvBytes;
 }
 
 // Prefetches pool row `row`'s K and V rows of this CTA's KV head into L2.
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::prefetch_rows(uint32_t row) const {
   const char* k = k_base(0) + uint64_t{row} * k_row_bytes();
   const char* v = v_base(0) + uint64_t{row} * v_row_bytes();
@@ -137,7 +137,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::prefetch_rows(uint32_t row) const {
 // Issues the K/V copies of the data walk's tile into stage s (and the item's query rows when
 // it is the item's first tile), then the index copies kStages - 1 tiles further on. Always
 // commits a group, so group counting stays uniform once the stream runs dry.
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::produce(int s) {
   if (prod.item < prod.last) {
     unsigned char* st = stage_ptr(s);

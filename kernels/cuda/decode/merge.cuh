@@ -11,7 +11,7 @@ namespace flashkv::cuda::decode {
 // Stores heads [0, heads) of an item's result: the sum, in order, of `parts` un-normalised
 // [kHeads][kOutStride] buffers from `src` on (default: out_buf) times inv[h], and lse[h]; or
 // zeros and -inf when `empty`.
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::store(const ItemView& v, const float* inv, const float* lse,
                                               bool empty, const float* src, int parts) {
   constexpr int kPerHead = D / 8;
@@ -67,7 +67,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::store(const ItemView& v, const float* in
 // Release and acquire at GPU scope by the counting lanes, after / before CTA barriers: the
 // barrier orders every thread's partial stores before the release; the acquire orders the other
 // chunks' stores before the merge's reads (which go to L2).
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::merge_finished_tiles(int32_t first, int32_t last) {
   // The tiles this CTA completes in a round (out_buf is free once the last item is stored).
   TileMerge* done = reinterpret_cast<TileMerge*>(out_buf());
@@ -111,7 +111,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::merge_finished_tiles(int32_t first, int3
 // output rows; unit u is tile u / (heads D / 4), head (u / (D / 4)) % heads, dims 4 (u % (D / 4))
 // .. + 3. Each thread takes kUnits units at a time and keeps kBatch chunk loads of each in
 // flight before folding them in chunk order (deterministic).
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 template <int kUnits, int kBatch>
 __device__ void DecodeCta<Tr, QT, kKv>::merge_units(const TileMerge* done, int n) {
   constexpr int kVecs = D / 4;
@@ -189,7 +189,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::merge_units(const TileMerge* done, int n
 // `stage` held the item's last tile; it is free once every warp is past its blocks (its next
 // refill follows the loop's next barrier). When the warps' scaled outputs fit there, each warp
 // writes its own and store() sums them; else they are added into out_buf a warp at a time.
-template <class Tr, typename QT, KvKind kKv>
+template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::finalize(const ItemView& v, unsigned char* stage) {
   float* red_m = red();                              // [Tr::kWarps][kHeads]
   float* red_l = red_m + Tr::kWarps * Tr::kHeads;    // [Tr::kWarps][kHeads]

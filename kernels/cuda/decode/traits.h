@@ -19,7 +19,7 @@ constexpr int kItemViewBytes = 24;
 
 // D: head dim (Q/K and V alike); kKv: KV element kind; kNTiles: 8-head column tiles of the
 // mma (the CTA handles up to 8 * kNTiles query heads of one KV head).
-template <int D, KvKind kKv, int kNTiles>
+template <int D, KvFormat kKv, int kNTiles>
 struct Traits {
   static_assert(D % 64 == 0, "head dims 64, 128, 256");
   static constexpr int kHeadDim = D;
@@ -27,9 +27,9 @@ struct Traits {
   // 128-token tiles get 8 warps, one 16-token block each, to hide that work's latency. The
   // register cap this implies (128 for two CTAs of 256 threads) only fits one head tile and
   // D <= 128.
-  static constexpr int kWarps = (kKv != KvKind::same16 && D <= 128 && kNTiles == 1) ? 8 : 4;
+  static constexpr int kWarps = (kKv != KvFormat::kSame && D <= 128 && kNTiles == 1) ? 8 : 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kKvBytes = kKv == KvKind::same16 ? 2 : 1;
+  static constexpr int kKvBytes = kKv == KvFormat::kSame ? 2 : 1;
   static constexpr int kRowBytes = D * kKvBytes;  // one token's K (or V) row of one KV head
   static constexpr int kChunks = kRowBytes / 16;  // 16-byte chunks per row
   static constexpr bool kSwizzle = kChunks >= 8;  // XOR the chunk with (row & 7)
@@ -65,19 +65,19 @@ struct Traits {
 
 // Launches the decode kernel for p (grid: p.num_workers x Hkv x head groups); `programmatic`:
 // with programmatic stream serialization (sm_90: may start before the previous kernel ends).
-template <int D, typename QT, KvKind kKv, int kNTiles>
+template <int D, typename QT, KvFormat kKv, int kNTiles>
 void launch_decode(const AttentionParams& p, cudaStream_t stream, bool programmatic);
 
 // Explicit instantiations of one head dim and head-tile count for every query / KV type pair
 // (used by cuda/inst/decode_d*.cu, one file per head dim so the builds run in parallel).
 #define FLASHKV_DECODE_INSTANTIATE_ONE(D, QT, KV, NT) \
-  template void launch_decode<D, QT, KvKind::KV, NT>(const AttentionParams&, cudaStream_t, bool);
-#define FLASHKV_DECODE_INSTANTIATE(D, NT)                      \
-  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, same16, NT) \
-  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, e4m3, NT)   \
-  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, e5m2, NT)   \
-  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, same16, NT)          \
-  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, e4m3, NT)            \
-  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, e5m2, NT)
+  template void launch_decode<D, QT, KvFormat::KV, NT>(const AttentionParams&, cudaStream_t, bool);
+#define FLASHKV_DECODE_INSTANTIATE(D, NT)                     \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, kSame, NT) \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, kE4M3, NT) \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, __nv_bfloat16, kE5M2, NT) \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, kSame, NT)          \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, kE4M3, NT)          \
+  FLASHKV_DECODE_INSTANTIATE_ONE(D, half, kE5M2, NT)
 
 }  // namespace flashkv::cuda::decode

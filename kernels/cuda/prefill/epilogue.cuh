@@ -93,11 +93,11 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
 #pragma unroll
       for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
         const float2 pv =
-            Pack2<QT>::to_floats(*reinterpret_cast<const uint32_t*>(prev + (dt ^ (r & 7)) * 8));
+            unpack2<QT>(*reinterpret_cast<const uint32_t*>(prev + (dt ^ (r & 7)) * 8));
         const float lo = (a != 0.0f ? a * pv.x : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h] : 0.0f);
         const float hi =
             (a != 0.0f ? a * pv.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);
-        *reinterpret_cast<uint32_t*>(dst + dt * 8) = Pack2<QT>::from_floats(lo, hi);
+        *reinterpret_cast<uint32_t*>(dst + dt * 8) = pack2<QT>(lo, hi);
       }
       if (p.lse && (lane & 3) == 0)
         p.lse[row * p.num_qo_heads + head] = sum != 0.0f ? m + __log2f(sum) : neg_inf;
@@ -131,7 +131,7 @@ __device__ __forceinline__ void store_block(const AttentionParams& p, const RowB
 #pragma unroll
         for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
           *reinterpret_cast<uint32_t*>(dst + dt * 8) =
-              Pack2<QT>::from_floats(o[mt][dt][2 * h] * sc, o[mt][dt][2 * h + 1] * sc);
+              pack2<QT>(o[mt][dt][2 * h] * sc, o[mt][dt][2 * h + 1] * sc);
         if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = lse[mt][h];
       } else {
         const int64_t prow = static_cast<int64_t>(b.partial) + tok;

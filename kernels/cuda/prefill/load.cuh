@@ -182,10 +182,10 @@ __device__ __forceinline__ void widen_fp8_tile(const unsigned char* src, typenam
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const uint32_t x = words[w];
-      out[2 * w] = Pack2<QT>::from_floats(fp8_to_float<Cfg::kKvFormat>(x & 0xffu),
-                                          fp8_to_float<Cfg::kKvFormat>((x >> 8) & 0xffu));
-      out[2 * w + 1] = Pack2<QT>::from_floats(fp8_to_float<Cfg::kKvFormat>((x >> 16) & 0xffu),
-                                              fp8_to_float<Cfg::kKvFormat>(x >> 24));
+      out[2 * w] = pack2<QT>(fp8_to_float<Cfg::kKvFormat>(x & 0xffu),
+                             fp8_to_float<Cfg::kKvFormat>((x >> 8) & 0xffu));
+      out[2 * w + 1] = pack2<QT>(fp8_to_float<Cfg::kKvFormat>((x >> 16) & 0xffu),
+                                 fp8_to_float<Cfg::kKvFormat>(x >> 24));
     }
     *reinterpret_cast<uint4*>(dst + swizzle<kDim / 8>(row, 2 * chunk16)) =
         make_uint4(out[0], out[1], out[2], out[3]);

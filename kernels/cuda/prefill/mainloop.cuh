@@ -99,10 +99,10 @@ __device__ __forceinline__ void pack_p(const float (&s)[Cfg::kMTiles][Cfg::kKvTi
   for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk) {
-      pf[mt][kk][0] = Pack2<QT>::from_floats(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-      pf[mt][kk][1] = Pack2<QT>::from_floats(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-      pf[mt][kk][2] = Pack2<QT>::from_floats(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-      pf[mt][kk][3] = Pack2<QT>::from_floats(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      pf[mt][kk][0] = pack2<QT>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      pf[mt][kk][1] = pack2<QT>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      pf[mt][kk][2] = pack2<QT>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      pf[mt][kk][3] = pack2<QT>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
     }
 }
 
