@@ -365,7 +365,7 @@ void bind_flashkv_backend(nb::module_& m) {
             const TensorView ov = view_of(out, "out");
             be.forward(qv, kv, vv, layer, f.b, save_kv_cache, ov);
           },
-          nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("layer"),
+          nb::kw_only(), nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("layer"),
           nb::arg("forward_batch"), nb::arg("save_kv_cache"), nb::arg("out"),
           "One layer into `out` [T, Hq * D_v] (or [T, Hq, D_v]).")
       .def("init_cuda_graph_state", &FlashKVBackend::init_cuda_graph_state, nb::arg("max_bs"),

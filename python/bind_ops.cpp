@@ -1,9 +1,13 @@
-// The operators for Python: a Plan object (planner + workspace, the host half of FlashInfer's
-// plan/run split) with the runs that use it, and the stateless operators (merges, KV writes).
+// The operators for Python: the planner's and the operators' option structs (BatchShape,
+// PlanOptions, AttentionOptions) as classes with named fields, a Plan object (planner +
+// workspace, the host half of FlashInfer's plan/run split) with the runs that use it, and the
+// stateless operators (merges, KV writes). Calls that take more than a few arguments take them
+// by keyword only, so that every call site names what it passes.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "bind.h"
 #include "flashkv/ops/attention.h"
@@ -12,12 +16,73 @@
 namespace flashkv::py {
 namespace {
 
-// Host int32 [n] array (contiguous) as a pointer.
-const int32_t* host_i32(const Array& a, const char* name, int64_t n) {
-  TensorView t = view_of(a, name);
-  Expect(t, name).ndim(1).on_host().dtype(DType::i32).contiguous().dim(0, n);
-  return static_cast<const int32_t*>(t.data);
+// An array field of a struct bound for Python: the object Python set (what the getter returns),
+// the array read from it (it keeps the memory of a consumed DLPack capsule alive) and the view
+// the C++ struct points into.
+struct ArrayField {
+  nb::object object = nb::none();
+  OptArray array;
+  TensorView view;
+};
+
+// Sets `field` from `value` (an array, or None to clear it). `check` validates a given array
+// before the field takes it, so that a failed set leaves the field as it was.
+template <class Check>
+void set_array(ArrayField& field, const nb::object& value, const char* name, Check check) {
+  OptArray array;
+  if (!value.is_none()) {
+    Array a;
+    FLASHKV_CHECK(nb::try_cast(value, a), name, ": expected an array (DLPack) or None, got ",
+                  nb::type_name(value.type()).c_str());
+    array = std::move(a);
+  }
+  const TensorView view = view_of(array, name);
+  if (view.defined()) check(view);
+  field.object = value;
+  field.array = std::move(array);
+  field.view = view;
 }
+
+void no_check(const TensorView&) {}
+
+// The planner reads these arrays on the host, as int32 [n] without strides.
+void check_host_i32(const TensorView& t, const char* name) {
+  Expect(t, name).ndim(1).on_host().dtype(DType::i32).contiguous();
+}
+
+// BatchShape for Python: the C++ struct, with its pointers into the arrays Python set. The
+// batch size is kv_len's length.
+struct PyBatchShape {
+  BatchShape shape;
+  ArrayField kv_len, qo_indptr;
+
+  void set_kv_len(const nb::object& value) {
+    set_array(kv_len, value, "kv_len", [](const TensorView& t) { check_host_i32(t, "kv_len"); });
+    shape.kv_len = static_cast<const int32_t*>(kv_len.view.data);
+    shape.batch_size = kv_len.view.defined() ? static_cast<int32_t>(kv_len.view.shape[0]) : 0;
+  }
+  void set_qo_indptr(const nb::object& value) {
+    set_array(qo_indptr, value, "qo_indptr",
+              [](const TensorView& t) { check_host_i32(t, "qo_indptr"); });
+    shape.qo_indptr = static_cast<const int32_t*>(qo_indptr.view.data);
+  }
+};
+
+// AttentionOptions for Python: the C++ struct, with its views of the mask arrays Python set.
+// The operator checks the fields (the masks against the run's device and batch) when it runs.
+struct PyAttentionOptions {
+  AttentionOptions opt;
+  ArrayField custom_mask, mask_indptr;
+
+  void set_custom_mask(const nb::object& value) {
+    set_array(custom_mask, value, "custom_mask", no_check);
+    opt.custom_mask = custom_mask.view;
+  }
+  void set_mask_indptr(const nb::object& value) {
+    set_array(mask_indptr, value, "mask_indptr", no_check);
+    opt.mask_indptr = mask_indptr.view;
+  }
+};
 
 // One planned batch: the plan, the workspace its runs read it from, and where their partial
 // states go (the caller's shared scratch when large enough, else memory of our own).
@@ -33,30 +98,17 @@ class PyPlan {
     }
   }
 
-  void plan(bool decode, const Array& kv_len, const OptArray& qo_indptr, int num_qo_heads,
-            int num_kv_heads, int head_dim_qk, int head_dim_v, int page_size, bool causal,
-            int window_left, bool enable_split_kv, int fixed_split_size, bool cuda_graph,
-            int max_batch_size, int max_num_tokens, int max_kv_len, uintptr_t stream) {
-    FLASHKV_CHECK(kv_len.ndim() == 1, "kv_len: expected 1 dimension, got ", kv_len.ndim());
-    const int64_t batch = static_cast<int64_t>(kv_len.shape(0));
-    BatchShape shape;
-    shape.batch_size = static_cast<int32_t>(batch);
-    shape.kv_len = host_i32(kv_len, "kv_len", batch);
-    shape.qo_indptr = decode ? nullptr : host_i32(*qo_indptr, "qo_indptr", batch + 1);
-    shape.num_qo_heads = num_qo_heads;
-    shape.num_kv_heads = num_kv_heads;
-    shape.head_dim_qk = head_dim_qk;
-    shape.head_dim_v = head_dim_v;
-    shape.page_size = page_size;
-    shape.causal = causal;
-    shape.window_left = window_left;
-    PlanOptions po;
-    po.enable_split_kv = enable_split_kv;
-    po.fixed_split_size = fixed_split_size;
-    po.cuda_graph = cuda_graph;
-    po.max_batch_size = max_batch_size;
-    po.max_num_tokens = max_num_tokens;
-    po.max_kv_len = max_kv_len;
+  void plan(bool decode, const PyBatchShape& batch, const PlanOptions& po, uintptr_t stream) {
+    // Copies: while the GIL is released, another thread may change `batch`; these keep the
+    // arrays alive and the shape as it was.
+    const BatchShape shape = batch.shape;
+    const OptArray kv_len = batch.kv_len.array, qo_indptr = batch.qo_indptr.array;
+    if (decode) {
+      FLASHKV_CHECK(!batch.qo_indptr.view.defined(), "qo_indptr: a decode batch has one query ",
+                    "row per request; expected None");
+    } else if (batch.qo_indptr.view.defined()) {
+      Expect(batch.qo_indptr.view, "qo_indptr").dim(0, int64_t{shape.batch_size} + 1);
+    }
     const void* ws_before = ws_.data();
     const void* scratch_before = planned_ ? ws_.scratch(current()) : nullptr;
     planned_ = false;
@@ -79,26 +131,27 @@ class PyPlan {
       ws_.set_external_scratch(own_scratch_.data(), own_scratch_.bytes());
     }
     ws_.reserve(std::max<size_t>(ws_.bytes_needed(p), 1), device_);
-    if (cuda_graph && graph_fixed_) {
+    if (po.cuda_graph && graph_fixed_) {
       // A captured graph reads the plan and the partial states at these addresses.
       FLASHKV_CHECK(ws_.data() == ws_before && ws_.scratch(p) == scratch_before,
                     "plan: the CUDA-graph workspace would move (the batch needs more than the ",
                     "first plan of this wrapper sized)");
     }
     ws_.upload(p, stream_of(stream));
-    graph_fixed_ = cuda_graph;
-    causal_ = causal;
-    window_left_ = window_left < 0 ? -1 : window_left;
+    graph_fixed_ = po.cuda_graph;
+    causal_ = shape.causal;
+    window_left_ = shape.window_left < 0 ? -1 : shape.window_left;
     planned_ = true;
   }
 
   void run_paged(const Array& q, const Array& k, const Array& v, const Array& kv_indptr,
                  const Array& kv_indices, const OptArray& last_page_len, const OptArray& qo_indptr,
                  int page_size, float k_scale, float v_scale, const std::string& kv_dtype,
-                 bool causal, int window_left, float logits_soft_cap, float sm_scale,
-                 const OptArray& custom_mask, const OptArray& mask_indptr, const Array& out,
-                 const OptArray& lse, uintptr_t stream) {
-    check_planned(causal, window_left);
+                 const PyAttentionOptions& options, const Array& out, const OptArray& lse,
+                 uintptr_t stream) {
+    const AttentionOptions opt = options.opt;  // copies, as in plan()
+    const OptArray mask = options.custom_mask.array, mask_indptr = options.mask_indptr.array;
+    check_planned(opt.causal, opt.window_left);
     PagedKV kv;
     kv.k = kv_view_of(k, "k_cache", kv_dtype, page_size);
     kv.v = kv_view_of(v, "v_cache", kv_dtype, page_size);
@@ -108,8 +161,6 @@ class PyPlan {
     kv.page_size = page_size;
     kv.k_scale = k_scale;
     kv.v_scale = v_scale;
-    const AttentionOptions opt =
-        options(causal, window_left, logits_soft_cap, sm_scale, custom_mask, mask_indptr);
     const TensorView qv = view_of(q, "q"), ov = view_of(out, "out"), lv = view_of(lse, "lse");
     if (decode_) {
       nb::gil_scoped_release release;
@@ -122,14 +173,13 @@ class PyPlan {
   }
 
   void run_ragged(const Array& q, const Array& k, const Array& v, const Array& qo_indptr,
-                  const Array& kv_indptr, bool causal, int window_left, float logits_soft_cap,
-                  float sm_scale, const OptArray& custom_mask, const OptArray& mask_indptr,
-                  const Array& out, const OptArray& lse, uintptr_t stream) {
-    check_planned(causal, window_left);
+                  const Array& kv_indptr, const PyAttentionOptions& options, const Array& out,
+                  const OptArray& lse, uintptr_t stream) {
+    const AttentionOptions opt = options.opt;  // copies, as in plan()
+    const OptArray mask = options.custom_mask.array, mask_indptr = options.mask_indptr.array;
+    check_planned(opt.causal, opt.window_left);
     FLASHKV_CHECK(!decode_,
                   "run: this plan is a decode plan; ragged attention needs a prefill plan");
-    const AttentionOptions opt =
-        options(causal, window_left, logits_soft_cap, sm_scale, custom_mask, mask_indptr);
     const TensorView qv = view_of(q, "q"), kv_k = view_of(k, "k"), kv_v = view_of(v, "v");
     const TensorView qo = view_of(qo_indptr, "qo_indptr"), kvp = view_of(kv_indptr, "kv_indptr");
     const TensorView ov = view_of(out, "out"), lv = view_of(lse, "lse");
@@ -170,18 +220,6 @@ class PyPlan {
                   " (the plan skips KV outside that window); plan with the run's window");
   }
 
-  AttentionOptions options(bool causal, int window_left, float logits_soft_cap, float sm_scale,
-                           const OptArray& custom_mask, const OptArray& mask_indptr) const {
-    AttentionOptions opt;
-    opt.causal = causal;
-    opt.window_left = window_left;
-    opt.logits_soft_cap = logits_soft_cap;
-    opt.sm_scale = sm_scale;
-    opt.custom_mask = view_of(custom_mask, "custom_mask");
-    opt.mask_indptr = view_of(mask_indptr, "mask_indptr");
-    return opt;
-  }
-
   Device device_;
   bool decode_ = false, planned_ = false, graph_fixed_ = false, causal_ = false;
   int window_left_ = -1;
@@ -194,9 +232,166 @@ class PyPlan {
   Buffer own_scratch_;
 };
 
+// The option structs, registered first: Plan's methods take them.
+void bind_structs(nb::module_& m) {
+  const BatchShape bs;
+  nb::class_<PyBatchShape>(m, "BatchShape",
+                           "The batch as the planner sees it: host int32 arrays and the problem "
+                           "shape. batch_size is kv_len's length.")
+      .def(
+          "__init__",
+          [](PyBatchShape* self, const nb::object& kv_len, const nb::object& qo_indptr,
+             int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim_qk, int32_t head_dim_v,
+             int32_t page_size, bool causal, int32_t window_left) {
+            new (self) PyBatchShape();
+            self->set_kv_len(kv_len);
+            self->set_qo_indptr(qo_indptr);
+            BatchShape& s = self->shape;
+            s.num_qo_heads = num_qo_heads;
+            s.num_kv_heads = num_kv_heads;
+            s.head_dim_qk = head_dim_qk;
+            s.head_dim_v = head_dim_v;
+            s.page_size = page_size;
+            s.causal = causal;
+            s.window_left = window_left;
+          },
+          nb::kw_only(), nb::arg("kv_len").none() = nb::none(),
+          nb::arg("qo_indptr").none() = nb::none(), nb::arg("num_qo_heads") = bs.num_qo_heads,
+          nb::arg("num_kv_heads") = bs.num_kv_heads, nb::arg("head_dim_qk") = bs.head_dim_qk,
+          nb::arg("head_dim_v") = bs.head_dim_v, nb::arg("page_size") = bs.page_size,
+          nb::arg("causal") = bs.causal, nb::arg("window_left") = bs.window_left)
+      .def_prop_rw(
+          "kv_len", [](const PyBatchShape& b) { return b.kv_len.object; },
+          [](PyBatchShape& b, const nb::object& v) { b.set_kv_len(v); }, nb::arg("value").none(),
+          "int32 [batch_size] on the host: KV tokens of each request.")
+      .def_prop_rw(
+          "qo_indptr", [](const PyBatchShape& b) { return b.qo_indptr.object; },
+          [](PyBatchShape& b, const nb::object& v) { b.set_qo_indptr(v); }, nb::arg("value").none(),
+          "int32 [batch_size + 1] on the host: request i owns query rows "
+          "qo_indptr[i]:qo_indptr[i+1]. None for decode (one row a request).")
+      .def_prop_ro(
+          "batch_size", [](const PyBatchShape& b) { return b.shape.batch_size; },
+          "Requests in the batch (kv_len's length).")
+      .def_prop_rw(
+          "num_qo_heads", [](const PyBatchShape& b) { return b.shape.num_qo_heads; },
+          [](PyBatchShape& b, int32_t v) { b.shape.num_qo_heads = v; })
+      .def_prop_rw(
+          "num_kv_heads", [](const PyBatchShape& b) { return b.shape.num_kv_heads; },
+          [](PyBatchShape& b, int32_t v) { b.shape.num_kv_heads = v; })
+      .def_prop_rw(
+          "head_dim_qk", [](const PyBatchShape& b) { return b.shape.head_dim_qk; },
+          [](PyBatchShape& b, int32_t v) { b.shape.head_dim_qk = v; })
+      .def_prop_rw(
+          "head_dim_v", [](const PyBatchShape& b) { return b.shape.head_dim_v; },
+          [](PyBatchShape& b, int32_t v) { b.shape.head_dim_v = v; })
+      .def_prop_rw(
+          "page_size", [](const PyBatchShape& b) { return b.shape.page_size; },
+          [](PyBatchShape& b, int32_t v) { b.shape.page_size = v; })
+      .def_prop_rw(
+          "causal", [](const PyBatchShape& b) { return b.shape.causal; },
+          [](PyBatchShape& b, bool v) { b.shape.causal = v; },
+          "The runs apply a causal mask, so the planner may skip KV past each tile's last row.")
+      .def_prop_rw(
+          "window_left", [](const PyBatchShape& b) { return b.shape.window_left; },
+          [](PyBatchShape& b, int32_t v) { b.shape.window_left = v; },
+          "The runs' sliding window (< 0: none), so the planner may skip KV before it.");
+
+  const PlanOptions po;
+  nb::class_<PlanOptions>(m, "PlanOptions", "How the planner splits a batch's work.")
+      .def(
+          "__init__",
+          [](PlanOptions* self, int32_t q_tile, bool enable_split_kv, int32_t fixed_split_size,
+             int32_t kv_align, bool cuda_graph, int32_t max_batch_size, int32_t max_num_tokens,
+             int32_t max_kv_len, int32_t blocks_per_sm, int32_t min_split_size) {
+            PlanOptions* o = new (self) PlanOptions();
+            o->q_tile = q_tile;
+            o->enable_split_kv = enable_split_kv;
+            o->fixed_split_size = fixed_split_size;
+            o->kv_align = kv_align;
+            o->cuda_graph = cuda_graph;
+            o->max_batch_size = max_batch_size;
+            o->max_num_tokens = max_num_tokens;
+            o->max_kv_len = max_kv_len;
+            o->blocks_per_sm = blocks_per_sm;
+            o->min_split_size = min_split_size;
+          },
+          nb::kw_only(), nb::arg("q_tile") = po.q_tile,
+          nb::arg("enable_split_kv") = po.enable_split_kv,
+          nb::arg("fixed_split_size") = po.fixed_split_size, nb::arg("kv_align") = po.kv_align,
+          nb::arg("cuda_graph") = po.cuda_graph, nb::arg("max_batch_size") = po.max_batch_size,
+          nb::arg("max_num_tokens") = po.max_num_tokens, nb::arg("max_kv_len") = po.max_kv_len,
+          nb::arg("blocks_per_sm") = po.blocks_per_sm,
+          nb::arg("min_split_size") = po.min_split_size)
+      .def_rw("q_tile", &PlanOptions::q_tile,
+              "Query rows per prefill item (0: the device's default tile).")
+      .def_rw("enable_split_kv", &PlanOptions::enable_split_kv,
+              "Cut a long tile's KV into chunks merged afterwards (False: never split).")
+      .def_rw("fixed_split_size", &PlanOptions::fixed_split_size,
+              "> 0: deterministic mode, every request's KV cut at multiples of this many tokens.")
+      .def_rw("kv_align", &PlanOptions::kv_align,
+              "Chunk boundaries are multiples of this (0: 16 tokens), rounded up to whole pages.")
+      .def_rw("cuda_graph", &PlanOptions::cuda_graph,
+              "CUDA-graph mode: capacities fixed at capture, the same layout for every plan.")
+      .def_rw("max_batch_size", &PlanOptions::max_batch_size, "Graph mode capacity (requests).")
+      .def_rw("max_num_tokens", &PlanOptions::max_num_tokens, "Graph mode capacity (query rows).")
+      .def_rw("max_kv_len", &PlanOptions::max_kv_len,
+              "Graph mode with fixed_split_size: the longest request's KV.")
+      .def_rw("blocks_per_sm", &PlanOptions::blocks_per_sm,
+              "CUDA: resident CTAs per SM the kernel is sized for (0: 2).")
+      .def_rw("min_split_size", &PlanOptions::min_split_size,
+              "Shortest KV chunk an automatic split makes (0: the planner's default).");
+
+  const AttentionOptions ao;
+  nb::class_<PyAttentionOptions>(m, "AttentionOptions",
+                                 "The masks and scales of one attention run.")
+      .def(
+          "__init__",
+          [](PyAttentionOptions* self, bool causal, int window_left, float logits_soft_cap,
+             float sm_scale, const nb::object& custom_mask, const nb::object& mask_indptr) {
+            new (self) PyAttentionOptions();
+            self->opt.causal = causal;
+            self->opt.window_left = window_left;
+            self->opt.logits_soft_cap = logits_soft_cap;
+            self->opt.sm_scale = sm_scale;
+            self->set_custom_mask(custom_mask);
+            self->set_mask_indptr(mask_indptr);
+          },
+          nb::kw_only(), nb::arg("causal") = ao.causal, nb::arg("window_left") = ao.window_left,
+          nb::arg("logits_soft_cap") = ao.logits_soft_cap, nb::arg("sm_scale") = ao.sm_scale,
+          nb::arg("custom_mask").none() = nb::none(), nb::arg("mask_indptr").none() = nb::none())
+      .def_prop_rw(
+          "causal", [](const PyAttentionOptions& o) { return o.opt.causal; },
+          [](PyAttentionOptions& o, bool v) { o.opt.causal = v; },
+          "Causal mask, aligned to the end of each request's KV (ignored with a custom mask).")
+      .def_prop_rw(
+          "window_left", [](const PyAttentionOptions& o) { return o.opt.window_left; },
+          [](PyAttentionOptions& o, int v) { o.opt.window_left = v; },
+          "< 0: no window; else key j is visible to the row at position p iff j >= p - "
+          "window_left.")
+      .def_prop_rw(
+          "logits_soft_cap", [](const PyAttentionOptions& o) { return o.opt.logits_soft_cap; },
+          [](PyAttentionOptions& o, float v) { o.opt.logits_soft_cap = v; },
+          "> 0: logits become cap * tanh(logits / cap); 0: off.")
+      .def_prop_rw(
+          "sm_scale", [](const PyAttentionOptions& o) { return o.opt.sm_scale; },
+          [](PyAttentionOptions& o, float v) { o.opt.sm_scale = v; },
+          "Softmax scale (0: 1 / sqrt(head_dim_qk)).")
+      .def_prop_rw(
+          "custom_mask", [](const PyAttentionOptions& o) { return o.custom_mask.object; },
+          [](PyAttentionOptions& o, const nb::object& v) { o.set_custom_mask(v); },
+          nb::arg("value").none(),
+          "uint8/bool: request i's [qo_len, kv_len] matrix at element offset mask_indptr[i]; "
+          "replaces causal.")
+      .def_prop_rw(
+          "mask_indptr", [](const PyAttentionOptions& o) { return o.mask_indptr.object; },
+          [](PyAttentionOptions& o, const nb::object& v) { o.set_mask_indptr(v); },
+          nb::arg("value").none(), "int32 [batch_size + 1]: where each request's mask starts.");
+}
+
 }  // namespace
 
 void bind_ops(nb::module_& m) {
+  bind_structs(m);
   nb::class_<PyPlan>(m, "Plan",
                      "A planned batch: the work split, and the workspace its runs read it from.")
       .def(nb::init<const std::string&, const OptArray&>(), nb::arg("device"),
@@ -204,27 +399,20 @@ void bind_ops(nb::module_& m) {
            "Plans for `device` ('cpu', 'cuda:N'); partial states of split work go into "
            "`float_workspace_buffer` (uint8 [bytes], shared between plans) when it is large "
            "enough, else into memory the plan allocates.")
-      .def("plan", &PyPlan::plan, nb::arg("decode"), nb::arg("kv_len"), nb::arg("qo_indptr").none(),
-           nb::arg("num_qo_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim_qk"),
-           nb::arg("head_dim_v"), nb::arg("page_size"), nb::arg("causal"), nb::arg("window_left"),
-           nb::arg("enable_split_kv"), nb::arg("fixed_split_size"), nb::arg("cuda_graph"),
-           nb::arg("max_batch_size"), nb::arg("max_num_tokens"), nb::arg("max_kv_len"),
-           nb::arg("stream"),
-           "Plans a batch from host arrays (kv_len int32 [B]; qo_indptr int32 [B + 1] for "
-           "prefill, None for decode) and uploads the plan on `stream`.")
-      .def("run_paged", &PyPlan::run_paged, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),
-           nb::arg("paged_kv_indptr"), nb::arg("paged_kv_indices"),
+      .def("plan", &PyPlan::plan, nb::kw_only(), nb::arg("decode"), nb::arg("batch"),
+           nb::arg("options"), nb::arg("stream"),
+           "Plans `batch` (a decode batch: qo_indptr None, one query row a request) with "
+           "`options` and uploads the plan on `stream`.")
+      .def("run_paged", &PyPlan::run_paged, nb::kw_only(), nb::arg("q"), nb::arg("k_cache"),
+           nb::arg("v_cache"), nb::arg("paged_kv_indptr"), nb::arg("paged_kv_indices"),
            nb::arg("paged_kv_last_page_len").none(), nb::arg("qo_indptr").none(),
            nb::arg("page_size"), nb::arg("k_scale"), nb::arg("v_scale"), nb::arg("kv_dtype"),
-           nb::arg("causal"), nb::arg("window_left"), nb::arg("logits_soft_cap"),
-           nb::arg("sm_scale"), nb::arg("custom_mask").none(), nb::arg("mask_indptr").none(),
-           nb::arg("out"), nb::arg("lse").none(), nb::arg("stream"),
+           nb::arg("options"), nb::arg("out"), nb::arg("lse").none(), nb::arg("stream"),
            "Paged decode (a decode plan) or paged prefill (a prefill plan) into out [T, Hq, Dv] "
            "and lse [T, Hq] (float32, base 2).")
-      .def("run_ragged", &PyPlan::run_ragged, nb::arg("q"), nb::arg("k"), nb::arg("v"),
-           nb::arg("qo_indptr"), nb::arg("kv_indptr"), nb::arg("causal"), nb::arg("window_left"),
-           nb::arg("logits_soft_cap"), nb::arg("sm_scale"), nb::arg("custom_mask").none(),
-           nb::arg("mask_indptr").none(), nb::arg("out"), nb::arg("lse").none(), nb::arg("stream"),
+      .def("run_ragged", &PyPlan::run_ragged, nb::kw_only(), nb::arg("q"), nb::arg("k"),
+           nb::arg("v"), nb::arg("qo_indptr"), nb::arg("kv_indptr"), nb::arg("options"),
+           nb::arg("out"), nb::arg("lse").none(), nb::arg("stream"),
            "Ragged prefill: q [Tq, Hq, D] against k/v [Tk, Hkv, D] into out and lse.")
       .def_prop_ro("planned", &PyPlan::planned)
       .def_prop_ro("decode", &PyPlan::decode)
@@ -254,8 +442,8 @@ void bind_ops(nb::module_& m) {
         nb::gil_scoped_release release;
         merge_state(a, la, b, lb, o, lo, stream_of(stream));
       },
-      nb::arg("v_a"), nb::arg("s_a"), nb::arg("v_b"), nb::arg("s_b"), nb::arg("v_out"),
-      nb::arg("s_out").none(), nb::arg("stream"),
+      nb::kw_only(), nb::arg("v_a"), nb::arg("s_a"), nb::arg("v_b"), nb::arg("s_b"),
+      nb::arg("v_out"), nb::arg("s_out").none(), nb::arg("stream"),
       "Merges two attention states: v [T, H, D], s [T, H] float32 (base-2 LSE).");
   m.def(
       "merge_states",
@@ -266,7 +454,8 @@ void bind_ops(nb::module_& m) {
         nb::gil_scoped_release release;
         merge_states(vv, sv, o, lo, stream_of(stream));
       },
-      nb::arg("v"), nb::arg("s"), nb::arg("v_out"), nb::arg("s_out").none(), nb::arg("stream"),
+      nb::kw_only(), nb::arg("v"), nb::arg("s"), nb::arg("v_out"), nb::arg("s_out").none(),
+      nb::arg("stream"),
       "Folds N states: v [T, N, H, D], s [T, N, H] -> v_out [T, H, D], s_out [T, H].");
   m.def(
       "append_kv",
@@ -280,7 +469,7 @@ void bind_ops(nb::module_& m) {
         nb::gil_scoped_release release;
         append_kv(kn, vn, loc, kc, vc, k_scale, v_scale, stream_of(stream));
       },
-      nb::arg("k_new"), nb::arg("v_new"), nb::arg("cache_loc"), nb::arg("k_cache"),
+      nb::kw_only(), nb::arg("k_new"), nb::arg("v_new"), nb::arg("cache_loc"), nb::arg("k_cache"),
       nb::arg("v_cache"), nb::arg("k_scale"), nb::arg("v_scale"), nb::arg("kv_dtype"),
       nb::arg("stream"),
       "k_cache[cache_loc[t]] = k_new[t] / k_scale (v likewise); caches [slots, Hkv, D] or NHD "
@@ -298,7 +487,7 @@ void bind_ops(nb::module_& m) {
         nb::gil_scoped_release release;
         build_kv_indices(r2t, rows, l, start, indptr, indices, stream_of(stream));
       },
-      nb::arg("req_to_token"), nb::arg("req_pool_indices"), nb::arg("lens"),
+      nb::kw_only(), nb::arg("req_to_token"), nb::arg("req_pool_indices"), nb::arg("lens"),
       nb::arg("kv_start").none(), nb::arg("kv_indptr"), nb::arg("kv_indices"), nb::arg("stream"),
       "kv_indices[kv_indptr[i] + j] = req_to_token[req_pool_indices[i], kv_start[i] + j] for "
       "j < lens[i].");

@@ -23,6 +23,217 @@ def cuda_available() -> bool:
 def device_info(device: str) -> dict:
     """What the planner knows about a device ('cpu', 'cuda:N')."""
 
+class BatchShape:
+    """
+    The batch as the planner sees it: host int32 arrays and the problem shape. batch_size is kv_len's length.
+    """
+
+    def __init__(self, *, kv_len: NDArray | None = None, qo_indptr: NDArray | None = None, num_qo_heads: int = 0, num_kv_heads: int = 0, head_dim_qk: int = 0, head_dim_v: int = 0, page_size: int = 1, causal: bool = False, window_left: int = -1) -> None: ...
+
+    @property
+    def kv_len(self) -> Any:
+        """int32 [batch_size] on the host: KV tokens of each request."""
+
+    @kv_len.setter
+    def kv_len(self, value: NDArray | None) -> None: ...
+
+    @property
+    def qo_indptr(self) -> Any:
+        """
+        int32 [batch_size + 1] on the host: request i owns query rows qo_indptr[i]:qo_indptr[i+1]. None for decode (one row a request).
+        """
+
+    @qo_indptr.setter
+    def qo_indptr(self, value: NDArray | None) -> None: ...
+
+    @property
+    def batch_size(self) -> int:
+        """Requests in the batch (kv_len's length)."""
+
+    @property
+    def num_qo_heads(self) -> int: ...
+
+    @num_qo_heads.setter
+    def num_qo_heads(self, arg: int, /) -> None: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @num_kv_heads.setter
+    def num_kv_heads(self, arg: int, /) -> None: ...
+
+    @property
+    def head_dim_qk(self) -> int: ...
+
+    @head_dim_qk.setter
+    def head_dim_qk(self, arg: int, /) -> None: ...
+
+    @property
+    def head_dim_v(self) -> int: ...
+
+    @head_dim_v.setter
+    def head_dim_v(self, arg: int, /) -> None: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @page_size.setter
+    def page_size(self, arg: int, /) -> None: ...
+
+    @property
+    def causal(self) -> bool:
+        """
+        The runs apply a causal mask, so the planner may skip KV past each tile's last row.
+        """
+
+    @causal.setter
+    def causal(self, arg: bool, /) -> None: ...
+
+    @property
+    def window_left(self) -> int:
+        """
+        The runs' sliding window (< 0: none), so the planner may skip KV before it.
+        """
+
+    @window_left.setter
+    def window_left(self, arg: int, /) -> None: ...
+
+class PlanOptions:
+    """How the planner splits a batch's work."""
+
+    def __init__(self, *, q_tile: int = 0, enable_split_kv: bool = True, fixed_split_size: int = 0, kv_align: int = 0, cuda_graph: bool = False, max_batch_size: int = 0, max_num_tokens: int = 0, max_kv_len: int = 0, blocks_per_sm: int = 0, min_split_size: int = 0) -> None: ...
+
+    @property
+    def q_tile(self) -> int:
+        """Query rows per prefill item (0: the device's default tile)."""
+
+    @q_tile.setter
+    def q_tile(self, arg: int, /) -> None: ...
+
+    @property
+    def enable_split_kv(self) -> bool:
+        """
+        Cut a long tile's KV into chunks merged afterwards (False: never split).
+        """
+
+    @enable_split_kv.setter
+    def enable_split_kv(self, arg: bool, /) -> None: ...
+
+    @property
+    def fixed_split_size(self) -> int:
+        """
+        > 0: deterministic mode, every request's KV cut at multiples of this many tokens.
+        """
+
+    @fixed_split_size.setter
+    def fixed_split_size(self, arg: int, /) -> None: ...
+
+    @property
+    def kv_align(self) -> int:
+        """
+        Chunk boundaries are multiples of this (0: 16 tokens), rounded up to whole pages.
+        """
+
+    @kv_align.setter
+    def kv_align(self, arg: int, /) -> None: ...
+
+    @property
+    def cuda_graph(self) -> bool:
+        """
+        CUDA-graph mode: capacities fixed at capture, the same layout for every plan.
+        """
+
+    @cuda_graph.setter
+    def cuda_graph(self, arg: bool, /) -> None: ...
+
+    @property
+    def max_batch_size(self) -> int:
+        """Graph mode capacity (requests)."""
+
+    @max_batch_size.setter
+    def max_batch_size(self, arg: int, /) -> None: ...
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Graph mode capacity (query rows)."""
+
+    @max_num_tokens.setter
+    def max_num_tokens(self, arg: int, /) -> None: ...
+
+    @property
+    def max_kv_len(self) -> int:
+        """Graph mode with fixed_split_size: the longest request's KV."""
+
+    @max_kv_len.setter
+    def max_kv_len(self, arg: int, /) -> None: ...
+
+    @property
+    def blocks_per_sm(self) -> int:
+        """CUDA: resident CTAs per SM the kernel is sized for (0: 2)."""
+
+    @blocks_per_sm.setter
+    def blocks_per_sm(self, arg: int, /) -> None: ...
+
+    @property
+    def min_split_size(self) -> int:
+        """Shortest KV chunk an automatic split makes (0: the planner's default)."""
+
+    @min_split_size.setter
+    def min_split_size(self, arg: int, /) -> None: ...
+
+class AttentionOptions:
+    """The masks and scales of one attention run."""
+
+    def __init__(self, *, causal: bool = True, window_left: int = -1, logits_soft_cap: float = 0.0, sm_scale: float = 0.0, custom_mask: NDArray | None = None, mask_indptr: NDArray | None = None) -> None: ...
+
+    @property
+    def causal(self) -> bool:
+        """
+        Causal mask, aligned to the end of each request's KV (ignored with a custom mask).
+        """
+
+    @causal.setter
+    def causal(self, arg: bool, /) -> None: ...
+
+    @property
+    def window_left(self) -> int:
+        """
+        < 0: no window; else key j is visible to the row at position p iff j >= p - window_left.
+        """
+
+    @window_left.setter
+    def window_left(self, arg: int, /) -> None: ...
+
+    @property
+    def logits_soft_cap(self) -> float:
+        """> 0: logits become cap * tanh(logits / cap); 0: off."""
+
+    @logits_soft_cap.setter
+    def logits_soft_cap(self, arg: float, /) -> None: ...
+
+    @property
+    def sm_scale(self) -> float:
+        """Softmax scale (0: 1 / sqrt(head_dim_qk))."""
+
+    @sm_scale.setter
+    def sm_scale(self, arg: float, /) -> None: ...
+
+    @property
+    def custom_mask(self) -> Any:
+        """
+        uint8/bool: request i's [qo_len, kv_len] matrix at element offset mask_indptr[i]; replaces causal.
+        """
+
+    @custom_mask.setter
+    def custom_mask(self, value: NDArray | None) -> None: ...
+
+    @property
+    def mask_indptr(self) -> Any:
+        """int32 [batch_size + 1]: where each request's mask starts."""
+
+    @mask_indptr.setter
+    def mask_indptr(self, value: NDArray | None) -> None: ...
+
 class Plan:
     """
     A planned batch: the work split, and the workspace its runs read it from.
@@ -33,17 +244,18 @@ class Plan:
         Plans for `device` ('cpu', 'cuda:N'); partial states of split work go into `float_workspace_buffer` (uint8 [bytes], shared between plans) when it is large enough, else into memory the plan allocates.
         """
 
-    def plan(self, decode: bool, kv_len: NDArray, qo_indptr: NDArray | None, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_v: int, page_size: int, causal: bool, window_left: int, enable_split_kv: bool, fixed_split_size: int, cuda_graph: bool, max_batch_size: int, max_num_tokens: int, max_kv_len: int, stream: int) -> None:
+    def plan(self, *, decode: bool, batch: BatchShape, options: PlanOptions, stream: int) -> None:
         """
-        Plans a batch from host arrays (kv_len int32 [B]; qo_indptr int32 [B + 1] for prefill, None for decode) and uploads the plan on `stream`.
+        Plans `batch` (a decode batch: qo_indptr None, one query row a request) with `options` and uploads the plan on `stream`.
+        
         """
 
-    def run_paged(self, q: NDArray, k_cache: NDArray, v_cache: NDArray, paged_kv_indptr: NDArray, paged_kv_indices: NDArray, paged_kv_last_page_len: NDArray | None, qo_indptr: NDArray | None, page_size: int, k_scale: float, v_scale: float, kv_dtype: str, causal: bool, window_left: int, logits_soft_cap: float, sm_scale: float, custom_mask: NDArray | None, mask_indptr: NDArray | None, out: NDArray, lse: NDArray | None, stream: int) -> None:
+    def run_paged(self, *, q: NDArray, k_cache: NDArray, v_cache: NDArray, paged_kv_indptr: NDArray, paged_kv_indices: NDArray, paged_kv_last_page_len: NDArray | None, qo_indptr: NDArray | None, page_size: int, k_scale: float, v_scale: float, kv_dtype: str, options: AttentionOptions, out: NDArray, lse: NDArray | None, stream: int) -> None:
         """
         Paged decode (a decode plan) or paged prefill (a prefill plan) into out [T, Hq, Dv] and lse [T, Hq] (float32, base 2).
         """
 
-    def run_ragged(self, q: NDArray, k: NDArray, v: NDArray, qo_indptr: NDArray, kv_indptr: NDArray, causal: bool, window_left: int, logits_soft_cap: float, sm_scale: float, custom_mask: NDArray | None, mask_indptr: NDArray | None, out: NDArray, lse: NDArray | None, stream: int) -> None:
+    def run_ragged(self, *, q: NDArray, k: NDArray, v: NDArray, qo_indptr: NDArray, kv_indptr: NDArray, options: AttentionOptions, out: NDArray, lse: NDArray | None, stream: int) -> None:
         """
         Ragged prefill: q [Tq, Hq, D] against k/v [Tk, Hkv, D] into out and lse.
         """
@@ -93,22 +305,22 @@ class Plan:
         Whether split partial states go to the caller's float workspace buffer.
         """
 
-def merge_state(v_a: NDArray, s_a: NDArray, v_b: NDArray, s_b: NDArray, v_out: NDArray, s_out: NDArray | None, stream: int) -> None:
+def merge_state(*, v_a: NDArray, s_a: NDArray, v_b: NDArray, s_b: NDArray, v_out: NDArray, s_out: NDArray | None, stream: int) -> None:
     """
     Merges two attention states: v [T, H, D], s [T, H] float32 (base-2 LSE).
     """
 
-def merge_states(v: NDArray, s: NDArray, v_out: NDArray, s_out: NDArray | None, stream: int) -> None:
+def merge_states(*, v: NDArray, s: NDArray, v_out: NDArray, s_out: NDArray | None, stream: int) -> None:
     """
     Folds N states: v [T, N, H, D], s [T, N, H] -> v_out [T, H, D], s_out [T, H].
     """
 
-def append_kv(k_new: NDArray, v_new: NDArray, cache_loc: NDArray, k_cache: NDArray, v_cache: NDArray, k_scale: float, v_scale: float, kv_dtype: str, stream: int) -> None:
+def append_kv(*, k_new: NDArray, v_new: NDArray, cache_loc: NDArray, k_cache: NDArray, v_cache: NDArray, k_scale: float, v_scale: float, kv_dtype: str, stream: int) -> None:
     """
     k_cache[cache_loc[t]] = k_new[t] / k_scale (v likewise); caches [slots, Hkv, D] or NHD [pages, page_size, Hkv, D].
     """
 
-def build_kv_indices(req_to_token: NDArray, req_pool_indices: NDArray, lens: NDArray, kv_start: NDArray | None, kv_indptr: NDArray, kv_indices: NDArray, stream: int) -> None:
+def build_kv_indices(*, req_to_token: NDArray, req_pool_indices: NDArray, lens: NDArray, kv_start: NDArray | None, kv_indptr: NDArray, kv_indices: NDArray, stream: int) -> None:
     """
     kv_indices[kv_indptr[i] + j] = req_to_token[req_pool_indices[i], kv_start[i] + j] for j < lens[i].
     """

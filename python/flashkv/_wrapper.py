@@ -74,6 +74,15 @@ def kv_lens_of(indptr: np.ndarray, last_page_len: Optional[np.ndarray], page_siz
     return np.where(pages > 0, (pages - 1) * page_size + last_page_len, 0).astype(np.int32)
 
 
+def attention_options(*, causal: bool, window_left: int, logits_soft_cap: Optional[float], sm_scale: float,
+                      custom_mask: Any, mask_indptr: Any) -> Any:
+    """The compiled run's AttentionOptions (a soft cap of None or 0 is off; sm_scale is the one
+    the run applies)."""
+    return _C.AttentionOptions(causal=causal, window_left=window_left,
+                               logits_soft_cap=float(logits_soft_cap or 0.0), sm_scale=sm_scale,
+                               custom_mask=A.dl(custom_mask), mask_indptr=A.dl(mask_indptr))
+
+
 def as_tokens(split_size_in_pages: Optional[int], page_size: int) -> int:
     """FlashInfer counts fixed_split_size in pages; the planner in tokens (0: none)."""
     if split_size_in_pages is None or split_size_in_pages <= 0:
@@ -233,11 +242,13 @@ class PagedWrapper(PlannedWrapper):
         fp8 = kv_dtype in A.FP8
         scale, ks, vs, out_scale = self._scales(int(q.shape[2]), sm_scale, q_scale, k_scale, v_scale, fp8)
         out, lse = self._outputs(q, int(v.shape[-1]), out, lse, return_lse)
-        plan.run_paged(A.dl(q), A.dl(k), A.dl(v), A.dl(self._indptr_run), A.dl(self._indices_run),
-                       A.dl(self._last_page_len_run) if self._page_size > 1 else None,
-                       A.dl(qo_indptr), self._page_size, ks, vs, kv_dtype, causal, window_left,
-                       float(logits_soft_cap or 0.0), scale, A.dl(custom_mask), A.dl(mask_indptr),
-                       A.dl(out), A.dl(lse), A.stream_of(q))
+        options = attention_options(causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                    sm_scale=scale, custom_mask=custom_mask, mask_indptr=mask_indptr)
+        plan.run_paged(q=A.dl(q), k_cache=A.dl(k), v_cache=A.dl(v), paged_kv_indptr=A.dl(self._indptr_run),
+                       paged_kv_indices=A.dl(self._indices_run),
+                       paged_kv_last_page_len=A.dl(self._last_page_len_run) if self._page_size > 1 else None,
+                       qo_indptr=A.dl(qo_indptr), page_size=self._page_size, k_scale=ks, v_scale=vs,
+                       kv_dtype=kv_dtype, options=options, out=A.dl(out), lse=A.dl(lse), stream=A.stream_of(q))
         if out_scale != 1.0:
             out *= out_scale
         return (out, lse) if return_lse else out

@@ -52,8 +52,9 @@ class KVPool(_C.KVPool):
     def __init__(self, num_slots: int, page_size: int = 1, num_layers: int = 1, num_kv_heads: int = 1,
                  head_dim_qk: int = 128, head_dim_v: int = 0, dtype: str = "bf16", device: str = "cpu",
                  framework: Optional[str] = None) -> None:
-        super().__init__(num_slots, page_size, num_layers, num_kv_heads, head_dim_qk, head_dim_v,
-                         A.canonical_dtype(dtype), device)
+        super().__init__(num_slots=num_slots, page_size=page_size, num_layers=num_layers,
+                         num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v,
+                         dtype=A.canonical_dtype(dtype), device=device)
         self.framework = framework or _default_framework()
 
     def get_kv_buffer(self, layer: int) -> Tuple[Any, Any]:
@@ -89,5 +90,6 @@ class FlashKVBackend(_C.FlashKVBackend):
             return A.empty(q, (0, width)) if out is None else out
         if out is None:
             out = A.empty(q, (int(q.shape[0]), width))
-        self._forward(A.dl(q), A.dl(k), A.dl(v), layer, forward_batch, save_kv_cache, A.dl(out))
+        self._forward(q=A.dl(q), k=A.dl(k), v=A.dl(v), layer=layer, forward_batch=forward_batch,
+                      save_kv_cache=save_kv_cache, out=A.dl(out))
         return out

@@ -18,7 +18,8 @@ def merge_state(v_a: Any, s_a: Any, v_b: Any, s_b: Any) -> Tuple[Any, Any]:
     v = A.empty(v_a, tuple(v_a.shape))
     s = A.empty(v_a, tuple(s_a.shape), A.F32)
     s_a, s_b = A.contiguous(s_a), A.contiguous(s_b)
-    _C.merge_state(A.dl(v_a), A.dl(s_a), A.dl(v_b), A.dl(s_b), A.dl(v), A.dl(s), A.stream_of(v_a))
+    _C.merge_state(v_a=A.dl(v_a), s_a=A.dl(s_a), v_b=A.dl(v_b), s_b=A.dl(s_b), v_out=A.dl(v), s_out=A.dl(s),
+                   stream=A.stream_of(v_a))
     return v, s
 
 
@@ -26,7 +27,8 @@ def merge_state_in_place(v: Any, s: Any, v_other: Any, s_other: Any, mask: Optio
     """v, s <- merge((v, s), (v_other, s_other)) in place. mask (bool [T], optional): only rows
     where it is true are merged."""
     if mask is None:
-        _C.merge_state(A.dl(v), A.dl(s), A.dl(v_other), A.dl(s_other), A.dl(v), A.dl(s), A.stream_of(v))
+        _C.merge_state(v_a=A.dl(v), s_a=A.dl(s), v_b=A.dl(v_other), s_b=A.dl(s_other), v_out=A.dl(v),
+                       s_out=A.dl(s), stream=A.stream_of(v))
         return
     if len(mask.shape) != 1 or int(mask.shape[0]) != int(v.shape[0]):
         raise Error(f"mask: expected [{int(v.shape[0])}] booleans, got shape {tuple(mask.shape)}")
@@ -43,5 +45,5 @@ def merge_states(v: Any, s: Any) -> Tuple[Any, Any]:
     out_v = A.empty(v, (t, h, d))
     out_s = A.empty(v, (t, h), A.F32)
     s = A.contiguous(s)
-    _C.merge_states(A.dl(v), A.dl(s), A.dl(out_v), A.dl(out_s), A.stream_of(v))
+    _C.merge_states(v=A.dl(v), s=A.dl(s), v_out=A.dl(out_v), s_out=A.dl(out_s), stream=A.stream_of(v))
     return out_v, out_s

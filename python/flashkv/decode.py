@@ -8,6 +8,7 @@ import functools
 from typing import Any, Optional
 
 from . import _arrays as A
+from . import _flashkv as _C
 from ._flashkv import Error
 from ._wrapper import PagedWrapper, as_tokens, check_pos_encoding
 
@@ -121,11 +122,15 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
                                        non_blocking, "")
         graph = self._use_cuda_graph
         max_kv_len = int(self._paged_kv_indices_buf.shape[0]) * page_size if graph else 0
-        plan = self._plan_object("decode")
-        plan.plan(True, kv_len, None, int(num_qo_heads), int(num_kv_heads), int(head_dim), int(head_dim),
-                  page_size, False, int(window_left), not disable_split_kv,
-                  as_tokens(fixed_split_size, page_size), graph, batch_size if graph else 0,
-                  batch_size if graph else 0, max_kv_len, A.stream_of(self._float_workspace_buffer))
+        batch = _C.BatchShape(kv_len=kv_len, num_qo_heads=int(num_qo_heads), num_kv_heads=int(num_kv_heads),
+                              head_dim_qk=int(head_dim), head_dim_v=int(head_dim), page_size=page_size,
+                              causal=False, window_left=int(window_left))
+        options = _C.PlanOptions(enable_split_kv=not disable_split_kv,
+                                 fixed_split_size=as_tokens(fixed_split_size, page_size), cuda_graph=graph,
+                                 max_batch_size=batch_size if graph else 0,
+                                 max_num_tokens=batch_size if graph else 0, max_kv_len=max_kv_len)
+        self._plan_object("decode").plan(decode=True, batch=batch, options=options,
+                                         stream=A.stream_of(self._float_workspace_buffer))
         self._page_size = page_size
         self._batch_size = batch_size
         self._num_qo_heads, self._num_kv_heads, self._head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)

@@ -56,5 +56,6 @@ def append_paged_kv_cache(append_key: Any, append_value: Any, batch_indices: Any
     page = kv_indices[kv_indptr[batch_indices] + positions // page_size]
     slots = page * page_size + positions % page_size
     kv_dtype = A.dtype_of(k_cache)
-    _C.append_kv(A.dl(append_key), A.dl(append_value), A.dl(slots), A.dl(k_cache), A.dl(v_cache), 1.0, 1.0,
-                 kv_dtype if kv_dtype in A.FP8 else "", A.stream_of(append_key))
+    _C.append_kv(k_new=A.dl(append_key), v_new=A.dl(append_value), cache_loc=A.dl(slots), k_cache=A.dl(k_cache),
+                 v_cache=A.dl(v_cache), k_scale=1.0, v_scale=1.0, kv_dtype=kv_dtype if kv_dtype in A.FP8 else "",
+                 stream=A.stream_of(append_key))

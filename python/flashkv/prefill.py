@@ -10,9 +10,10 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _arrays as A
+from . import _flashkv as _C
 from ._flashkv import Error
-from ._wrapper import (PagedWrapper, PlannedWrapper, as_tokens, check_pos_encoding, kv_lens_of,
-                       reject_multi_item_scoring)
+from ._wrapper import (PagedWrapper, PlannedWrapper, as_tokens, attention_options, check_pos_encoding,
+                       kv_lens_of, reject_multi_item_scoring)
 
 
 def _mask_plan(custom_mask: Any, packed_custom_mask: Any, qo_len: np.ndarray, kv_len: np.ndarray) -> Optional[np.ndarray]:
@@ -108,13 +109,17 @@ class _PrefillState:
                    window_left: int, fixed_split_size: int, disable_split_kv: bool, max_kv_len: int) -> None:
         graph = self._use_cuda_graph
         batch_size = int(qo_host.size - 1)
+        batch = _C.BatchShape(kv_len=kv_len, qo_indptr=qo_host, num_qo_heads=num_qo_heads,
+                              num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_v=head_dim_vo,
+                              page_size=page_size, window_left=window_left)
+        options = _C.PlanOptions(enable_split_kv=not disable_split_kv, fixed_split_size=fixed_split_size,
+                                 cuda_graph=graph, max_batch_size=batch_size if graph else 0,
+                                 max_num_tokens=self._max_total_num_rows if graph else 0, max_kv_len=max_kv_len)
         variants = [False] if has_mask else ([True] if causal else [False, True])
         for variant in variants:
+            batch.causal = variant
             self._plan_object("causal" if variant else "full").plan(
-                False, kv_len, qo_host, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size,
-                variant, window_left, not disable_split_kv, fixed_split_size, graph,
-                batch_size if graph else 0, self._max_total_num_rows if graph else 0, max_kv_len,
-                A.stream_of(self._float_workspace_buffer))
+                decode=False, batch=batch, options=options, stream=A.stream_of(self._float_workspace_buffer))
         self._has_mask = has_mask
         self._causal = causal
         self._plan_variants = variants
@@ -359,9 +364,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillState, PlannedWrapper):
             raise Error(f"kv_indptr: last value {self._num_kv_rows} exceeds k's {int(k.shape[0])} rows")
         scale = self._scales(int(q.shape[2]), self._sm_scale, None, None, None, False)[0]
         out, lse = self._outputs(q, int(v.shape[-1]), out, lse, return_lse)
-        plan.run_ragged(A.dl(q), A.dl(k), A.dl(v), A.dl(self._qo_indptr_run), A.dl(self._kv_indptr_run), causal,
-                        self._window_left, float(self._logits_soft_cap or 0.0), scale, A.dl(self._mask_run),
-                        A.dl(self._mask_indptr_run), A.dl(out), A.dl(lse), A.stream_of(q))
+        options = attention_options(causal=causal, window_left=self._window_left,
+                                    logits_soft_cap=self._logits_soft_cap, sm_scale=scale,
+                                    custom_mask=self._mask_run, mask_indptr=self._mask_indptr_run)
+        plan.run_ragged(q=A.dl(q), k=A.dl(k), v=A.dl(v), qo_indptr=A.dl(self._qo_indptr_run),
+                        kv_indptr=A.dl(self._kv_indptr_run), options=options, out=A.dl(out), lse=A.dl(lse),
+                        stream=A.stream_of(q))
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
