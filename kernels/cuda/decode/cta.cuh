@@ -11,6 +11,7 @@
 
 #include "common/convert.cuh"
 #include "common/ptx.cuh"
+#include "common/swizzle.cuh"
 #include "decode/trace.cuh"
 #include "decode/traits.h"
 #include "flashkv/plan/plan.h"
@@ -66,10 +67,10 @@ __device__ __forceinline__ ItemView view_of(const AttentionParams& p, const Work
   return v;
 }
 
+// Byte offset of 16-byte chunk `chunk` of K/V tile row `row` (common/swizzle.cuh).
 template <class Tr>
 __device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
-  return static_cast<uint32_t>(row * Tr::kRowBytes +
-                               ((Tr::kSwizzle ? (chunk ^ (row & 7)) : chunk) << 4));
+  return static_cast<uint32_t>(swizzled_offset<Tr::kChunks, 1, Tr::kSwizzle>(row, chunk));
 }
 
 template <class Tr, typename QT, KvFormat kKv>

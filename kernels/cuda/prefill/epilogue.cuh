@@ -49,7 +49,7 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
     if (valid)
       src += (static_cast<int64_t>(b.q_begin) + tok) * p.merge_stride_n +
              static_cast<int64_t>(head) * p.merge_stride_h + c * 8;
-    cp_async_16(stage + r * Cfg::kDv + (c ^ (r & 7)) * 8, src, valid ? 16 : 0);
+    cp_async_16(stage + r * Cfg::kDv + swizzle_chunk(r, c) * 8, src, valid ? 16 : 0);
   }
   cp_async_commit();
   float prev_lse[Cfg::kMTiles][2];
@@ -93,7 +93,7 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
 #pragma unroll
       for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
         const float2 pv =
-            unpack2<QT>(*reinterpret_cast<const uint32_t*>(prev + (dt ^ (r & 7)) * 8));
+            unpack2<QT>(*reinterpret_cast<const uint32_t*>(prev + swizzle_chunk(r, dt) * 8));
         const float lo = (a != 0.0f ? a * pv.x : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h] : 0.0f);
         const float hi =
             (a != 0.0f ? a * pv.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);

@@ -10,6 +10,7 @@
 // blocks_per_sm = 2).
 #pragma once
 
+#include "common/swizzle.cuh"
 #include "prefill/primitives.cuh"
 
 namespace flashkv::cuda::prefill_detail {
@@ -42,7 +43,7 @@ struct TileConfig {
   static constexpr int kVChunks = DV / 8;
 
   // Shared memory (bytes). 16-bit tiles are row-major with 16-byte chunks XOR-swizzled by the
-  // row (see swizzle()), so ldmatrix and the cp.async stores are bank-conflict free. fp8 KV
+  // row (common/swizzle.cuh), so ldmatrix and the cp.async stores are bank-conflict free. fp8 KV
   // lands in plain staging tiles (two stages) and is widened into one 16-bit K and V tile.
   static constexpr int kQBytes = kCtaRows * DQK * 2;
   static constexpr int kKStageBytes = kKvTile * DQK * 2;
@@ -60,12 +61,10 @@ struct TileConfig {
 };
 
 // Element offset of 16-bit element chunk `chunk` (8 elements) of row `row` in a swizzled tile
-// of `kChunks` chunks a row. The XOR stays inside each aligned group of 8 chunks, so rows whose
-// chunk count is a multiple of 8 (all head dims here) map onto themselves.
+// of `kChunks` chunks a row (common/swizzle.cuh; every head dim here is 8k chunks a row).
 template <int kChunks>
 __device__ __forceinline__ int swizzle(int row, int chunk) {
-  static_assert(kChunks % 8 == 0, "swizzle needs rows of 8k 16-byte chunks");
-  return row * (kChunks * 8) + ((chunk ^ (row & 7)) << 3);
+  return swizzled_offset<kChunks, 2>(row, chunk);
 }
 
 }  // namespace flashkv::cuda::prefill_detail

@@ -13,12 +13,14 @@
 
 #include <cstdint>
 
+#include "common/swizzle.cuh"
+
 namespace flashkv::cuda::sm90 {
 
 // 16-byte chunk `chunk` (0..15) of row `row` of a [rows, 128] tile, in bytes from the tile base.
 __device__ __forceinline__ uint32_t tile_offset(int rows, int row, int chunk) {
   return static_cast<uint32_t>((chunk >> 3) * rows * 128 + row * 128 +
-                               (((chunk & 7) ^ (row & 7)) << 4));
+                               (swizzle_chunk(row, chunk & 7) << 4));
 }
 
 // A shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and
