@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "common/convert.cuh"
+#include "common/merge.cuh"
 #include "flashkv/core/cuda_runtime.h"
 #include "flashkv/core/error.h"
 #include "flashkv/kernels/kernels.h"
@@ -94,11 +95,9 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
     const T* base = static_cast<const T*>(p.stacked ? p.o_in[0] : p.o_in[s]);
     return base + r * p.in_stride_n + (p.stacked ? s * p.in_stride_s : 0) + h * p.in_stride_h;
   };
-  // A state with LSE -inf contributes nothing (and may hold anything): weight 0, and its values,
-  // read anyway (so no load waits for an LSE), are never used. A NaN LSE weighs NaN (mx is the
-  // maximum of the numbers), so the sum, O and LSE come out NaN.
-  auto weight = [](float l, float mx) { return l == -INFINITY ? 0.0f : exp2f(l - mx); };
-  float mx = -INFINITY, sum = 0.0f;
+  // The weights, 1 / sum and the LSE: common/merge.cuh. A state with LSE -inf weighs 0 and its
+  // values, read anyway (so no load waits for an LSE), are never used.
+  MergeState<> st;
   if (active) {
     const int vecs = p.head_dim / kVec;
     const int step = 1 << lanes_log2;
@@ -112,11 +111,9 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
       int v = sub;
       Raw x0{}, x1{};
       if (v < vecs) x0 = Io::load(s0 + v * kVec), x1 = Io::load(s1 + v * kVec);
-      const float l0 = lse_of(0), l1 = lse_of(1);
-      mx = fmaxf(l0, l1);
-      const float w0 = weight(l0, mx), w1 = weight(l1, mx);
-      sum = w0 + w1;
-      const float inv = sum != 0.0f ? 1.0f / sum : 0.0f;  // NaN stays
+      float w0, w1;
+      st.pair(lse_of(0), lse_of(1), w0, w1);
+      const float inv = st.inv_sum();
       for (; v < vecs; v += step) {
         float acc[kVec];
 #pragma unroll
@@ -128,9 +125,9 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
         Io::store(out + v * kVec, acc, inv);
       }
     } else {
-      for (int s = 0; s < p.num_states; ++s) mx = fmaxf(mx, lse_of(s));
-      for (int s = 0; s < p.num_states; ++s) sum += weight(lse_of(s), mx);
-      const float inv = sum != 0.0f ? 1.0f / sum : 0.0f;  // NaN stays
+      for (int s = 0; s < p.num_states; ++s) st.see(lse_of(s));
+      for (int s = 0; s < p.num_states; ++s) st.add(lse_of(s));
+      const float inv = st.inv_sum();
       for (int v = sub; v < vecs; v += step) {
         float acc[kVec];
 #pragma unroll
@@ -141,7 +138,7 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
 #pragma unroll
           for (int j = 0; j < kStatesInFlight; ++j) {
             const int s = s0 + j;
-            w[j] = s < p.num_states ? weight(lse_of(s), mx) : 0.0f;
+            w[j] = s < p.num_states ? st.weight(lse_of(s)) : 0.0f;
             x[j] = Io::load(state_of(min(s, p.num_states - 1)) + v * kVec);
           }
 #pragma unroll
@@ -153,8 +150,7 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocksPerSm)
     }
   }
   __syncwarp();  // every lane of the pair has read the LSEs before they may be overwritten
-  if (active && sub == 0 && p.lse_out)
-    p.lse_out[r * p.heads + h] = sum != 0.0f ? mx + log2f(sum) : -INFINITY;
+  if (active && sub == 0 && p.lse_out) p.lse_out[r * p.heads + h] = st.lse();
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }

@@ -3,7 +3,7 @@
 // last chunk this CTA brought in (merge_finished_tiles).
 #pragma once
 
-#include "common/merge_state.cuh"
+#include "common/merge.cuh"
 #include "decode/cta.cuh"
 
 namespace flashkv::cuda::decode {
@@ -135,7 +135,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::merge_units(const TileMerge* done, int n
       out_row[j] = t.row;
       most = max(most, chunks[j]);
     }
-    MergeState st[kUnits];
+    MergeState</*kFastExp2=*/true> st[kUnits];  // approximate exp2 / log2, as the softmax
     float4 acc[kUnits];
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -162,7 +162,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::merge_units(const TileMerge* done, int n
           // fmaf: `acc * rescale + weight * x` may be contracted either way, and the two unit
           // layouts (merge_units<1, 16>, <2, 4>) must fold to the same bits.
           float rescale, weight;
-          st[j].add(c0 + k < chunks[j] ? lse[j][k] : -INFINITY, rescale, weight);
+          st[j].fold(c0 + k < chunks[j] ? lse[j][k] : -INFINITY, rescale, weight);
           acc[j].x = fmaf(weight, x[j][k].x, acc[j].x * rescale);
           acc[j].y = fmaf(weight, x[j][k].y, acc[j].y * rescale);
           acc[j].z = fmaf(weight, x[j][k].z, acc[j].z * rescale);

@@ -4,6 +4,7 @@
 // pairs straight from registers.
 #pragma once
 
+#include "common/merge.cuh"
 #include "common/ptx.cuh"
 #include "flashkv/kernels/params.h"
 #include "prefill/mask.cuh"
@@ -78,14 +79,12 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
       const int item_row = b.row0 + x;
       const int tok = item_row / group;
       const int head = kv_head * group + (item_row - tok * group);
-      const float m = fmaxf(prev_lse[mt][h], lse[mt][h]);
-      // An empty state (LSE -inf) weighs 0, and its values (never written, maybe NaN) are unused.
-      // A NaN state (NaN in the KV) weighs NaN (m is the maximum of the numbers), so the sum,
-      // O and LSE are NaN.
-      const float w_prev = prev_lse[mt][h] == neg_inf ? 0.0f : exp2f(prev_lse[mt][h] - m);
-      const float w_cur = lse[mt][h] == neg_inf ? 0.0f : exp2f(lse[mt][h] - m);
-      const float sum = w_prev + w_cur;
-      const float inv = sum != 0.0f ? 1.0f / sum : 0.0f;
+      // common/merge.cuh: an empty state (LSE -inf) weighs 0, and its values (never written,
+      // maybe NaN) are unused; a NaN state weighs NaN, so O and LSE are NaN.
+      MergeState</*kFastExp2=*/false, /*kFastLog2=*/true> st;
+      float w_prev, w_cur;
+      st.pair(prev_lse[mt][h], lse[mt][h], w_prev, w_cur);
+      const float inv = st.inv_sum();
       const float a = w_prev * inv, c = w_cur * inv * scale[mt][h];
       const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
       QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h + (lane & 3) * 2;
@@ -99,8 +98,7 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
             (a != 0.0f ? a * pv.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);
         *reinterpret_cast<uint32_t*>(dst + dt * 8) = pack2<QT>(lo, hi);
       }
-      if (p.lse && (lane & 3) == 0)
-        p.lse[row * p.num_qo_heads + head] = sum != 0.0f ? m + __log2f(sum) : neg_inf;
+      if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = st.lse();
     }
 }
 

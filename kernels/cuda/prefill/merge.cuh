@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/merge.cuh"
 #include "flashkv/kernels/params.h"
 #include "prefill/primitives.cuh"
 
@@ -27,37 +28,37 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
     const QT* prev = p.merge_o ? static_cast<const QT*>(p.merge_o) + row * p.merge_stride_n +
                                      head * p.merge_stride_h
                                : nullptr;
-    float m = prev_lse;
+    // The weights, 1 / sum and the LSE: common/merge.cuh (the maximum first).
+    MergeState<> st;
+    st.see(prev_lse);
     bool nan = prev_lse != prev_lse;
     for (int c = 0; c < mi.num_chunks; ++c) {
       const float l = p.partial_lse[prow(c) * hq + head];
-      m = fmaxf(m, l);  // the maximum of the numbers
+      st.see(l);
       nan |= l != l;
     }
     QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h;
     __syncwarp();
     // No chunk saw a visible key (nor did the merge state). A NaN state (NaN in the KV) is not
     // empty: its weight is NaN, and so are O and LSE.
-    if (m == neg_inf && !nan) {
+    if (st.max == neg_inf && !nan) {
       for (int d = lane; d < dv; d += 32) dst[d] = QT(0.0f);
       if (p.lse && lane == 0) p.lse[row * hq + head] = neg_inf;
       continue;
     }
-    float sum = 0.0f;
-    for (int c = 0; c < mi.num_chunks; ++c) sum += exp2f(p.partial_lse[prow(c) * hq + head] - m);
-    const float w_prev = prev_lse == neg_inf ? 0.0f : exp2f(prev_lse - m);
-    sum += w_prev;
-    const float inv = 1.0f / sum;
+    for (int c = 0; c < mi.num_chunks; ++c) st.add(p.partial_lse[prow(c) * hq + head]);
+    const float w_prev = st.add(prev_lse);
+    const float inv = st.inv_sum();
     for (int d = lane; d < dv; d += 32) {
       float acc = 0.0f;
       for (int c = 0; c < mi.num_chunks; ++c) {
-        const float w = exp2f(p.partial_lse[prow(c) * hq + head] - m);
+        const float w = st.weight(p.partial_lse[prow(c) * hq + head]);
         acc += w * p.partial_o[(prow(c) * hq + head) * dv + d];
       }
       if (w_prev != 0.0f) acc += w_prev * static_cast<float>(prev[d]);
       dst[d] = QT(acc * inv);
     }
-    if (p.lse && lane == 0) p.lse[row * hq + head] = m + log2f(sum);
+    if (p.lse && lane == 0) p.lse[row * hq + head] = st.lse();
   }
 }
 
