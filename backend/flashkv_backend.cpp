@@ -648,7 +648,7 @@ LayerIO layer_io(const BackendOptions& o, const LayerSpec& layer, const ForwardB
   }
   io.opt.sm_scale = layer.scaling;
   io.opt.logits_soft_cap = layer.logit_cap;
-  io.opt.window_left = window ? layer.sliding_window_size : -1;
+  io.opt.window_left = layer.sliding_window_size;  // negative: none (the operators normalise)
   return io;
 }
 

@@ -1,6 +1,6 @@
 #include "flashkv/core/thread_pool.h"
 
-#include <cstdlib>
+#include "flashkv/core/options.h"
 
 namespace flashkv {
 namespace {
@@ -9,8 +9,7 @@ thread_local bool t_in_worker = false;
 
 ThreadPool::ThreadPool(int num_threads) {
   if (num_threads <= 0) {
-    const char* env = std::getenv("FLASHKV_NUM_THREADS");
-    num_threads = env ? std::atoi(env) : 0;
+    num_threads = env_num_threads();
     if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
     if (num_threads <= 0) num_threads = 1;
   }

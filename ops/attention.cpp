@@ -16,6 +16,11 @@ namespace {
 }
 #endif
 
+// The one place window_left is normalised (docs/SEMANTICS.md): every negative value means no
+// window and becomes -1, so the kernels, which test `window_left >= 0`, see one value for it.
+// Callers (the backend, the bindings) pass AttentionOptions::window_left as they have it.
+int32_t normalize_window_left(int window_left) { return window_left < 0 ? -1 : window_left; }
+
 void check_plan_matches(const Plan& plan, const char* op, const TensorView& q, int64_t batch,
                         int64_t hkv, int64_t dqk, int64_t dv, const Workspace& ws) {
   FLASHKV_CHECK(plan.id != 0, op, ": plan: expected a plan from plan_decode/plan_prefill");
@@ -81,7 +86,7 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   p.head_dim_v = static_cast<int32_t>(dv);
   p.batch_size = plan.batch_size;
   p.causal = opt.causal;
-  p.window_left = opt.window_left < 0 ? -1 : opt.window_left;
+  p.window_left = normalize_window_left(opt.window_left);
   p.logits_soft_cap = opt.logits_soft_cap;
   p.sm_scale = opt.sm_scale > 0 ? opt.sm_scale : 1.0f / std::sqrt(static_cast<float>(q.shape[2]));
   if (opt.custom_mask.defined()) {

@@ -26,7 +26,7 @@
 //   batches is nearly always (see lpt_rounds). Where rounds do not pay (<= 8 or > 64 workers,
 //   items much smaller than the spread of the loads), the least-loaded worker comes from a
 //   tournament tree, whose update is an unrolled chain of branch-free minimums. Both give the
-//   same plan. plan_decode for 256 requests takes about two microseconds.
+//   same plan. The planner's host time: docs/perf/planner.md.
 // - Equal runs (decode on CUDA, automatic split): when a few workers would end up streaming
 //   alone (40 x 4096 on 33 workers: 7 of them take a second request), the tiles are instead laid
 //   end to end and cut into runs of equal cost, one a worker (McNaughton's wrap-around rule), so
@@ -45,6 +45,7 @@
 #include <utility>
 
 #include "flashkv/core/error.h"
+#include "flashkv/core/visibility.h"
 
 namespace flashkv {
 namespace {
@@ -279,9 +280,10 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
     if (decode) {
       for (int32_t r = 0; r < b.batch_size; ++r) {
         const int32_t kv_len = b.kv_len[r];
-        // The row sits at position kv_len - 1: causal trims nothing.
+        // The one row sits at position kv_len - 1: causal trims nothing.
         int32_t lo = 0;
-        if constexpr (windowed) lo = std::clamp(kv_len - 1 - window, 0, kv_len);
+        if constexpr (windowed)
+          lo = std::clamp(window_first_key(query_position(kv_len, 1, 0), window), 0, kv_len);
         emit({r, r, 1, lo, kv_len, -1, 0, 0});
       }
       return;
@@ -293,12 +295,14 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
         const int64_t kv_len = b.kv_len[r];
         for (int32_t row = 0; row < q_len; row += q_tile) {
           const int32_t rows = std::min(q_tile, q_len - row);
-          // Query row q of a request sits at position kv_len - q_len + q (negative: sees
-          // nothing under causal masking).
-          const int64_t first_pos = kv_len - q_len + row;
+          // The tile's rows sit at first_pos .. last_pos (core/visibility.h); together they see
+          // the keys from the first row's window start to the last row's causal end.
+          const int64_t first_pos = query_position<int64_t>(kv_len, q_len, row);
+          const int64_t last_pos = first_pos + rows - 1;
           int64_t lo = 0, hi = kv_len;
-          if constexpr (windowed) lo = std::clamp<int64_t>(first_pos - window, 0, kv_len);
-          if constexpr (causal) hi = std::clamp<int64_t>(first_pos + rows, lo, kv_len);
+          if constexpr (windowed)
+            lo = std::clamp<int64_t>(window_first_key<int64_t>(first_pos, window), 0, kv_len);
+          if constexpr (causal) hi = std::clamp<int64_t>(causal_key_end(last_pos), lo, kv_len);
           emit({r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1, 0, 0});
         }
       }
@@ -313,9 +317,9 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
 // shorter for batches of short tiles only, which parts of 256 leave filling little of the device
 // (1 x 1024 would be 4 parts on 33 workers a KV head). Prefill: parts of 128 for tiles of up to
 // 1024 keys. Decode, whose split merge runs inside the kernel and folds up to 16 parts a batch of
-// loads: parts of 64 for tiles of up to 1024 tokens, 128 for up to 4096. Measured on an H200
-// (bench/NOTES.md, decode v6): 1 x 1024 9.9 -> 8.5 us (16 parts of 64 rather than 8 of 128),
-// 1 x 4096 13.5 -> 12.0 us (32 parts of 128 rather than 16 of 256).
+// loads: parts of 64 for tiles of up to 1024 tokens, 128 for up to 4096; on short requests more,
+// shorter parts fill more of the device than the extra merges cost (figures: docs/perf/decode.md,
+// the in-kernel merge's timeline).
 int64_t default_min_split(bool decode, int64_t longest) {
   if (decode && longest <= 1024) return 64;
   if (longest <= (decode ? 4096 : 1024)) return 128;
@@ -537,7 +541,8 @@ void lpt_walk_for_depth(int depth, const LptState& st, uint32_t begin, uint32_t 
 // four workers per vector compare) and then assigns item after item with no dependency chain
 // through a tree; the first item it cannot prove ends the round, and the next round re-ranks.
 // The result is exactly the tournament tree's (the same packed entries and ties).
-// Up to 8 workers the tree is three levels deep and at least as fast as rounds (measured).
+// Up to 8 workers the tree is three levels deep and at least as fast as rounds
+// (docs/perf/planner.md).
 constexpr int32_t kMinRankedWorkers = 9;
 constexpr int32_t kMaxRankedWorkers = 64;
 
@@ -914,12 +919,12 @@ double fluid_time(std::vector<int64_t>& loads, double busy) {
 }
 
 // The share of a wave's workers that saturates memory bandwidth (fluid_time's `busy`), and the
-// gain equal runs must bring in that model to replace a plan. Measured on an H200 (33 workers a
-// KV head at 32/8/128, bf16, page size 1): a CTA alone streams ~26 GB/s and ~165 of the 264 CTA
-// slots saturate HBM (24 x 4096: 192 CTAs of one request each ran at 4.0 TB/s, and as fast as 33
-// equal runs); equal runs cost 1 - 2% more in items and merges where both plans run in the same
-// time (16 x 4096 as 32 halves, 64 x 4096), and gained 28% on 40 x 4096, 8% on 48 x 4096 and 15%
-// on 100 x 4096, whose costliest-first plans end with a few workers streaming alone.
+// gain equal runs must bring in that model to replace a plan. kBusyShare: about that share of
+// the CTA slots, each streaming at its own small rate, saturates HBM, so more streaming workers
+// share the bandwidth rather than add to it. kRunsGain: equal runs cost a little more in items
+// and merges where both plans run in the same time, so they must win by more than that; they win
+// where costliest-first plans end with a few workers streaming alone. Figures:
+// docs/perf/decode.md, "Equal runs".
 constexpr double kBusyShare = 0.625;
 constexpr double kRunsGain = 1.03;
 

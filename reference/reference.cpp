@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "flashkv/core/thread_pool.h"
+#include "flashkv/core/visibility.h"
 
 namespace flashkv::reference {
 namespace {
@@ -67,12 +68,12 @@ void attend_row(const TensorView& q, const Shapes& s, const RequestRows& r, cons
   const double sm_scale = opt.sm_scale > 0 ? opt.sm_scale : 1.0 / std::sqrt(double(s.dqk));
   std::vector<double> qd(s.dqk), score(kv_len);
   std::vector<char> allowed(kv_len);
-  const int64_t pos = kv_len - r.q_len + qi;  // absolute position of this query
-  for (int64_t j = 0; j < kv_len; ++j) {
-    bool ok = r.mask ? r.mask[qi * kv_len + j] != 0 : (!opt.causal || j <= pos);
-    if (opt.window_left >= 0 && j < pos - opt.window_left) ok = false;
-    allowed[j] = ok;
-  }
+  // The visibility rule (core/visibility.h): a mask replaces causal, the window applies to both.
+  const int64_t pos = query_position<int64_t>(kv_len, r.q_len, qi);
+  const bool causal = opt.causal && !r.mask;
+  for (int64_t j = 0; j < kv_len; ++j)
+    allowed[j] = (!r.mask || r.mask[qi * kv_len + j] != 0) &&
+                 visible<int64_t>(j, pos, causal, opt.window_left);
   for (int64_t h = h0; h < h1; ++h) {
     const int64_t kvh = h / group;
     load_row(q, r.q_begin + qi, h, 1.0, qd.data());

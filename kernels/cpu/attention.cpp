@@ -8,9 +8,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 
 #include "flashkv/core/cpu_features.h"
 #include "flashkv/core/error.h"
+#include "flashkv/core/options.h"
 #include "flashkv/core/thread_pool.h"
 #include "kernel_common.h"
 
@@ -25,12 +27,11 @@ Isa detect_isa() {
 }
 
 Isa isa_from_env() {
-  const char* env = std::getenv("FLASHKV_CPU_ISA");
-  if (!env) return Isa::avx512_bf16;
-  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
-    if (std::strcmp(env, isa_name(isa)) == 0) return isa;
-  throw_error(
-      str_cat("FLASHKV_CPU_ISA: expected scalar, avx2, avx512 or avx512_bf16, got '", env, "'"));
+  const char* cap = env_cpu_isa_cap();  // checked: one of the names below, or null
+  if (!cap) return Isa::avx512_bf16;
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512})
+    if (std::strcmp(cap, isa_name(isa)) == 0) return isa;
+  return Isa::avx512_bf16;
 }
 
 // The cap set_isa_cap() sets (the environment variable is read on every call, so it can change).
@@ -87,8 +88,8 @@ Fp8Tables build_fp8_tables() {
 // heads of a slot together turns the per-head pieces (D elements at a stride of Hkv * D) into
 // contiguous runs; so such tasks take as many heads as still leave 4 tasks per thread, up to
 // runs of 2 KB per slot: the few-rows path prefetches two 32-slot blocks ahead, so longer runs
-// make a window that no longer fits beside the current block in a 1 MB L2 (on a Zen 4 host,
-// decode 32/32/128 4 x 2048 ran 6.2 ms with 16 heads a task, 5.0 with 8). Tasks of many rows are
+// make a window that no longer fits beside the current block in a 1 MB L2 (figures:
+// docs/perf/cpu.md, the 2 KB cap on a task's heads). Tasks of many rows are
 // bound by compute and take one head (the most parallelism, the smallest state).
 int32_t heads_per_task(const AttentionParams& p, int threads) {
   constexpr int kMemoryBoundRows = 16;
@@ -153,17 +154,13 @@ std::atomic<int>& prefetch_mode() {
 bool split_prefetch() {
   const auto mode = static_cast<Prefetch>(prefetch_mode().load(std::memory_order_relaxed));
   if (mode != Prefetch::by_cpu) return mode == Prefetch::on;
-  if (const char* env = std::getenv("FLASHKV_CPU_PREFETCH")) {
-    if (std::strcmp(env, "on") == 0) return true;
-    if (std::strcmp(env, "off") == 0) return false;
-    throw_error(str_cat("FLASHKV_CPU_PREFETCH: expected on or off, got '", env, "'"));
-  }
+  if (const std::optional<bool> on = env_cpu_prefetch()) return *on;
   return split_prefetch_default(cpu_features());
 }
 
 bool split_prefetch_default(const CpuFeatures& cpu) {
   if (!cpu.amd) return true;
-  // Family 0x17: Zen and Zen 2 (not measured; taken to be like Zen 3). Family 0x19: Zen 3 is
+  // Family 0x17: Zen and Zen 2 (taken to be like Zen 3). Family 0x19: Zen 3 is
   // models 0x00 - 0x0f and 0x20 - 0x5f, Zen 4 the rest. Later families: like Zen 4.
   const bool zen3 =
       cpu.family == 0x19 && (cpu.model < 0x10 || (cpu.model >= 0x20 && cpu.model < 0x60));

@@ -17,6 +17,7 @@
 #include "attention_few_rows.h"
 #include "attention_kernel.h"
 #include "attention_loads.h"
+#include "flashkv/core/visibility.h"
 
 namespace flashkv::cpu::FLASHKV_CPU_ISA_NS {
 
@@ -141,10 +142,9 @@ class ItemTask {
   // Few rows: what to prefetch while block j0 is computed. Slots in a run (a fresh pool hands a
   // request consecutive slots): those of the block after the next one, spread over the block's
   // work (the next block first, in one burst, when it was not prefetched that way). Scattered
-  // slots (a pool after churn): the next block, in one burst at the start. Measured on Zen 4
-  // (decode 16 x 4096, 32/8/128): on consecutive slots the spread prefetch two blocks ahead is
-  // 10 - 30% faster than the burst; on shuffled slots it was up to 30% slower while other jobs
-  // loaded the machine (random DRAM pages want many requests in flight at once).
+  // slots (a pool after churn): the next block, in one burst at the start. On consecutive slots
+  // the spread prefetch two blocks ahead beats the burst; on shuffled slots it loses, because
+  // random DRAM pages want many requests in flight at once (figures: docs/perf/cpu.md).
   FLASHKV_ALWAYS_INLINE void start_prefetch(int64_t j0, const int64_t* next_rows, int n_next) {
     const int n_ahead = block_keys(j0 + 2 * BK);
     if (n_ahead > 0) kv_rows_.get(j0 + 2 * BK, n_ahead, ahead_rows_);
@@ -225,8 +225,8 @@ class ItemTask {
   // Q rows of every head into steps; fresh running state; each row's absolute position.
   void load_queries(int row0, int rows) {
     for (int r = 0; r < rows; ++r)
-      pos_[r] =
-          static_cast<int>(kv_len_ - q_len_ + (item_.q_begin + (row0 + r) / group_ - q_first_));
+      pos_[r] = static_cast<int>(
+          query_position(kv_len_, q_len_, item_.q_begin + (row0 + r) / group_ - q_first_));
     for (int h = 0; h < heads_; ++h) {
       const Tile<T> t = state_.tile(base_, h);
       for (int r = 0; r < rows; ++r) {
@@ -248,20 +248,23 @@ class ItemTask {
     }
   }
 
-  // The block's masks, shared by the heads: none when every key is visible to every row.
+  // The block's masks, shared by the heads: none when every key is visible to every row. Row r
+  // sees the keys [lo[r], hi[r]] of the block (core/visibility.h), and the custom mask's.
   void set_masks(int row0, int rows, int64_t j0, int n) {
     Tile<T>& t = base_;
     const int64_t j_last = j0 + n - 1, window = p_.window_left;
     t.j0 = static_cast<int>(j0);
     t.steps_pv = (n + P - 1) / P;
-    t.masked = mask_base_ || n < BK || (causal_ && j_last > pos_[0]) ||
-               (window >= 0 && j0 < pos_[rows - 1] - window);
+    t.masked = mask_base_ || n < BK ||
+               !block_fully_visible<int64_t>(j0, j_last, pos_[0], pos_[rows - 1], causal_, window);
     if (!t.masked) return;
     int* lo = const_cast<int*>(t.lo);
     int* hi = const_cast<int*>(t.hi);
     for (int r = 0; r < rows; ++r) {
-      hi[r] = static_cast<int>(causal_ && pos_[r] < j_last ? pos_[r] : j_last);
-      lo[r] = static_cast<int>(window >= 0 ? clamp64(pos_[r] - window, j0, j_last + 1) : j0);
+      const int64_t pos = pos_[r], last = causal_last_key(pos);
+      hi[r] = static_cast<int>(causal_ && last < j_last ? last : j_last);
+      lo[r] = static_cast<int>(window >= 0 ? clamp64(window_first_key(pos, window), j0, j_last + 1)
+                                           : j0);
     }
     if (!mask_base_) return;
     uint8_t* allowed = const_cast<uint8_t*>(t.allowed);
@@ -363,9 +366,9 @@ class ItemTask {
   // before the next 4, so each slot's K run (the task's heads side by side) is read in address
   // order, which hardware prefetchers can follow on a shuffled pool too; then each head's softmax
   // and PV. The few-rows path's software prefetch runs (a step per 4 keys and head) only where
-  // split_prefetch() says: on a Zen 3 host (decode 16 x 4096, 32/8/128) this order without it ran
-  // a shuffled pool 1.7x as fast as the head-major order with it, an in-order pool as fast, and
-  // any prefetch (of V, of later blocks) made it slower; on a Xeon it was the other way round.
+  // split_prefetch() says: where the hardware prefetchers follow this order (AMD before Zen 4) it
+  // needs no software prefetch and any (of V, of later blocks) slows it; elsewhere it does
+  // (figures: docs/perf/cpu.md, "The AVX2 split path").
   void run_block_split(int rows, int n, const int64_t* cur) {
     if constexpr (HasSplitKv<T>::value && kSplitType<KvType>) {
       const int dqk = p_.head_dim_qk, dv = p_.head_dim_v;
@@ -471,8 +474,8 @@ class ItemTask {
   Step* staged_v_ = nullptr;  // vbmi_: the block's V rows
 };
 
-// T with the KV block of few-row tasks: smaller blocks suit them (measured on Zen 4: the
-// memory-bound decode runs ~5-10% faster with 32 keys than with 64, prefill the other way).
+// T with the KV block of few-row tasks: smaller blocks suit the memory-bound decode, larger ones
+// prefill (figures: docs/perf/cpu.md).
 template <class T>
 struct FewRowsBlocks : T {
   static constexpr int kBlockKeys = T::kFewRowsBlockKeys;

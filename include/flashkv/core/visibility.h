@@ -30,7 +30,7 @@
 //   kernels/cpu/attention_item.h            query_position, window_first_key, causal_last_key,
 //                                           block_fully_visible
 //   reference/reference.cpp                 query_position, visible
-//   kernels/cuda/decode/decode_kernel.cuh   view_of: query_position(kv_len, 1, 0) and
+//   kernels/cuda/decode (view_of)           query_position(kv_len, 1, 0) and
 //                                           window_first_key for v.lo
 //   kernels/cuda/prefill/mask.cuh           make_row_block: query_position (pos0),
 //                                           causal_key_end (hi), window_first_key (lo);

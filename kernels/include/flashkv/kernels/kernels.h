@@ -33,9 +33,10 @@ Isa set_isa_cap(Isa cap);
 
 // Software prefetch on the AVX2 decode path (tasks of few rows per KV head, bf16 or fp8 KV,
 // whose K is read slot by slot). Default (split_prefetch_default): off on AMD cores before Zen 4,
-// on elsewhere. Decode 16 x 4096 ran ~1.6x faster without it on a Zen 3 host (shuffled slots),
-// ~1.5x slower without it on a Xeon, and ~1.6x slower without it on a Zen 4 host (forced to
-// AVX2). FLASHKV_CPU_PREFETCH=on|off overrides the default, set_split_prefetch() both.
+// whose hardware prefetchers follow the slot-major order on their own, where the software
+// prefetch only adds traffic; on elsewhere, where it is what keeps the loads in flight (figures:
+// docs/perf/cpu.md). FLASHKV_CPU_PREFETCH=on|off overrides the default, set_split_prefetch()
+// both.
 enum class Prefetch : int { by_cpu = -1, off = 0, on = 1 };
 bool split_prefetch();
 bool split_prefetch_default(const CpuFeatures& cpu);
@@ -44,8 +45,9 @@ bool split_prefetch_default(const CpuFeatures& cpu);
 Prefetch set_split_prefetch(Prefetch mode);
 
 // fp8 K/V on the AVX-512 BF16 decode path converted 64 values at a time with byte permutes
-// (AVX512_VBMI), where the CPU has them and head dims are multiples of 64: on a Zen 4 host
-// decode 16 x 4096 with e4m3 KV ran ~1.5x faster than with the 16-bit table lookups.
+// (AVX512_VBMI), where the CPU has them and head dims are multiples of 64: about a third of the
+// operations of the 16-bit table lookups per value, on a path bound by those conversions
+// (figures: docs/perf/cpu.md, "fp8 KV on the AVX-512 BF16 decode path").
 // fp8_vbmi(): whether it is used; set_fp8_vbmi(false) keeps the lookups (tests run both);
 // returns the previous setting.
 bool fp8_vbmi();
