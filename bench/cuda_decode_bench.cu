@@ -128,7 +128,8 @@ struct Options {
 // release): the spread over SMs, and whether the late SMs are the same ones launch after
 // launch (the correlation of an SM's mean end over the even and the odd launches). Systematic
 // lateness would favour balancing by SM; random lateness, finer dynamic work.
-void print_stream_ends(const std::vector<cuda::decode::TraceRecord>& rec, size_t per, int sets) {
+void print_stream_ends(const std::vector<cuda::decode_detail::TraceRecord>& rec, size_t per,
+                       int sets) {
   constexpr int kMaxSm = 256;
   std::vector<double> sum[2], n[2];
   for (auto* v : {&sum[0], &sum[1], &n[0], &n[1]}) v->assign(kMaxSm, 0.0);
@@ -187,11 +188,11 @@ void print_stream_ends(const std::vector<cuda::decode::TraceRecord>& rec, size_t
 // One replay's timeline (see flashkv/kernels/decode_trace.h): per launch of the graph (the first
 // left out), the release gap and span, and per CTA the phase durations; medians over launches.
 void print_trace(cudaGraphExec_t exec, cudaStream_t stream, int sets) {
-  using cuda::decode::TraceRecord;
-  cuda::decode::decode_trace_reset();
+  using cuda::decode_detail::TraceRecord;
+  cuda::decode_detail::decode_trace_reset();
   check(cudaGraphLaunch(exec, stream), "launch");
   check(cudaStreamSynchronize(stream), "sync");
-  const std::vector<TraceRecord> rec = cuda::decode::decode_trace_take();
+  const std::vector<TraceRecord> rec = cuda::decode_detail::decode_trace_take();
   if (rec.size() < 2 * size_t(sets) || rec.size() % sets != 0) {
     std::printf("  trace: %zu records for %d launches\n", rec.size(), sets);
     return;

@@ -43,9 +43,9 @@ LaunchFn pick_tiles(int group) {
   // head dim 256 keeps one, its accumulators would not fit the registers); larger groups run as
   // several CTAs per KV head (grid.z), each reading the KV once.
   if constexpr (D <= 128) {
-    if (group > 8) return &decode::launch_decode<D, QT, kKv, 2>;
+    if (group > 8) return &decode_detail::launch_decode<D, QT, kKv, 2>;
   }
-  return &decode::launch_decode<D, QT, kKv, 1>;
+  return &decode_detail::launch_decode<D, QT, kKv, 1>;
 }
 
 template <int D, typename QT>

@@ -4,7 +4,7 @@
 
 #include "decode/cta.cuh"
 
-namespace flashkv::cuda::decode {
+namespace flashkv::cuda::decode_detail {
 
 template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::reset_state() {
@@ -237,4 +237,4 @@ __device__ void DecodeCta<Tr, QT, kKv>::block(const unsigned char* stage, int b,
   accumulate(k_smem + Tr::kTileBytes, b, pb);
 }
 
-}  // namespace flashkv::cuda::decode
+}  // namespace flashkv::cuda::decode_detail

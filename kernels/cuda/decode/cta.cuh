@@ -16,7 +16,7 @@
 #include "decode/traits.h"
 #include "flashkv/plan/plan.h"
 
-namespace flashkv::cuda::decode {
+namespace flashkv::cuda::decode_detail {
 
 // An item as the kernel walks it (the first kItemSlots items of a CTA sit in shared memory,
 // made once at the start, so that moving to the next item costs no dependent global loads).
@@ -164,4 +164,4 @@ struct DecodeCta {
   __device__ void run(int32_t first_item, int32_t last_item, bool indices_ready);
 };
 
-}  // namespace flashkv::cuda::decode
+}  // namespace flashkv::cuda::decode_detail

@@ -42,7 +42,7 @@
 #include "decode/merge.cuh"
 #include "flashkv/core/cuda_runtime.h"
 
-namespace flashkv::cuda::decode {
+namespace flashkv::cuda::decode_detail {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -190,4 +190,4 @@ void launch_decode(const AttentionParams& p, cudaStream_t stream, bool programma
                 "paged_decode: kernel launch", p);
 }
 
-}  // namespace flashkv::cuda::decode
+}  // namespace flashkv::cuda::decode_detail

@@ -5,7 +5,7 @@
 
 #include "decode/cta.cuh"
 
-namespace flashkv::cuda::decode {
+namespace flashkv::cuda::decode_detail {
 
 // Moves a walk to the first item (from c.item on) with KV to read; the compute walk
 // (finish_empty) also stores the result of every empty item it passes (O = 0, LSE = -inf).
@@ -178,4 +178,4 @@ __device__ void DecodeCta<Tr, QT, kKv>::produce(int s) {
   ptx::cp_async_commit();
 }
 
-}  // namespace flashkv::cuda::decode
+}  // namespace flashkv::cuda::decode_detail

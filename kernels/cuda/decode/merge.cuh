@@ -6,7 +6,7 @@
 #include "common/merge.cuh"
 #include "decode/cta.cuh"
 
-namespace flashkv::cuda::decode {
+namespace flashkv::cuda::decode_detail {
 
 // Stores heads [0, heads) of an item's result: the sum, in order, of `parts` un-normalised
 // [kHeads][kOutStride] buffers from `src` on (default: out_buf) times inv[h], and lse[h]; or
@@ -266,4 +266,4 @@ __device__ void DecodeCta<Tr, QT, kKv>::finalize(const ItemView& v, unsigned cha
   store(v, fin_inv, fin_lse, false);
 }
 
-}  // namespace flashkv::cuda::decode
+}  // namespace flashkv::cuda::decode_detail

@@ -8,7 +8,7 @@
 #include "flashkv/kernels/decode_trace.h"
 
 #if defined(FLASHKV_DECODE_TRACE) && defined(__CUDACC__)
-namespace flashkv::cuda::decode::trace {
+namespace flashkv::cuda::decode_detail::trace {
 constexpr int kMaxRecords = 1 << 17;
 static __device__ TraceRecord g_records[kMaxRecords];
 static __device__ unsigned int g_count;
@@ -40,7 +40,7 @@ struct Timeline {
     r.merged = merged;
   }
 };
-}  // namespace flashkv::cuda::decode::trace
+}  // namespace flashkv::cuda::decode_detail::trace
 #define FLASHKV_TRACE(...) __VA_ARGS__
 #else
 #define FLASHKV_TRACE(...)

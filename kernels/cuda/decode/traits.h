@@ -8,7 +8,7 @@
 #include "common/convert.cuh"
 #include "flashkv/kernels/params.h"
 
-namespace flashkv::cuda::decode {
+namespace flashkv::cuda::decode_detail {
 
 constexpr int kStages = 3;  // KV tiles: one being computed, two in flight
 // Shared memory one CTA may use so that two fit on an SM (228 KB, 1 KB reserved per CTA).
@@ -80,4 +80,4 @@ void launch_decode(const AttentionParams& p, cudaStream_t stream, bool programma
   FLASHKV_DECODE_INSTANTIATE_ONE(D, half, kE4M3, NT)          \
   FLASHKV_DECODE_INSTANTIATE_ONE(D, half, kE5M2, NT)
 
-}  // namespace flashkv::cuda::decode
+}  // namespace flashkv::cuda::decode_detail

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace flashkv::cuda::decode {
+namespace flashkv::cuda::decode_detail {
 
 // Points: 0 entry, 1 past griddepcontrol.wait, 2 item views made, 3 first indices in shared
 // memory, 4 first K/V tile in shared memory, 5 last tile computed, 6 arrivals counted (first
@@ -26,4 +26,4 @@ void decode_trace_reset();
 std::vector<TraceRecord> decode_trace_take();
 #endif
 
-}  // namespace flashkv::cuda::decode
+}  // namespace flashkv::cuda::decode_detail
