@@ -22,12 +22,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "cuda_timing.h"
 #include "flashkv/core/buffer.h"
+#include "flashkv/core/cuda_runtime.h"
 #include "flashkv/ops/attention.h"
 #ifdef FLASHKV_DECODE_TRACE
 #include "flashkv/kernels/decode_trace.h"
@@ -37,12 +40,8 @@ namespace {
 
 using namespace flashkv;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+using bench::detail::EventTimer;
+using detail::cuda_check;
 
 // Fills n bytes with finite pseudo-random values of dtype t (bf16 in [-1, 1); fp8 bytes with
 // the exponent kept small so values stay finite).
@@ -64,43 +63,27 @@ __global__ void fill_random(unsigned char* dst, size_t n, uint32_t seed, int fp8
 
 void fill(void* p, size_t bytes, uint32_t seed, bool fp8) {
   fill_random<<<1024, 256>>>(static_cast<unsigned char*>(p), bytes, seed, fp8 ? 1 : 0);
-  check(cudaGetLastError(), "fill");
+  cuda_check(cudaGetLastError(), "fill");
 }
 
 // Median time of `reps` runs of fn (ms), each timed with events on `s`.
-template <typename F>
-float median_ms(cudaStream_t s, int reps, F&& fn) {
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a), "event");
-  check(cudaEventCreate(&b), "event");
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    check(cudaEventRecord(a, s), "record");
-    fn();
-    check(cudaEventRecord(b, s), "record");
-    check(cudaEventSynchronize(b), "sync");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, a, b), "elapsed");
-    t.push_back(ms);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+float median_ms(cudaStream_t s, int reps, const std::function<void()>& fn) {
+  return EventTimer(Stream{s}).median_ms(reps, fn);
 }
 
 // Device-to-device copy bandwidth (bytes read + written per second).
 double copy_bandwidth(cudaStream_t s) {
   const size_t bytes = size_t{2} << 30;
   void *a, *b;
-  check(cudaMalloc(&a, bytes), "malloc");
-  check(cudaMalloc(&b, bytes), "malloc");
+  cuda_check(cudaMalloc(&a, bytes), "malloc");
+  cuda_check(cudaMalloc(&b, bytes), "malloc");
   fill(a, bytes, 1, false);
-  check(cudaDeviceSynchronize(), "sync");
+  cuda_check(cudaDeviceSynchronize(), "sync");
   for (int i = 0; i < 3; ++i)
-    check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s), "copy");
-  const float ms = median_ms(
-      s, 10, [&] { check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s), "copy"); });
+    cuda_check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s), "copy");
+  const float ms = median_ms(s, 10, [&] {
+    cuda_check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s), "copy");
+  });
   cudaFree(a);
   cudaFree(b);
   return 2.0 * bytes / (ms * 1e-3);
@@ -190,8 +173,8 @@ void print_stream_ends(const std::vector<cuda::decode_detail::TraceRecord>& rec,
 void print_trace(cudaGraphExec_t exec, cudaStream_t stream, int sets) {
   using cuda::decode_detail::TraceRecord;
   cuda::decode_detail::decode_trace_reset();
-  check(cudaGraphLaunch(exec, stream), "launch");
-  check(cudaStreamSynchronize(stream), "sync");
+  cuda_check(cudaGraphLaunch(exec, stream), "launch");
+  cuda_check(cudaStreamSynchronize(stream), "sync");
   const std::vector<TraceRecord> rec = cuda::decode_detail::decode_trace_take();
   if (rec.size() < 2 * size_t(sets) || rec.size() % sets != 0) {
     std::printf("  trace: %zu records for %d launches\n", rec.size(), sets);
@@ -321,7 +304,7 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
   const DecodePlan plan = plan_decode(bs, device_info(gpu), po);
   Workspace ws(plan.layout.total_bytes, gpu);
   ws.upload(plan, Stream{stream});
-  check(cudaStreamSynchronize(stream), "sync");
+  cuda_check(cudaStreamSynchronize(stream), "sync");
 
   AttentionOptions opt;
   opt.layout_ready = o.layout_ready;  // the indices were copied before the graph
@@ -333,22 +316,23 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
     paged_decode(plan, q, kv, opt, out, lse, ws, Stream{stream});
   };
   for (int s = 0; s < sets; ++s) run_set(s);  // warm-up outside the graph
-  check(cudaStreamSynchronize(stream), "sync");
+  cuda_check(cudaStreamSynchronize(stream), "sync");
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+  cuda_check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
   for (int i = 0; i < calls; ++i) run_set(i % sets);
-  check(cudaStreamEndCapture(stream, &graph), "capture");
-  check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (int i = 0; i < 3; ++i) check(cudaGraphLaunch(exec, stream), "launch");
+  cuda_check(cudaStreamEndCapture(stream, &graph), "capture");
+  cuda_check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  for (int i = 0; i < 3; ++i) cuda_check(cudaGraphLaunch(exec, stream), "launch");
   const int reps = o.quick ? 5 : 20;
-  const float ms = median_ms(stream, reps, [&] { check(cudaGraphLaunch(exec, stream), "launch"); });
+  const float ms =
+      median_ms(stream, reps, [&] { cuda_check(cudaGraphLaunch(exec, stream), "launch"); });
 #ifdef FLASHKV_DECODE_TRACE
   if (sh.d == 128) print_trace(exec, stream, calls);
 #endif
   // Sanity: the last output is finite.
   std::vector<uint16_t> h(out.numel());
-  check(cudaMemcpy(h.data(), out.data(), h.size() * 2, cudaMemcpyDeviceToHost), "copy back");
+  cuda_check(cudaMemcpy(h.data(), out.data(), h.size() * 2, cudaMemcpyDeviceToHost), "copy back");
   for (uint16_t x : h)
     if ((x & 0x7f80u) == 0x7f80u) {
       std::fprintf(stderr, "non-finite output\n");
@@ -375,6 +359,48 @@ Result run_shape(const Shape& sh, const Options& o, double copy_bps, int l2_byte
                  plan.items.size(), plan.merges.size(), r.us, floor_us, r.tbps,
                  kv_bytes / (r.us * 1e-6) / copy_bps);
   return r;
+}
+
+// Every shape of the run, after the options are read.
+int run_all(const Options& o) {
+  cudaDeviceProp prop;
+  cuda_check(cudaGetDeviceProperties(&prop, 0), "props");
+  cudaStream_t stream;
+  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const double copy_bps = copy_bandwidth(stream);
+  std::printf("device: %s, %d SMs, L2 %d MB; copy bandwidth %.2f TB/s (read + write)\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_bps / 1e12);
+  std::printf("options: min_split %d, blocks_per_sm %d (0 = planner default)\n", o.min_split,
+              o.blocks_per_sm);
+  FILE* csv = o.csv.empty() ? nullptr : std::fopen(o.csv.c_str(), "w");
+  if (csv)
+    std::fprintf(csv,
+                 "hq,hkv,d,kv_dtype,batch,kv_len,kv_bytes,sets,calls,items,merges,us,floor_us,"
+                 "tbps,frac_copy\n");
+  std::vector<std::pair<int, int>> bl = {{1, 1024},  {1, 4096},   {1, 32768},  {16, 4096},
+                                         {64, 4096}, {256, 2048}, {64, 16384}, {8, 65536}};
+  if (o.only_batch > 0) bl = {{o.only_batch, o.only_len}};
+  std::vector<Result> bf16;
+  for (auto [b, l] : bl) {
+    if (o.small_only && int64_t{b} * l > 65536) break;
+    bf16.push_back(
+        run_shape({32, 8, 128, b, l, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv));
+  }
+  if (o.small_only) return 0;
+  if (o.only_batch == 0) {
+    run_shape({8, 1, 128, 64, 4096, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv);
+    run_shape({32, 32, 128, 64, 4096, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv);
+  }
+  std::printf("fp8 e4m3 KV (tokens/s vs bf16):\n");
+  for (size_t i = 0; i < bl.size(); ++i) {
+    const auto [b, l] = bl[i];
+    if (o.quick && o.only_batch == 0 && int64_t{b} * l < 65536) continue;
+    const Result r =
+        run_shape({32, 8, 128, b, l, DType::fp8_e4m3}, o, copy_bps, prop.l2CacheSize, stream, csv);
+    std::printf("    -> %.2fx bf16 tokens/s\n", r.tokens_per_s / bf16[i].tokens_per_s);
+  }
+  if (csv) std::fclose(csv);
+  return 0;
 }
 
 }  // namespace
@@ -415,42 +441,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "no GPU\n");
     return 1;
   }
-  cudaDeviceProp prop;
-  check(cudaGetDeviceProperties(&prop, 0), "props");
-  cudaStream_t stream;
-  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  const double copy_bps = copy_bandwidth(stream);
-  std::printf("device: %s, %d SMs, L2 %d MB; copy bandwidth %.2f TB/s (read + write)\n", prop.name,
-              prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_bps / 1e12);
-  std::printf("options: min_split %d, blocks_per_sm %d (0 = planner default)\n", o.min_split,
-              o.blocks_per_sm);
-  FILE* csv = o.csv.empty() ? nullptr : std::fopen(o.csv.c_str(), "w");
-  if (csv)
-    std::fprintf(csv,
-                 "hq,hkv,d,kv_dtype,batch,kv_len,kv_bytes,sets,calls,items,merges,us,floor_us,"
-                 "tbps,frac_copy\n");
-  std::vector<std::pair<int, int>> bl = {{1, 1024},  {1, 4096},   {1, 32768},  {16, 4096},
-                                         {64, 4096}, {256, 2048}, {64, 16384}, {8, 65536}};
-  if (o.only_batch > 0) bl = {{o.only_batch, o.only_len}};
-  std::vector<Result> bf16;
-  for (auto [b, l] : bl) {
-    if (o.small_only && int64_t{b} * l > 65536) break;
-    bf16.push_back(
-        run_shape({32, 8, 128, b, l, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv));
+  try {
+    return run_all(o);
+  } catch (const Error& e) {  // a failed CUDA call (detail::cuda_check) or a rejected shape
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
   }
-  if (o.small_only) return 0;
-  if (o.only_batch == 0) {
-    run_shape({8, 1, 128, 64, 4096, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv);
-    run_shape({32, 32, 128, 64, 4096, DType::bf16}, o, copy_bps, prop.l2CacheSize, stream, csv);
-  }
-  std::printf("fp8 e4m3 KV (tokens/s vs bf16):\n");
-  for (size_t i = 0; i < bl.size(); ++i) {
-    const auto [b, l] = bl[i];
-    if (o.quick && o.only_batch == 0 && int64_t{b} * l < 65536) continue;
-    const Result r =
-        run_shape({32, 8, 128, b, l, DType::fp8_e4m3}, o, copy_bps, prop.l2CacheSize, stream, csv);
-    std::printf("    -> %.2fx bf16 tokens/s\n", r.tokens_per_s / bf16[i].tokens_per_s);
-  }
-  if (csv) std::fclose(csv);
-  return 0;
 }

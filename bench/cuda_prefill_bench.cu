@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda_timing.h"
+#include "flashkv/core/cuda_runtime.h"
 #include "flashkv/kernels/kernels.h"
 #include "flashkv/ops/attention.h"
 
@@ -25,13 +27,10 @@ namespace {
 
 using namespace flashkv;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-void check(cublasStatus_t e, const char* what) {
+using bench::detail::EventTimer;
+using detail::cuda_check;
+
+void cublas_check(cublasStatus_t e, const char* what) {
   if (e != CUBLAS_STATUS_SUCCESS) {
     std::fprintf(stderr, "%s: cuBLAS status %d\n", what, static_cast<int>(e));
     std::exit(1);
@@ -54,31 +53,15 @@ __global__ void fill_random(__nv_bfloat16* p, int64_t n, uint64_t seed) {
 Tensor random_bf16(std::initializer_list<int64_t> shape, uint64_t seed) {
   Tensor t = Tensor::empty(shape, DType::bf16, Device::cuda());
   fill_random<<<1024, 256>>>(static_cast<__nv_bfloat16*>(t.data()), t.numel(), seed);
-  check(cudaGetLastError(), "fill_random");
+  cuda_check(cudaGetLastError(), "fill_random");
   return t;
 }
 
 // Median time (us) of `iters` runs of fn, after 3 warm-up runs, with CUDA events.
 double median_us(const std::function<void()>& fn, int iters) {
   for (int i = 0; i < 3; ++i) fn();
-  check(cudaDeviceSynchronize(), "warm-up");
-  std::vector<double> t(iters);
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a), "event");
-  check(cudaEventCreate(&b), "event");
-  for (int i = 0; i < iters; ++i) {
-    check(cudaEventRecord(a), "record");
-    fn();
-    check(cudaEventRecord(b), "record");
-    check(cudaEventSynchronize(b), "sync");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, a, b), "elapsed");
-    t[i] = ms * 1e3;
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(t.begin(), t.end());
-  return t[iters / 2];
+  cuda_check(cudaDeviceSynchronize(), "warm-up");
+  return EventTimer(Stream{}).median_ms(iters, fn) * 1e3;
 }
 
 double gemm_tflops(int iters) {
@@ -86,14 +69,14 @@ double gemm_tflops(int iters) {
   Tensor a = random_bf16({n, n}, 1), b = random_bf16({n, n}, 2);
   Tensor c = Tensor::empty({n, n}, DType::bf16, Device::cuda());
   cublasHandle_t h;
-  check(cublasCreate(&h), "cublasCreate");
+  cublas_check(cublasCreate(&h), "cublasCreate");
   const float alpha = 1.0f, beta = 0.0f;
   const double us = median_us(
       [&] {
-        check(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.data(), CUDA_R_16BF, n,
-                           b.data(), CUDA_R_16BF, n, &beta, c.data(), CUDA_R_16BF, n,
-                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-              "cublasGemmEx");
+        cublas_check(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.data(),
+                                  CUDA_R_16BF, n, b.data(), CUDA_R_16BF, n, &beta, c.data(),
+                                  CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                     "cublasGemmEx");
       },
       iters);
   cublasDestroy(h);
@@ -149,9 +132,11 @@ double copy_gbps(int iters) {
   const int64_t bytes = int64_t{1} << 30;
   Tensor a = Tensor::empty({bytes}, DType::u8, Device::cuda());
   Tensor b = Tensor::empty({bytes}, DType::u8, Device::cuda());
-  check(cudaMemset(a.data(), 1, bytes), "memset");
+  cuda_check(cudaMemset(a.data(), 1, bytes), "memset");
   const double us = median_us(
-      [&] { check(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice), "copy"); },
+      [&] {
+        cuda_check(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice), "copy");
+      },
       iters);
   return 2.0 * bytes / us * 1e-3;
 }

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
+#include <vector>
 
 #include "cuda_timing.h"
 #include "flashkv/core/cuda_runtime.h"
@@ -13,42 +15,29 @@
 namespace flashkv::bench::detail {
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  flashkv::detail::cuda_check(static_cast<int>(e), what);
-}
+using flashkv::detail::cuda_check;
 
 // Owns the stream, events and graph of one timing session.
 struct Session {
   cudaStream_t stream = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
+  std::optional<EventTimer> timer;
   Session() {
-    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    check(cudaEventCreate(&start), "cudaEventCreate");
-    check(cudaEventCreate(&stop), "cudaEventCreate");
+    cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    timer.emplace(Stream{stream});
   }
   ~Session() {
     if (exec) cudaGraphExecDestroy(exec);
     if (graph) cudaGraphDestroy(graph);
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
+    timer.reset();
     cudaStreamDestroy(stream);
   }
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
   // Milliseconds taken by launch() on the stream.
-  template <typename Launch>
-  float time_ms(const Launch& launch) {
-    check(cudaEventRecord(start, stream), "cudaEventRecord");
-    launch();
-    check(cudaEventRecord(stop, stream), "cudaEventRecord");
-    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    return ms;
-  }
+  float time_ms(const std::function<void()>& launch) { return timer->time_ms(launch); }
 
   // Captures `calls` runs into a graph; false (with the stream usable again) when run cannot be
   // captured.
@@ -82,13 +71,45 @@ struct Session {
 
 }  // namespace
 
+EventTimer::EventTimer(Stream stream) : stream_(stream.handle) {
+  cudaEvent_t start, stop;
+  cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+  start_ = start;
+  cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+  stop_ = stop;
+}
+
+EventTimer::~EventTimer() {
+  cudaEventDestroy(static_cast<cudaEvent_t>(start_));
+  if (stop_) cudaEventDestroy(static_cast<cudaEvent_t>(stop_));
+}
+
+float EventTimer::time_ms(const std::function<void()>& launch) {
+  const auto stream = static_cast<cudaStream_t>(stream_);
+  const auto start = static_cast<cudaEvent_t>(start_), stop = static_cast<cudaEvent_t>(stop_);
+  cuda_check(cudaEventRecord(start, stream), "cudaEventRecord");
+  launch();
+  cuda_check(cudaEventRecord(stop, stream), "cudaEventRecord");
+  cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  float ms = 0;
+  cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+  return ms;
+}
+
+float EventTimer::median_ms(int reps, const std::function<void()>& launch) {
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) t.push_back(time_ms(launch));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
 TimedRuns time_cuda(Device device, const std::function<void(Stream)>& run,
                     const BenchOptions& options) {
   flashkv::detail::cuda_set_device(device);
   Session s;
   const Stream stream{s.stream};
   for (int i = 0; i < options.warmup; ++i) run(stream);
-  check(cudaStreamSynchronize(s.stream), "benchmark warm-up");
+  cuda_check(cudaStreamSynchronize(s.stream), "benchmark warm-up");
   // Runs per graph: enough for about a millisecond, from one directly timed run.
   const float one_ms = s.time_ms([&] { run(stream); });
   const int per_graph =
@@ -97,15 +118,15 @@ TimedRuns time_cuda(Device device, const std::function<void(Stream)>& run,
   TimedRuns t;
   t.cuda_graph = s.capture(run, per_graph);
   if (t.cuda_graph) {  // one untimed replay loads the graph
-    check(cudaGraphLaunch(s.exec, s.stream), "cudaGraphLaunch");
-    check(cudaStreamSynchronize(s.stream), "cudaStreamSynchronize");
+    cuda_check(cudaGraphLaunch(s.exec, s.stream), "cudaGraphLaunch");
+    cuda_check(cudaStreamSynchronize(s.stream), "cudaStreamSynchronize");
   }
   const auto t0 = std::chrono::steady_clock::now();
   const int min_samples = std::max(options.min_runs, 3);
   for (;;) {
     const float ms = s.time_ms([&] {
       if (t.cuda_graph) {
-        check(cudaGraphLaunch(s.exec, s.stream), "cudaGraphLaunch");
+        cuda_check(cudaGraphLaunch(s.exec, s.stream), "cudaGraphLaunch");
       } else {
         for (int i = 0; i < per_graph; ++i) run(stream);
       }
