@@ -30,7 +30,7 @@ constexpr int kMergeBlocksPerSm = 4;
 constexpr int kStatesInFlight = 2;  // state vectors loaded before the first is accumulated
 // 1024 threads an SM (registers capped at 64, none spilled): with two states, 32 KB of state
 // vectors and the LSEs in flight per SM, about what the copy bandwidth times the memory latency
-// asks of one SM (4.2 TB/s x ~1 us / 132).
+// asks of one SM (docs/perf/prefill.md, merge_state).
 
 // kVec elements of T as floats: one 16-byte access when kVec * sizeof(T) == 16, else kVec == 1.
 template <typename T, int kVec>

@@ -92,7 +92,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::run(int32_t first_item, int32_t last_ite
     // the result, and in deterministic mode those must not depend on the CTA's other items.)
     // One block body indexed by the warp (not unrolled over the blocks with a test of the
     // warp): every warp's code would hold every block's copy, and fp8 ran instruction-fetch
-    // bound (ncu: 41% of a warp's cycles waiting on a fetch).
+    // bound (docs/perf/decode.md).
     int b = warp;
     if constexpr (Tr::kBlocks % Tr::kWarps != 0)
       b = (warp + Tr::kWarps - static_cast<int>(item_tile * Tr::kBlocks % Tr::kWarps)) % Tr::kWarps;

@@ -76,7 +76,8 @@ __device__ void DecodeCta<Tr, QT, kKv>::fetch_indices() {
 // stores: for layout_ready, before griddepcontrol.wait (see the kernel). The caller's barrier
 // publishes the ring. Their K and V rows are prefetched into L2, so that the first copies
 // after the wait hit L2 instead of DRAM: the previous kernel's tail hides their DRAM latency.
-// (Prefetching further ahead made the streaming shapes slower: bench/NOTES.md, decode v9.)
+// (Prefetching further ahead made the streaming shapes slower: docs/perf/decode.md, the entry on
+// the first tiles' K/V prefetched into L2 before the PDL wait.)
 template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::fetch_first_indices_early(int32_t first_item,
                                                                   int32_t last_item) {

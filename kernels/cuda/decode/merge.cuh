@@ -158,7 +158,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::merge_units(const TileMerge* done, int n
         for (int k = 0; k < kBatch; ++k) {  // folded in chunk order: deterministic
           // No branch: a chunk past the unit's end adds weight 0 like an empty one (with
           // rescale 1; both have finite stored O). A branch here would let the compiler
-          // sink each load to its use: one L2 round trip per chunk, ~2 us a batch. Explicit
+          // sink each load to its use: one L2 round trip per chunk (docs/perf/decode.md). Explicit
           // fmaf: `acc * rescale + weight * x` may be contracted either way, and the two unit
           // layouts (merge_units<1, 16>, <2, 4>) must fold to the same bits.
           float rescale, weight;

@@ -59,8 +59,8 @@ struct Sm90WsConfig : Sm90Shape<QT> {
   static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
   static constexpr int kWgRows = 64;    // a consumer warpgroup's rows
   using Base::kTileBytes;
-  // Two stages of Q, of K and of V. (One Q stage and three of K and V measured slower: the
-  // next block's Q then waits for this block's epilogue.)
+  // Two stages of Q, of K and of V. (One Q stage and three of K and V were slower, see
+  // docs/perf/prefill.md: the next block's Q then waits for this block's epilogue.)
   static constexpr int kQStages = 2;
   static constexpr int kKvStages = 2;
   // Offsets from a Q stage (the epilogue stages a merge state in its warp's 16 Q rows, which
@@ -453,11 +453,9 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Launches the warp-specialized kernel; false (nothing launched) where ragged K/V has a layout
-// no tensor map can describe (paged K/V needs none).
 // Launches the warp-specialized kernel for ragged K/V; false (nothing launched) where it does
-// not apply: paged K/V (the cp.async kernel runs it faster than a gathering producer
-// warpgroup did), or a layout no tensor map can describe.
+// not apply: paged K/V (the cp.async kernel runs it faster than a gathering producer warpgroup
+// did: docs/perf/prefill.md), or a layout no tensor map can describe.
 template <typename QT>
 bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = Sm90WsConfig<QT>;
