@@ -16,11 +16,6 @@ namespace {
 }
 #endif
 
-// The one place window_left is normalised (docs/SEMANTICS.md): every negative value means no
-// window and becomes -1, so the kernels, which test `window_left >= 0`, see one value for it.
-// Callers (the backend, the bindings) pass AttentionOptions::window_left as they have it.
-int32_t normalize_window_left(int window_left) { return window_left < 0 ? -1 : window_left; }
-
 void check_plan_matches(const Plan& plan, const char* op, const TensorView& q, int64_t batch,
                         int64_t hkv, int64_t dqk, int64_t dv, const Workspace& ws) {
   FLASHKV_CHECK(plan.id != 0, op, ": plan: expected a plan from plan_decode/plan_prefill");
@@ -400,6 +395,8 @@ PreparedAttention prepare_paged_decode(const DecodePlan& plan, const TensorView&
   check_device_support(p, q.device, true);
   return PreparedAttention(std::make_shared<const AttentionParams>(p), q.device, true);
 }
+
+int normalize_window_left(int window_left) { return window_left < 0 ? -1 : window_left; }
 
 void PreparedAttention::run(Stream stream) const {
   if (device_.is_cpu()) {

@@ -140,7 +140,7 @@ class PyPlan {
     ws_.upload(p, stream_of(stream));
     graph_fixed_ = po.cuda_graph;
     causal_ = shape.causal;
-    window_left_ = shape.window_left < 0 ? -1 : shape.window_left;
+    window_left_ = normalize_window_left(shape.window_left);
     planned_ = true;
   }
 
@@ -213,7 +213,7 @@ class PyPlan {
     FLASHKV_CHECK(planned_, "run: call plan() first");
     FLASHKV_CHECK(causal || !causal_, "run: causal=False, but the batch was planned with ",
                   "causal=True (the plan skips KV past each query); plan with causal=False");
-    window_left = window_left < 0 ? -1 : window_left;
+    window_left = normalize_window_left(window_left);
     FLASHKV_CHECK(window_left_ < 0 || (window_left >= 0 && window_left <= window_left_),
                   "run: window_left=", window_left,
                   ", but the batch was planned with window_left=", window_left_,

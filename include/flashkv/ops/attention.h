@@ -171,6 +171,12 @@ void merge_state(const TensorView& o_a, const TensorView& lse_a, const TensorVie
 void merge_states(const TensorView& states, const TensorView& lse, const TensorView& o,
                   const TensorView& lse_out, Stream stream = {});
 
+// The one place window_left is normalised (docs/SEMANTICS.md): every negative value means no
+// window and becomes -1, so the kernels, which test `window_left >= 0`, see one value for it. The
+// operators apply it to AttentionOptions::window_left; callers that compare windows (a wrapper
+// checking a run's window against its plan's) use it too.
+int normalize_window_left(int window_left);
+
 // KV length (tokens) of request i of a paged KV whose index arrays are on the host.
 int64_t paged_kv_len(const PagedKV& kv, int64_t i);
 
