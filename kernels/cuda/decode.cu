@@ -12,13 +12,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "common/kernel_launch.h"
 #include "decode/traits.h"
 #include "flashkv/core/cuda_runtime.h"
 #include "flashkv/core/error.h"
+#include "flashkv/core/options.h"
 #include "flashkv/kernels/kernels.h"
 
 namespace flashkv::cuda {
@@ -28,10 +27,7 @@ using LaunchFn = void (*)(const AttentionParams&, cudaStream_t, bool);
 
 // Programmatic dependent launch for the decode kernel: sm_90+ unless FLASHKV_DECODE_PDL=0.
 bool use_programmatic_launch() {
-  static const bool allowed = [] {
-    const char* env = std::getenv("FLASHKV_DECODE_PDL");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static const bool allowed = env_decode_pdl();  // core/options.h
   return allowed && current_device_cc() >= 90;
 }
 

@@ -9,12 +9,11 @@
 // kernel's two CTAs per SM. Larger items are run in several row blocks by one CTA.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "common/kernel_launch.h"
 #include "flashkv/core/error.h"
+#include "flashkv/core/options.h"
 #include "flashkv/kernels/kernels.h"
 #include "prefill/launch.h"
 #include "prefill/merge.cuh"
@@ -22,12 +21,6 @@
 
 namespace flashkv::cuda {
 namespace prefill_detail {
-
-void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess)
-    throw_error(str_cat(what, ": CUDA error ", cudaGetErrorName(status), " (",
-                        cudaGetErrorString(status), ")"));
-}
 
 namespace {
 
@@ -72,8 +65,7 @@ const char* compiled_head_dims() {
 LaunchFn pick_sm90(const AttentionParams& p) {
 #if defined(FLASHKV_SM90A) && defined(FLASHKV_HEAD_DIM_128)
   if (p.head_dim_qk != 128 || p.head_dim_v != 128 || p.kv_dtype != p.q_dtype) return nullptr;
-  const char* env = std::getenv("FLASHKV_PREFILL_SM90");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return nullptr;
+  if (!env_prefill_sm90()) return nullptr;  // FLASHKV_PREFILL_SM90=0 (core/options.h)
   if (current_device_cc() != 90) return nullptr;
   return p.q_dtype == DType::bf16 ? &launch_prefill_sm90<__nv_bfloat16>
                                   : &launch_prefill_sm90<__half>;
@@ -161,7 +153,7 @@ void prefill(const AttentionParams& p, Stream stream) {
     merge_partials_kernel<__nv_bfloat16><<<merges, kMergeThreads, 0, s>>>(p);
   else
     merge_partials_kernel<__half><<<merges, kMergeThreads, 0, s>>>(p);
-  check_cuda(cudaGetLastError(), "prefill: merge launch");
+  detail::cuda_check(cudaGetLastError(), "prefill: merge launch");
 }
 
 }  // namespace flashkv::cuda

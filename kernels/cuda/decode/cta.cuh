@@ -14,6 +14,7 @@
 #include "common/swizzle.cuh"
 #include "decode/trace.cuh"
 #include "decode/traits.h"
+#include "flashkv/core/visibility.h"
 #include "flashkv/plan/plan.h"
 
 namespace flashkv::cuda::decode_detail {
@@ -62,8 +63,10 @@ __device__ __forceinline__ ItemView view_of(const AttentionParams& p, const Work
   v.entry_base = layout_load<kL2>(p.kv_indptr + it.request);
   v.lo = max(it.kv_begin, 0);
   v.hi = min(it.kv_end, kv_len);
-  // The one query sits at position kv_len - 1: the window starts window_left before it.
-  if (p.window_left >= 0) v.lo = max(v.lo, kv_len - 1 - p.window_left);
+  // The one query sits at position kv_len - 1 (core/visibility.h): the window starts
+  // window_left before it. Causal masking hides nothing from the last position.
+  if (p.window_left >= 0)
+    v.lo = max(v.lo, window_first_key(query_position(kv_len, 1, 0), p.window_left));
   return v;
 }
 

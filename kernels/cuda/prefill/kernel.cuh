@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "common/kernel_launch.h"
+#include "flashkv/core/cuda_runtime.h"
 #include "flashkv/core/error.h"
 #include "prefill/epilogue.cuh"
 #include "prefill/launch.h"
@@ -113,7 +114,7 @@ template <int DQK, int DV, typename QT, KvFormat KVF>
 void launch_prefill(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = TileConfig<DQK, DV, QT, KVF>;
   const auto kernel = prefill_kernel<Cfg>;
-  check_cuda(
+  detail::cuda_check(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");
   // Overlap with the kernel before only where the kernel waits for it (a merge state) and the

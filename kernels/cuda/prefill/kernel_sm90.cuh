@@ -13,10 +13,9 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "common/kernel_launch.h"
+#include "flashkv/core/cuda_runtime.h"
+#include "flashkv/core/options.h"
 #include "prefill/epilogue.cuh"
 #include "prefill/kernel_sm90_ws.cuh"
 #include "prefill/launch.h"
@@ -206,12 +205,11 @@ __global__ void __launch_bounds__(256, 1)
 template <typename QT>
 void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = Sm90Config<QT>;
-  // Ragged K/V: the warp-specialized kernel (kernel_sm90_ws.cuh) unless FLASHKV_PREFILL_SM90_WS=0.
-  const char* ws_env = std::getenv("FLASHKV_PREFILL_SM90_WS");
-  if ((ws_env == nullptr || std::strcmp(ws_env, "0") != 0) && launch_prefill_sm90_ws<QT>(p, stream))
-    return;
+  // Ragged K/V: the warp-specialized kernel (kernel_sm90_ws.cuh) unless FLASHKV_PREFILL_SM90_WS=0
+  // (core/options.h).
+  if (env_prefill_sm90_ws() && launch_prefill_sm90_ws<QT>(p, stream)) return;
   const auto kernel = prefill_sm90_kernel<QT>;
-  check_cuda(
+  detail::cuda_check(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");
   const bool programmatic = p.merge_o && p.overlap_previous;

@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "common/kernel_launch.h"
+#include "flashkv/core/cuda_runtime.h"
 #include "prefill/epilogue.cuh"
 #include "prefill/launch.h"
 #include "prefill/load.cuh"
@@ -468,7 +469,7 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
       !encode_kv_map(&maps.v, p.v, type, p, p.v_stride_n, p.v_stride_h))
     return false;
   const auto kernel = prefill_sm90_ws_kernel<QT>;
-  check_cuda(
+  detail::cuda_check(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");
   launch_kernel(kernel, dim3(p.num_workers, p.num_kv_heads, 1), dim3(Cfg::kThreads, 1, 1),

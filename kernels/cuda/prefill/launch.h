@@ -9,9 +9,6 @@
 
 namespace flashkv::cuda::prefill_detail {
 
-// Throws flashkv::Error naming `what` when `status` is not cudaSuccess.
-void check_cuda(cudaError_t status, const char* what);
-
 // Runs every work item of p for every KV head (grid: p.num_workers x Hkv). Explicitly
 // instantiated in cuda/inst/prefill_*.cu for the head dims the build enables.
 template <int DQK, int DV, typename QT, KvFormat KVF>

@@ -1,11 +1,13 @@
 // Which keys a block of packed query rows sees: the block's KV range (trimmed by causal and the
 // window so no fully hidden tile is visited), whether a KV tile needs per-element masking, and
-// the per-element rule of SEMANTICS.md (causal with prefix alignment, window, custom mask).
+// the per-element rule of SEMANTICS.md (causal with prefix alignment, window, custom mask), on
+// the helpers of core/visibility.h.
 #pragma once
 
 #include <climits>
 #include <cstdint>
 
+#include "flashkv/core/visibility.h"
 #include "flashkv/kernels/params.h"
 #include "prefill/primitives.cuh"
 
@@ -47,14 +49,14 @@ __device__ __forceinline__ RowBlock make_row_block(const AttentionParams& p, con
   b.kv_len = kv_len_of(p, it.request);
   b.kv_base = p.kv_indptr[it.request];
   b.local_q0 = it.q_begin - q_first;
-  b.pos0 = b.kv_len - q_len_req + b.local_q0;
+  b.pos0 = query_position(b.kv_len, q_len_req, b.local_q0);
   b.mask_base = p.custom_mask ? static_cast<int64_t>(p.mask_indptr[it.request]) : 0;
   int lo = max(0, min(it.kv_begin, b.kv_len));
   int hi = max(0, min(it.kv_end, b.kv_len));
   const int first_pos = b.pos0 + row0 / group;
   const int last_pos = b.pos0 + (row0 + b.rows - 1) / group;
-  if (p.causal && !p.custom_mask) hi = min(hi, max(last_pos + 1, 0));
-  if (p.window_left >= 0) lo = max(lo, first_pos - p.window_left);
+  if (p.causal && !p.custom_mask) hi = min(hi, max(causal_key_end(last_pos), 0));
+  if (p.window_left >= 0) lo = max(lo, window_first_key(first_pos, p.window_left));
   b.kv_lo = lo;
   b.kv_hi = hi;
   return b;
@@ -87,7 +89,11 @@ __device__ __forceinline__ bool tile_is_full(const AttentionParams& p, const Row
   if (j0 + tile > b.kv_hi) return false;
   const int first_pos = b.pos0 + b.row0 / group;
   const int last_pos = b.pos0 + (b.row0 + b.rows - 1) / group;
-  if (p.causal && j0 + tile - 1 > first_pos) return false;
+  // block_fully_visible (core/visibility.h) as two early exits: the earliest row sees the tile's
+  // last key (causal) and the latest row its first key (window). The window bound is
+  // window_first_key(last_pos, window_left) written out: through the helper call nvcc emits
+  // different code for the prefill kernels; written out, their code stays as it was.
+  if (p.causal && j0 + tile - 1 > causal_last_key(first_pos)) return false;
   if (p.window_left >= 0 && j0 < last_pos - p.window_left) return false;
   return true;
 }
@@ -110,7 +116,7 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4],
       const int x = warp_row0 + mt * 16 + (lane >> 2) + h * 8;  // row inside the block
       const int tok = (b.row0 + x) / group;
       const int pos = b.pos0 + tok;
-      const int lo = p.window_left >= 0 ? pos - p.window_left : INT_MIN;
+      const int lo = p.window_left >= 0 ? window_first_key(pos, p.window_left) : INT_MIN;
       int hi = b.kv_hi;
       if (p.custom_mask) {
         // Element (this row, key 0) of the request's matrix; padding rows see nothing.
@@ -125,7 +131,7 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4],
             if (!(j >= lo && j < hi && mask_row[j] != 0)) s[mt][nt][2 * h + e] = neg_inf;
           }
       } else {
-        if (p.causal) hi = min(hi, pos + 1);
+        if (p.causal) hi = min(hi, causal_key_end(pos));
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
