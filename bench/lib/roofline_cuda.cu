@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cuda_timing.h"
 #include "flashkv/core/cuda_runtime.h"
 #include "flashkv/core/error.h"
 #include "roofline_cuda.h"
@@ -14,51 +15,30 @@
 namespace flashkv::bench::detail {
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  flashkv::detail::cuda_check(static_cast<int>(e), what);
-}
+using flashkv::detail::cuda_check;
 
-void check_cublas(cublasStatus_t s, const char* what) {
+void cublas_check(cublasStatus_t s, const char* what) {
   FLASHKV_CHECK(s == CUBLAS_STATUS_SUCCESS, what, ": cuBLAS status ", static_cast<int>(s));
 }
 
 // Owns a device allocation for the duration of the measurement.
 struct DeviceMem {
   void* p = nullptr;
-  explicit DeviceMem(size_t bytes) { check(cudaMalloc(&p, bytes), "roofline: cudaMalloc"); }
+  explicit DeviceMem(size_t bytes) { cuda_check(cudaMalloc(&p, bytes), "roofline: cudaMalloc"); }
   ~DeviceMem() { cudaFree(p); }
   DeviceMem(const DeviceMem&) = delete;
   DeviceMem& operator=(const DeviceMem&) = delete;
 };
 
-struct Events {
-  cudaEvent_t start = nullptr, stop = nullptr;
-  Events() {
-    check(cudaEventCreate(&start), "cudaEventCreate");
-    check(cudaEventCreate(&stop), "cudaEventCreate");
-  }
-  ~Events() {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-  }
-  Events(const Events&) = delete;
-  Events& operator=(const Events&) = delete;
-};
-
 // Fastest of `repeats` timed calls of launch() (after one warm-up call), in milliseconds.
 template <typename Launch>
 float best_ms(int repeats, const Launch& launch) {
-  Events ev;
+  EventTimer timer(Stream{});
   launch();
-  check(cudaDeviceSynchronize(), "roofline warm-up");
+  cuda_check(cudaDeviceSynchronize(), "roofline warm-up");
   float best = 0;
   for (int r = 0; r < repeats; ++r) {
-    check(cudaEventRecord(ev.start), "cudaEventRecord");
-    launch();
-    check(cudaEventRecord(ev.stop), "cudaEventRecord");
-    check(cudaEventSynchronize(ev.stop), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, ev.start, ev.stop), "cudaEventElapsedTime");
+    const float ms = timer.time_ms([&] { launch(); });
     if (r == 0 || ms < best) best = ms;
   }
   return best;
@@ -120,7 +100,7 @@ Roofline measure_roofline_cuda(Device device, const RooflineOptions& opt) {
                 "gemm_n: expected a multiple of 8 >= 256, got ", opt.gemm_n);
   flashkv::detail::cuda_set_device(device);
   cudaDeviceProp prop{};
-  check(cudaGetDeviceProperties(&prop, device.index), "cudaGetDeviceProperties");
+  cuda_check(cudaGetDeviceProperties(&prop, device.index), "cudaGetDeviceProperties");
   Roofline r;
   r.device = device;
   r.name = prop.name;
@@ -134,16 +114,16 @@ Roofline measure_roofline_cuda(Device device, const RooflineOptions& opt) {
     DeviceMem src(bytes), dst(bytes), sink(sizeof(int4));
     const int fill_blocks = prop.multiProcessorCount * 8;
     fill_words<<<fill_blocks, 256>>>(static_cast<uint32_t*>(src.p), bytes / 4, 1);
-    check(cudaGetLastError(), "roofline fill");
+    cuda_check(cudaGetLastError(), "roofline fill");
     const float copy_ms = best_ms(opt.repeats, [&] {
-      check(cudaMemcpyAsync(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync");
+      cuda_check(cudaMemcpyAsync(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync");
     });
     r.copy_gbps = 2.0 * double(bytes) / (copy_ms * 1e-3) / 1e9;
     const int read_blocks = prop.multiProcessorCount * 4;
     const float read_ms = best_ms(opt.repeats, [&] {
       read_words<<<read_blocks, 512>>>(static_cast<const int4*>(src.p), bytes / 16,
                                        static_cast<int4*>(sink.p));
-      check(cudaGetLastError(), "roofline read kernel");
+      cuda_check(cudaGetLastError(), "roofline read kernel");
     });
     r.read_gbps = double(bytes) / (read_ms * 1e-3) / 1e9;
   }
@@ -156,14 +136,14 @@ Roofline measure_roofline_cuda(Device device, const RooflineOptions& opt) {
     const int fill_blocks = prop.multiProcessorCount * 8;
     fill_bf16<<<fill_blocks, 256>>>(static_cast<__nv_bfloat16*>(a.p), elems, 2);
     fill_bf16<<<fill_blocks, 256>>>(static_cast<__nv_bfloat16*>(b.p), elems, 3);
-    check(cudaGetLastError(), "roofline fill");
+    cuda_check(cudaGetLastError(), "roofline fill");
     cublasHandle_t handle = nullptr;
-    check_cublas(cublasCreate(&handle), "cublasCreate");
+    cublas_check(cublasCreate(&handle), "cublasCreate");
     const float alpha = 1.0f, beta = 0.0f;
     float gemm_ms = 0;
     try {
       gemm_ms = best_ms(opt.repeats, [&] {
-        check_cublas(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.p,
+        cublas_check(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.p,
                                   CUDA_R_16BF, n, b.p, CUDA_R_16BF, n, &beta, c.p, CUDA_R_16BF, n,
                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                      "cublasGemmEx");
