@@ -64,25 +64,7 @@ class PathScope {
   Fp8Vbmi vbmi_;
 };
 
-// An environment variable set for a scope, then put back as it was (a CI run may set it).
-class ScopedEnv {
- public:
-  explicit ScopedEnv(const char* name) : name_(name) {
-    const char* outer = std::getenv(name);
-    had_ = outer != nullptr;
-    if (had_) saved_ = outer;
-  }
-  ~ScopedEnv() { EXPECT_EQ(had_ ? setenv(name_, saved_.c_str(), 1) : unsetenv(name_), 0); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-  void set(const char* value) { ASSERT_EQ(setenv(name_, value, 1), 0); }
-  bool had() const { return had_; }
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string saved_;
-};
+using test::ScopedEnv;
 
 enum class Op { ragged, paged_prefill, decode };
 

@@ -16,33 +16,7 @@ namespace flashkv {
 namespace {
 
 using test::error_of;
-
-// Sets (value non-null) or unsets a variable for the scope, restoring it afterwards.
-class EnvFor {
- public:
-  EnvFor(const char* name, const char* value) : name_(name) {
-    const char* saved = std::getenv(name);
-    had_ = saved != nullptr;
-    if (had_) saved_ = saved;
-    if (value)
-      setenv(name, value, 1);
-    else
-      unsetenv(name);
-  }
-  ~EnvFor() {
-    if (had_)
-      setenv(name_, saved_.c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-  EnvFor(const EnvFor&) = delete;
-  EnvFor& operator=(const EnvFor&) = delete;
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string saved_;
-};
+using test::ScopedEnv;
 
 bool listed(const char* name) {
   for (const EnvSwitch& s : kEnvSwitches)
@@ -63,35 +37,35 @@ TEST(Options, EverySwitchIsListed) {
 
 TEST(Options, NumThreadsReadsAsAtoi) {
   {
-    EnvFor e("FLASHKV_NUM_THREADS", nullptr);
+    ScopedEnv e("FLASHKV_NUM_THREADS", nullptr);
     EXPECT_EQ(env_num_threads(), 0);
   }
   {
-    EnvFor e("FLASHKV_NUM_THREADS", "6");
+    ScopedEnv e("FLASHKV_NUM_THREADS", "6");
     EXPECT_EQ(env_num_threads(), 6);
   }
   {
-    EnvFor e("FLASHKV_NUM_THREADS", "-2");  // <= 0: the hardware threads
+    ScopedEnv e("FLASHKV_NUM_THREADS", "-2");  // <= 0: the hardware threads
     EXPECT_EQ(env_num_threads(), -2);
   }
   {
-    EnvFor e("FLASHKV_NUM_THREADS", "many");  // not a number: 0, the hardware threads
+    ScopedEnv e("FLASHKV_NUM_THREADS", "many");  // not a number: 0, the hardware threads
     EXPECT_EQ(env_num_threads(), 0);
   }
 }
 
 TEST(Options, CpuIsaCap) {
   {
-    EnvFor e("FLASHKV_CPU_ISA", nullptr);
+    ScopedEnv e("FLASHKV_CPU_ISA", nullptr);
     EXPECT_EQ(env_cpu_isa_cap(), nullptr);
   }
   for (const char* name : {"scalar", "avx2", "avx512", "avx512_bf16"}) {
-    EnvFor e("FLASHKV_CPU_ISA", name);
+    ScopedEnv e("FLASHKV_CPU_ISA", name);
     ASSERT_NE(env_cpu_isa_cap(), nullptr);
     EXPECT_STREQ(env_cpu_isa_cap(), name);
   }
   for (const char* bad : {"", "avx", "AVX2", "avx512bf16", "sse"}) {
-    EnvFor e("FLASHKV_CPU_ISA", bad);
+    ScopedEnv e("FLASHKV_CPU_ISA", bad);
     EXPECT_THROW(env_cpu_isa_cap(), Error) << "'" << bad << "'";
     const std::string what = error_of([] { env_cpu_isa_cap(); });
     EXPECT_NE(what.find("FLASHKV_CPU_ISA"), std::string::npos) << what;
@@ -102,19 +76,19 @@ TEST(Options, CpuIsaCap) {
 
 TEST(Options, CpuPrefetch) {
   {
-    EnvFor e("FLASHKV_CPU_PREFETCH", nullptr);
+    ScopedEnv e("FLASHKV_CPU_PREFETCH", nullptr);
     EXPECT_EQ(env_cpu_prefetch(), std::nullopt);
   }
   {
-    EnvFor e("FLASHKV_CPU_PREFETCH", "on");
+    ScopedEnv e("FLASHKV_CPU_PREFETCH", "on");
     EXPECT_EQ(env_cpu_prefetch(), std::optional<bool>(true));
   }
   {
-    EnvFor e("FLASHKV_CPU_PREFETCH", "off");
+    ScopedEnv e("FLASHKV_CPU_PREFETCH", "off");
     EXPECT_EQ(env_cpu_prefetch(), std::optional<bool>(false));
   }
   for (const char* bad : {"", "1", "ON", "yes"}) {
-    EnvFor e("FLASHKV_CPU_PREFETCH", bad);
+    ScopedEnv e("FLASHKV_CPU_PREFETCH", bad);
     EXPECT_THROW(env_cpu_prefetch(), Error) << "'" << bad << "'";
     const std::string what = error_of([] { env_cpu_prefetch(); });
     EXPECT_NE(what.find("FLASHKV_CPU_PREFETCH"), std::string::npos) << what;
@@ -133,15 +107,15 @@ TEST(Options, CudaSwitchesAreOffOnlyForZero) {
                           Switch{"FLASHKV_DECODE_PDL", &env_decode_pdl}}) {
     SCOPED_TRACE(s.name);
     {
-      EnvFor e(s.name, nullptr);
+      ScopedEnv e(s.name, nullptr);
       EXPECT_TRUE(s.read());
     }
     {
-      EnvFor e(s.name, "0");
+      ScopedEnv e(s.name, "0");
       EXPECT_FALSE(s.read());
     }
     for (const char* on : {"1", "", "00", "off"}) {
-      EnvFor e(s.name, on);
+      ScopedEnv e(s.name, on);
       EXPECT_TRUE(s.read()) << "'" << on << "'";
     }
   }

@@ -82,23 +82,22 @@ std::string error_of(Fn&& fn) {
   return "";
 }
 
-// Sets an environment variable for the scope, restoring its previous value (or absence).
+// An environment variable for a scope, then put back as it was (value or absence; a CI run may
+// set it). Constructed with a value, it sets it (nullptr: unsets it); with a name only, it keeps
+// the outer value until set() is called.
 class ScopedEnv {
  public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* saved = std::getenv(name);
-    had_ = saved != nullptr;
-    if (had_) saved_ = saved;
-    setenv(name, value, 1);
+  explicit ScopedEnv(const char* name) : name_(name) {
+    const char* outer = std::getenv(name);
+    had_ = outer != nullptr;
+    if (had_) saved_ = outer;
   }
-  ~ScopedEnv() {
-    if (had_)
-      setenv(name_, saved_.c_str(), 1);
-    else
-      unsetenv(name_);
-  }
+  ScopedEnv(const char* name, const char* value) : ScopedEnv(name) { set(value); }
+  ~ScopedEnv() { EXPECT_EQ(had_ ? setenv(name_, saved_.c_str(), 1) : unsetenv(name_), 0); }
   ScopedEnv(const ScopedEnv&) = delete;
   ScopedEnv& operator=(const ScopedEnv&) = delete;
+  void set(const char* value) { EXPECT_EQ(value ? setenv(name_, value, 1) : unsetenv(name_), 0); }
+  bool had() const { return had_; }  // whether the variable was set outside the scope
 
  private:
   const char* name_;
