@@ -102,6 +102,10 @@ class PlannedWrapper:
         self._backend = backend
         self._use_cuda_graph = bool(use_cuda_graph)
         self._set_workspace(float_workspace_buffer)
+        # FlashInfer's integer workspaces (device and page-locked host): flashkv's plans keep
+        # their own index memory, so these only record what reset_workspace_buffer was given.
+        self._int_workspace_buffer: Any = None
+        self._pin_memory_int_workspace_buffer: Any = None
         self._plans: Dict[str, Any] = {}
         self._planned = False
 
@@ -120,6 +124,7 @@ class PlannedWrapper:
         """Uses another float workspace buffer (the int workspace is not needed: plans keep their
         own). Plan again before the next run."""
         self._set_workspace(float_workspace_buffer)
+        self._int_workspace_buffer = int_workspace_buffer
         self._plans = {}
         self._planned = False
 
