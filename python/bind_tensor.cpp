@@ -76,8 +76,10 @@ TensorView kv_view_of(const Array& a, const char* name, const std::string& dtype
                 t.shape[1], " differs from the planned page_size ", page_size);
   // Slot s = page * page_size + offset must sit at a uniform stride.
   FLASHKV_CHECK(t.shape[1] == 1 || t.stride[0] == t.shape[1] * t.stride[1], name,
-                ": pages are not evenly spaced (strides ", t.stride[0], ", ", t.stride[1],
-                " for page size ", t.shape[1], "); pass separate contiguous K and V caches");
+                ": pages are not evenly spaced: got ", t.str(), " with page stride ", t.stride[0],
+                " and token stride ", t.stride[1], "; expected the page stride to be page_size (",
+                t.shape[1], ") x the token stride, as in a contiguous [num_pages, page_size, ",
+                "num_kv_heads, head_dim] array (the Python wrappers copy other views)");
   TensorView v;
   v.data = t.data;
   v.dtype = t.dtype;

@@ -130,6 +130,13 @@ def empty(like: Any, shape: Sequence[int], dtype: Optional[str] = None) -> Any:
     return np.empty(tuple(shape), dtype=dt)
 
 
+def strides_of(x: Any) -> tuple:
+    """x's strides in elements (PyTorch counts elements, NumPy and CuPy bytes)."""
+    if framework(x) == "torch":
+        return tuple(int(s) for s in x.stride())
+    return tuple(int(s) // x.itemsize for s in x.strides)
+
+
 def contiguous(x: Any) -> Any:
     """x, or a contiguous copy of it."""
     fw = framework(x)

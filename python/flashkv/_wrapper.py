@@ -54,6 +54,50 @@ def unpack_kv_cache(paged_kv_cache: Any) -> Tuple[Any, Any]:
     return paged_kv_cache[:, 0], paged_kv_cache[:, 1]
 
 
+def _kv_layout_problem(x: Any) -> Optional[str]:
+    """Why the compiled operators cannot address a K or V cache view in place (None: they can).
+    They take [slots, Hkv, D] with any slot and head strides and a unit element stride; an NHD
+    [pages, page_size, Hkv, D] view also needs its pages evenly spaced (page stride = page_size x
+    token stride), so that slot page * page_size + offset sits at one stride."""
+    shape, strides = tuple(int(n) for n in x.shape), A.strides_of(x)
+    if shape[-1] > 1 and strides[-1] != 1:
+        return f"head_dim elements are {strides[-1]} apart (expected adjacent)"
+    if any(st < 0 for n, st in zip(shape, strides) if n > 1):
+        return "negative strides"
+    if len(shape) == 4 and shape[1] > 1 and strides[0] != shape[1] * strides[1]:
+        return (f"pages are not evenly spaced (page stride {strides[0]}, token stride {strides[1]}, "
+                f"page size {shape[1]})")
+    return None
+
+
+def kv_cache_views(paged_kv_cache: Any, copy: bool = True) -> Tuple[Any, Any]:
+    """(k, v) of a paged KV cache in any layout FlashInfer's NHD caches take: a (k, v) pair or one
+    [pages, 2, page_size, Hkv, D] array; each [slots, Hkv, D] or [pages, page_size, Hkv, D] with any
+    strides (views such as key.transpose(1, 2) of a [B, Hkv, L, D] cache). Views the operators
+    address in place pass through; the others are copied into contiguous arrays (copy=True: a
+    read-only use) or rejected (copy=False: the cache is written, so a copy would lose the write)."""
+    k, v = unpack_kv_cache(paged_kv_cache)
+    out = []
+    for name, x in (("k_cache", k), ("v_cache", v)):
+        try:
+            A.framework(x)
+        except Error:
+            raise Error(f"paged_kv_cache: {name}: expected a NumPy, PyTorch or CuPy array, got {type(x).__name__}")
+        if len(x.shape) not in (3, 4):
+            raise Error(f"paged_kv_cache: {name}: expected [slots, num_kv_heads, head_dim] or NHD [num_pages, "
+                        f"page_size, num_kv_heads, head_dim] (any strides), got shape {tuple(x.shape)}")
+        problem = _kv_layout_problem(x)
+        if problem is not None:
+            if not copy:
+                raise Error(f"paged_kv_cache: {name} of shape {tuple(x.shape)} and strides {A.strides_of(x)} "
+                            f"(elements): {problem}; this operation writes the cache in place, so it needs a "
+                            "view whose pages sit at page_size x the token stride and whose head_dim elements "
+                            "are adjacent, e.g. a contiguous [num_pages, page_size, num_kv_heads, head_dim] array")
+            x = A.contiguous(x)
+        out.append(x)
+    return out[0], out[1]
+
+
 def kv_lens_of(indptr: np.ndarray, last_page_len: Optional[np.ndarray], page_size: int) -> np.ndarray:
     """Tokens of each request from a host page table (int32)."""
     if indptr.size == 0:
@@ -242,7 +286,7 @@ class PagedWrapper(PlannedWrapper):
                    q_scale: Optional[float], k_scale: Optional[float], v_scale: Optional[float],
                    custom_mask: Any, mask_indptr: Any, out: Any, lse: Any, return_lse: bool) -> Any:
         self._check_q(q)
-        k, v = unpack_kv_cache(paged_kv_cache)
+        k, v = kv_cache_views(paged_kv_cache)
         kv_dtype = self._kv_dtype_override(k)
         fp8 = kv_dtype in A.FP8
         scale, ks, vs, out_scale = self._scales(int(q.shape[2]), sm_scale, q_scale, k_scale, v_scale, fp8)

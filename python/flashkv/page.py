@@ -9,7 +9,7 @@ import numpy as np
 from . import _arrays as A
 from . import _flashkv as _C
 from ._flashkv import Error
-from ._wrapper import check_kv_layout, unpack_kv_cache
+from ._wrapper import check_kv_layout, kv_cache_views
 
 
 def get_seq_lens(kv_indptr: Any, kv_last_page_len: Any, page_size: int) -> np.ndarray:
@@ -50,7 +50,7 @@ def append_paged_kv_cache(append_key: Any, append_value: Any, batch_indices: Any
     wrappers ((k, v) of [slots, Hkv, D] or NHD [pages, page_size, Hkv, D], or one 5-D array);
     fp8 caches are written with saturation."""
     check_kv_layout(kv_layout)
-    k_cache, v_cache = unpack_kv_cache(paged_kv_cache)
+    k_cache, v_cache = kv_cache_views(paged_kv_cache, copy=False)
     page_size = int(k_cache.shape[1]) if len(k_cache.shape) == 4 else 1
     # Slot of every token, computed with the caller's array library on its device.
     page = kv_indices[kv_indptr[batch_indices] + positions // page_size]

@@ -162,7 +162,8 @@ def _dtypes(q_data_type, kv_data_type, data_type, o_data_type):
         kv_data_type = data_type if kv_data_type is None else kv_data_type
     q_dt, kv_dt, o_dt = (A.canonical_dtype(t) for t in (q_data_type, kv_data_type, o_data_type))
     if o_dt is not None and q_dt is not None and o_dt != q_dt:
-        raise Error(f"o_data_type: flashkv writes the output in q's dtype ({q_dt}), got {o_dt}")
+        raise Error(f"o_data_type: flashkv writes the output in q's dtype ({q_dt}), got {o_dt}; other output "
+                        "dtypes (such as float32 partial outputs for merge_state) are not supported yet")
     return q_dt, kv_dt
 
 
