@@ -95,6 +95,16 @@ def test_decode(mk, request, monkeypatch, bs, tensor_cores):
         m.forward(m.batch(m.st.ForwardMode.DECODE, [1] * bs))
 
 
+@pytest.mark.parametrize("shape", ["mha128", "gqa256"])
+@pytest.mark.parametrize("tensor_cores", ["true", "false"])
+def test_decode_head_dims(mk, request, monkeypatch, shape, tensor_cores):
+    monkeypatch.setenv("SGLANG_FLASHINFER_USE_TENSOR_CORE", tensor_cores)
+    m = mk(**SHAPES[shape])
+    r = rng_for(request)
+    m.add_requests(lens(r, 7, 1, 90))
+    m.forward(m.batch(m.st.ForwardMode.DECODE, [1] * 7))
+
+
 def test_mixed(mk, request):
     """A MIXED batch (chunked prefill with decodes) runs the extend path."""
     m = mk()
@@ -349,7 +359,8 @@ def test_deterministic_same_bits_alone_and_in_batch(mk, monkeypatch, request):
 
     def run(others_pre, others_new, at):
         m = mk(deterministic=True, rng_seed=len(others_pre))
-        assert not m.backend.enable_deterministic or m.backend.decode_use_tensor_cores
+        assert m.backend.enable_deterministic and m.backend.decode_use_tensor_cores
+        assert m.backend.prefill_split_tile_size == 16 and m.backend.decode_split_tile_size == 16
         pre = others_pre[:at] + [P] + others_pre[at:]
         m.add_requests(pre)
         for layer in m.layers:
@@ -370,6 +381,8 @@ def test_deterministic_same_bits_alone_and_in_batch(mk, monkeypatch, request):
                     parts.append(full)
                 qkv[layer.layer_id] = parts
             o = m.forward(fb, qkv=qkv)
+            if kind == "ext":
+                assert not m.backend.forward_metadata.use_ragged
             outs += [o[l.layer_id][off:off + new_x].clone() for l in m.layers]
         return outs
 
