@@ -30,6 +30,9 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  // A view of no elements reads no memory, whatever its strides (an empty batch's arrays).
+  for (int d = 0; d < ndim; ++d)
+    if (shape[d] == 0) return true;
   int64_t st = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && stride[d] != st) return false;

@@ -104,6 +104,12 @@ TEST(Tensor, ExpectMessagesSayWhatWasExpected) {
   EXPECT_NO_THROW(Expect(strided, "q").inner_contiguous());
   EXPECT_NE(error_of([&] { Expect(strided, "q").contiguous(); }).find("q: expected a contiguous"),
             std::string::npos);
+  // No elements: contiguous whatever the strides (DLPack exporters give empty arrays any stride).
+  TensorView empty = t.view();
+  empty.shape[0] = 0;
+  empty.stride[0] = 0;
+  EXPECT_TRUE(empty.is_contiguous());
+  EXPECT_NO_THROW(Expect(empty, "kv_len").contiguous());
   TensorView transposed = t.view();
   transposed.stride[2] = 2;
   EXPECT_NE(error_of([&] { Expect(transposed, "q").inner_contiguous(); }).find("stride 1"),
