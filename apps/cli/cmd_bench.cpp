@@ -6,6 +6,8 @@
 #include "attention_bench.h"
 #include "commands.h"
 #include "json.h"
+#include "model_flags.h"
+#include "model_presets.h"
 #include "report.h"
 #include "roofline_svg.h"
 
@@ -21,6 +23,10 @@ int cmd_bench(int argc, char** argv) {
        {"--op", "all|decode|prefill|extend", "operators to time", "all"},
        {"--grid", "quick|full",
         "case grid: quick (seconds on a CPU) or full (the performance targets)", "quick"},
+       {"--model", "NAME|list",
+        "time a published model's decode and extend cases (its heads, head dim, window, soft "
+        "cap) at --grid's sizes instead of the grid (list: the presets and their sources)",
+        ""},
        {"--json", "FILE", "write the machine and every case as JSON", ""},
        {"--csv", "FILE", "write every case as CSV", ""},
        {"--plot", "FILE.svg", "write a roofline chart (SVG)", ""},
@@ -41,12 +47,36 @@ int cmd_bench(int argc, char** argv) {
   bench::RooflineOptions roof;
   roof.buffer_bytes = size_t(args.get_int("--roofline-mb", 1, 1 << 16, 0)) << 20;
 
+  const ModelPreset* preset = preset_from_flags(args);
+  std::vector<bench::BenchCase> grid_cases;
+  if (preset) {
+    const ModelConfig m = preset->config();
+    const std::string reason = model_unsupported_reason(m, device.is_cuda());
+    if (!reason.empty()) args.fail(str_cat("--model ", preset->name, ": ", reason));
+    bench::ModelShape shape;
+    shape.num_qo_heads = m.num_qo_heads;
+    shape.num_kv_heads = m.num_kv_heads;
+    shape.head_dim = m.head_dim;
+    shape.logit_cap = m.logit_cap;
+    for (int l = 0; l < m.num_layers; ++l)
+      (m.windowed(l) ? shape.has_window : shape.has_full) = true;
+    shape.window_left = m.sliding_window;
+    grid_cases = bench::model_grid(grid, device, shape);
+  } else {
+    grid_cases = bench::bench_grid(grid, device);
+  }
   std::vector<bench::BenchCase> cases;
-  for (const bench::BenchCase& c : bench::bench_grid(grid, device))
+  for (const bench::BenchCase& c : grid_cases)
     if (op == "all" || bench::parse_op(op) == c.op) cases.push_back(c);
   bench::BenchReport report;
   report.machine = bench::measure_roofline(device, roof);
   bench::print_machine(std::cout, report.machine);
+  if (preset)
+    std::cout << "model: " << preset->name << " (" << preset->model_id << "): " << preset->shape()
+              << (preset->encoder_decoder
+                      ? "; its self-attention shape (cross attention is not a bench operator)"
+                      : "")
+              << "\n";
   if (!args.flag("--roofline-only")) {
     bench::print_table_header(std::cout);
     const bench::Roofline machine = report.machine;

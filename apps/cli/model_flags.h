@@ -1,5 +1,6 @@
-// The model-shape flags `flashkv serve` and `flashkv soak` share (--layers, --heads, --kv-heads,
-// --head-dim, --dtype, --kv-dtype, --window), with per-command defaults.
+// The model flags `flashkv serve` and `flashkv soak` share (--model, --layers, --heads,
+// --kv-heads, --head-dim, --dtype, --kv-dtype, --window, --full-every, --soft-cap), with
+// per-command defaults.
 #pragma once
 
 #include <string>
@@ -7,6 +8,7 @@
 
 #include "args.h"
 #include "model.h"
+#include "model_presets.h"
 
 namespace flashkv::app {
 
@@ -18,9 +20,14 @@ struct ModelDefaults {
 // The flags' specs; `window` is --window's default (-1: none).
 std::vector<FlagSpec> model_flags(const ModelDefaults& cpu, const ModelDefaults& gpu,
                                   const std::string& window);
-// The model the flags describe; a bad combination (a head dim without kernels on the device,
-// heads not a multiple of KV heads, a non-fp8 KV dtype other than the activations') exits 2.
+// The model the flags describe: --model's preset (when given), then every shape flag given on
+// the command line over it. `--model list` prints the presets and exits 0; an unknown model, or
+// a bad combination (a head dim without kernels on the device, attention sinks, heads not a
+// multiple of KV heads, a non-fp8 KV dtype other than the activations') exits 2 with one line.
 ModelConfig model_from_flags(const Args& args, bool gpu, const ModelDefaults& cpu,
                              const ModelDefaults& gpu_defaults);
+// The preset --model names (nullptr when none); `--model list` prints the table and exits 0,
+// an unknown name exits 2 listing the names.
+const ModelPreset* preset_from_flags(const Args& args);
 
 }  // namespace flashkv::app

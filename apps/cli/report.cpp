@@ -41,11 +41,15 @@ void print_table_row(std::ostream& os, const CaseResult& r) {
   const std::string heads = str_cat(c.num_qo_heads, "/", c.num_kv_heads, "/", c.head_dim);
   const std::string types = str_cat(dtype_name(c.dtype), "/", dtype_name(c.kv_dtype));
   char buf[200];
-  std::snprintf(buf, sizeof buf,
-                "%-8s %5d %6d %7d %-11s %3d %-8s %-14s %11.1f %9.1f %8.3f %5.1f%%\n", op_name(c.op),
-                c.batch, c.qo_len, c.kv_len, heads.c_str(), c.page_size, c.layout_name(),
-                types.c_str(), r.us, r.gbps, r.tflops, 100.0 * r.roofline_fraction);
+  std::snprintf(buf, sizeof buf, "%-8s %5d %6d %7d %-11s %3d %-8s %-14s %11.1f %9.1f %8.3f %5.1f%%",
+                op_name(c.op), c.batch, c.qo_len, c.kv_len, heads.c_str(), c.page_size,
+                c.layout_name(), types.c_str(), r.us, r.gbps, r.tflops,
+                100.0 * r.roofline_fraction);
   os << buf;
+  // A model's case (bench --model): its window and soft cap.
+  if (c.window_left >= 0) os << " win=" << c.window_left;
+  if (c.logit_cap > 0) os << " cap=" << c.logit_cap;
+  os << "\n";
 }
 
 void print_table(std::ostream& os, const BenchReport& report) {

@@ -17,7 +17,9 @@ LayerSpec ModelConfig::layer(int i) const {
   l.num_qo_heads = num_qo_heads;
   l.num_kv_heads = num_kv_heads;
   l.head_dim_qk = head_dim;
-  if (sliding_window >= 0 && i % 2 == 0) l.sliding_window_size = sliding_window;
+  l.scaling = sm_scale;
+  l.logit_cap = logit_cap;
+  if (windowed(i)) l.sliding_window_size = sliding_window;
   if (encoder_decoder && i % 2 == 1) l.is_cross_attention = true;
   return l;
 }
@@ -26,13 +28,30 @@ std::string ModelConfig::str() const {
   std::string s =
       str_cat(num_layers, " layers, ", num_qo_heads, "/", num_kv_heads, " heads, head dim ",
               head_dim, ", ", dtype_name(dtype), ", kv ", dtype_name(kv_dtype));
-  if (sliding_window >= 0) s += str_cat(", window ", sliding_window, " on even layers");
+  if (sliding_window >= 0) {
+    if (full_every == 0)
+      s += str_cat(", window ", sliding_window, " on every layer");
+    else if (full_every == 2)
+      s += str_cat(", window ", sliding_window, " on even layers");
+    else if (full_every == 1)
+      s += str_cat(", window ", sliding_window, " on no layer");
+    else
+      s += str_cat(", window ", sliding_window, " on ", full_every - 1, " of ", full_every,
+                   " layers");
+  }
+  if (logit_cap > 0) s += str_cat(", soft cap ", logit_cap);
+  if (sm_scale > 0) s += str_cat(", scale ", sm_scale);
+  if (sinks) s += ", attention sinks";
   if (encoder_decoder) s += ", cross attention on odd layers";
   return s;
 }
 
 Model::Model(const ModelConfig& config, Device device, int64_t kv_slots, uint64_t seed)
     : config_(config), device_(device), gen_(seed) {
+  // Never run a model that has sinks without them.
+  FLASHKV_CHECK(!config.sinks,
+                "attention sinks: not supported yet (the backend's layers take no sink logits)");
+  FLASHKV_CHECK(config.full_every >= 0, "full_every: expected >= 0, got ", config.full_every);
   KVPoolConfig pc;
   pc.num_slots = kv_slots;
   pc.num_layers = config.num_layers;

@@ -24,8 +24,21 @@ struct ModelConfig {
   int num_qo_heads = 8, num_kv_heads = 2, head_dim = 64;
   DType dtype = DType::bf16;     // activations and outputs
   DType kv_dtype = DType::bf16;  // the KV pool (fp8 pools get per-layer scales 0.5 / 2)
-  int sliding_window = -1;       // >= 0: even layers attend within this window, odd ones fully
+  // >= 0: windowed layers attend within this window (SGLang's sliding_window_size: a query at
+  // position p sees keys p - w .. p); which layers are windowed, full_every says.
+  int sliding_window = -1;
+  // With a window: 0 windows every layer; N >= 1 makes every N-th layer (layers N-1, 2N-1, ...)
+  // attend fully and windows the others (2: even layers windowed, as Gemma 2 and gpt-oss; 6:
+  // five of six, as Gemma 3; 1: no layer windowed).
+  int full_every = 2;
+  float logit_cap = 0;           // logit soft cap of every layer (0: none)
+  float sm_scale = 0;            // 0: 1 / sqrt(head_dim)
+  bool sinks = false;            // learned per-head sink logits (not supported yet: refused)
   bool encoder_decoder = false;  // odd layers cross-attend to the encoder tokens
+
+  bool windowed(int layer) const {
+    return sliding_window >= 0 && (full_every == 0 || (layer + 1) % full_every != 0);
+  }
 
   LayerSpec layer(int i) const;
   std::string str() const;  // e.g. "4 layers, 8/2 heads, head dim 64, bf16, kv bf16"

@@ -153,9 +153,12 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
   s.q = s.random({rows, c.num_qo_heads, c.head_dim}, c.dtype);
   s.out = s.empty({rows, c.num_qo_heads, c.head_dim}, c.dtype);
   const PlanOptions po;
-  const AttentionOptions causal;  // defaults: causal, no window, no soft cap
+  AttentionOptions causal;  // causal, the case's window and soft cap
+  causal.window_left = c.window_left;
+  causal.logits_soft_cap = c.logit_cap;
   AttentionOptions non_causal;
   non_causal.causal = false;
+  non_causal.logits_soft_cap = c.logit_cap;
 
   if (c.op == BenchOp::decode) {
     s.make_pool(c, c.kv_len);
@@ -164,9 +167,8 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
     s.ragged_ws.reserve(s.decode_plan.layout.total_bytes, c.device);
     s.ragged_ws.upload(s.decode_plan);
     synchronize(c.device);
-    return [&s](Stream st) {
-      paged_decode(s.decode_plan, s.q, s.paged, AttentionOptions{}, s.out, TensorView(),
-                   s.ragged_ws, st);
+    return [&s, causal](Stream st) {
+      paged_decode(s.decode_plan, s.q, s.paged, causal, s.out, TensorView(), s.ragged_ws, st);
     };
   }
 
@@ -266,7 +268,9 @@ const char* BenchCase::layout_name() const {
 std::string BenchCase::str() const {
   return str_cat(op_name(op), " B=", batch, " qo=", qo_len, " kv=", kv_len, " ", num_qo_heads, "/",
                  num_kv_heads, "/", head_dim, " P=", page_size, " ", layout_name(), " ",
-                 dtype_name(dtype), "/", dtype_name(kv_dtype), " ", device.str());
+                 dtype_name(dtype), "/", dtype_name(kv_dtype), " ", device.str(),
+                 window_left >= 0 ? str_cat(" win=", window_left) : std::string(),
+                 logit_cap > 0 ? str_cat(" cap=", logit_cap) : std::string());
 }
 
 BenchCase decode_case(int batch, int kv_len, Device device, int hq, int hkv, int d, DType kv_dtype,
@@ -302,7 +306,13 @@ BenchCase extend_case(int batch, int prefix_len, int new_len, Device device, int
 
 double case_flops(const BenchCase& c) {
   const double n = c.qo_len, prefix = c.prefix_len();
-  return double(c.batch) * 4.0 * c.num_qo_heads * c.head_dim * (n * prefix + n * (n + 1) / 2);
+  // The new rows' causal part: row q sees q + 1 new tokens, at most w + 1 with a window.
+  double causal = n * (n + 1) / 2;
+  if (c.window_left >= 0 && n > c.window_left + 1) {
+    const double w1 = c.window_left + 1.0;
+    causal = w1 * (w1 + 1) / 2 + (n - w1) * w1;
+  }
+  return double(c.batch) * 4.0 * c.num_qo_heads * c.head_dim * (n * prefix + causal);
 }
 
 double case_bytes(const BenchCase& c) {
@@ -360,6 +370,30 @@ BenchReport run_cases(const std::vector<BenchCase>& cases, const Roofline& machi
     if (on_result) on_result(report.cases.back());
   }
   return report;
+}
+
+std::vector<BenchCase> model_grid(const std::string& name, Device device, const ModelShape& m) {
+  FLASHKV_CHECK(name == "quick" || name == "full", "grid: expected quick or full, got '", name,
+                "'");
+  const bool quick = name == "quick", cpu = device.is_cpu();
+  // (batch, kv_len) of decode; (batch, prefix, new) of extend.
+  const int db = quick ? 2 : cpu ? 16 : 64, dkv = quick ? 300 : 4096;
+  const int eb = quick ? 2 : cpu ? 1 : 4, eprefix = quick ? 64 : 3072, enew = quick ? 33 : 1024;
+  std::vector<BenchCase> g;
+  for (const bool windowed : {false, true}) {
+    if (windowed ? !m.has_window : !m.has_full) continue;
+    const int w = windowed ? m.window_left : -1;
+    BenchCase d = decode_case(db, w >= 0 ? std::min(dkv, w + 1) : dkv, device, m.num_qo_heads,
+                              m.num_kv_heads, m.head_dim);
+    BenchCase e = extend_case(eb, w >= 0 ? std::min(eprefix, w) : eprefix, enew, device,
+                              m.num_qo_heads, m.num_kv_heads, m.head_dim);
+    for (BenchCase* c : {&d, &e}) {
+      c->window_left = w;
+      c->logit_cap = m.logit_cap;
+      g.push_back(*c);
+    }
+  }
+  return g;
 }
 
 std::vector<BenchCase> bench_grid(const std::string& name, Device device) {

@@ -43,6 +43,11 @@ struct BenchCase {
   DType dtype = DType::bf16;                // Q, O and the new tokens' K/V
   DType kv_dtype = DType::bf16;             // the paged KV pool (may be fp8)
   Device device;
+  // A sliding-window layer's case (model_grid): window_left of the decode and of the new
+  // tokens' causal pass (-1: none). The paged KV is then what the backend hands the kernel for
+  // such a layer: decode's last w + 1 tokens, extend's prefix's last w.
+  int window_left = -1;
+  float logit_cap = 0;  // logits soft cap of every pass (0: none)
 
   int prefix_len() const { return kv_len - qo_len; }
   // Decode, and extend with a cached prefix, read a paged pool; prefill does not.
@@ -99,6 +104,19 @@ CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOpti
 BenchReport run_cases(const std::vector<BenchCase>& cases, const Roofline& machine,
                       const BenchOptions& options = {},
                       const std::function<void(const CaseResult&)>& on_result = {});
+
+// A model's cases (`flashkv bench --model`): decode and extend at the grid's sizes ("quick":
+// seconds on a CPU; "full": the sizes of the full grid) for each kind of layer the model has:
+// its full-attention layers (when any) and its windowed ones (window_left >= 0, when any), with
+// its heads, head dim and soft cap.
+struct ModelShape {
+  int num_qo_heads = 32, num_kv_heads = 8, head_dim = 128;
+  int window_left = -1;     // >= 0: the windowed layers' window
+  bool has_full = true;     // has full-attention layers
+  bool has_window = false;  // has windowed layers
+  float logit_cap = 0;
+};
+std::vector<BenchCase> model_grid(const std::string& name, Device device, const ModelShape& m);
 
 // Named grids: "quick" (tiny shapes, seconds on a 2-core CPU: for CI and smoke runs) and "full"
 // (the shapes of the performance issues for the device's kind: CPU issue 5; CUDA issues 6, 7).
