@@ -94,6 +94,18 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
     p.custom_mask = static_cast<const uint8_t*>(opt.custom_mask.data);
     p.mask_indptr = static_cast<const int32_t*>(opt.mask_indptr.data);
   }
+  if (opt.sinks.defined()) {
+    Expect(opt.sinks, "sinks")
+        .ndim(1)
+        .device(dev)
+        .dtype(DType::f32)
+        .contiguous()
+        .dim(0, q.shape[1], "num_qo_heads");
+    // Refused here, before any launch, rather than computed without them.
+    FLASHKV_CHECK(dev.is_cpu(), "sinks: not supported by the CUDA kernels yet (", op, " on ",
+                  dev.str(), ")");
+    p.sinks = static_cast<const float*>(opt.sinks.data);
+  }
   // The plan as uploaded into the workspace.
   const auto* base = static_cast<unsigned char*>(ws.data());
   const WorkspaceLayout& l = plan.layout;
@@ -111,7 +123,6 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   unsigned char* scratch = ws.scratch(plan);
   p.partial_o = reinterpret_cast<float*>(scratch + (l.partial_o - l.plan_bytes));
   p.partial_lse = reinterpret_cast<float*>(scratch + (l.partial_lse - l.plan_bytes));
-  (void)op;
   return p;
 }
 

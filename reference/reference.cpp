@@ -93,13 +93,18 @@ void attend_row(const TensorView& q, const Shapes& s, const RequestRows& r, cons
     double* o = &out.o[((r.q_begin + qi) * s.hq + h) * s.dv];
     double& lse = out.lse[(r.q_begin + qi) * s.hq + h];
     std::fill(o, o + s.dv, 0.0);
-    if (!any) {
+    // The sink (SEMANTICS.md "Attention sinks"): one more logit in the maximum and the sum, with
+    // no value vector, neither scaled nor capped. -inf: no sink; NaN: m, O and LSE NaN.
+    const double sink =
+        opt.sinks.defined() ? load_as_double(opt.sinks.data, DType::f32, h) : kNegInf;
+    if (!any && sink == kNegInf) {
       lse = kNegInf;
       continue;
     }
+    if (!(sink <= m)) m = sink;
     // A NaN score (NaN in K) makes p, the sum, O and LSE NaN, as plain arithmetic would; even
     // when it is the only allowed entry (m still -inf).
-    double sum = 0;
+    double sum = sink == kNegInf ? 0.0 : std::exp(sink - m);
     for (int64_t j = 0; j < kv_len; ++j) {
       if (!allowed[j]) continue;
       const double p = std::exp(score[j] - m);
@@ -182,6 +187,17 @@ void attend_requests(const TensorView& q, const Shapes& s, const std::vector<Req
   }
 }
 
+// AttentionOptions::sinks, when given: f32 [Hq] on the host.
+void check_sinks(const AttentionOptions& opt, const Shapes& s) {
+  if (!opt.sinks.defined()) return;
+  Expect(opt.sinks, "sinks")
+      .ndim(1)
+      .on_host()
+      .dtype(DType::f32)
+      .contiguous()
+      .dim(0, s.hq, "num_qo_heads");
+}
+
 Result make_result(int64_t rows, const Shapes& s) {
   Result r;
   r.rows = rows;
@@ -231,6 +247,7 @@ Result ragged_attention(const TensorView& q, const TensorView& k, const TensorVi
   Result out = make_result(q.shape[0], s);
   const int64_t batch = qo_indptr.numel() - 1;
   check_mask(opt, batch);
+  check_sinks(opt, s);
   int64_t mask_running = 0;
   std::vector<RequestRows> reqs(batch);
   for (int64_t i = 0; i < batch; ++i) {
@@ -265,6 +282,7 @@ Result paged_attention(const TensorView& q, const TensorView& qo_indptr, const P
         .index_dtype()
         .dim(0, batch, "batch");
   check_mask(opt, batch);
+  check_sinks(opt, s);
   if (qo_indptr.defined()) {
     Expect(qo_indptr, "qo_indptr").ndim(1).on_host().index_dtype().dim(0, batch + 1, "batch + 1");
   } else {

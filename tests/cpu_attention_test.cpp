@@ -89,6 +89,7 @@ struct Case {
   // (nan_v), are NaN; the output is then checked for NaN where it must be and nowhere else,
   // instead of against the reference.
   bool nan_k = false, nan_v = false;
+  bool sinks = false;  // random per-query-head sinks (AttentionOptions::sinks)
 
   std::string str() const {
     std::string s = op == Op::ragged ? "ragged" : op == Op::decode ? "decode" : "paged_prefill";
@@ -96,9 +97,9 @@ struct Case {
                  dtype_name(dtype), "/", dtype_name(kv_dtype), " page=", page_size,
                  in_order_pages ? " in_order" : " shuffled", " causal=", causal,
                  " window=", window_left, " cap=", soft_cap, " scale=", sm_scale,
-                 " mask=", custom_mask, " split=", fixed_split, " q_tile=", q_tile,
-                 " isa=", cpu::isa_name(cpu::active_isa()), " fp8_vbmi=", cpu::fp8_vbmi(),
-                 " kv_lens=");
+                 " mask=", custom_mask, " sinks=", sinks, " split=", fixed_split,
+                 " q_tile=", q_tile, " isa=", cpu::isa_name(cpu::active_isa()),
+                 " fp8_vbmi=", cpu::fp8_vbmi(), " kv_lens=");
     for (int32_t l : kv_lens) s += str_cat(l, ",");
     if (op != Op::decode) {
       s += " q_lens=";
@@ -158,6 +159,12 @@ Tensor run_case(const Case& c, Rng& rng) {
   opt.window_left = c.window_left;
   opt.logits_soft_cap = c.soft_cap;
   opt.sm_scale = c.sm_scale;
+  Tensor sinks;
+  if (c.sinks) {
+    // Spread wide enough that a sink sometimes dominates a row and sometimes vanishes.
+    sinks = test::random_tensor(rng, {c.hq}, DType::f32, 3.0);
+    opt.sinks = sinks;
+  }
   Tensor mask, mask_indptr;
   if (c.custom_mask) {
     std::vector<int32_t> sizes(batch);
@@ -778,6 +785,224 @@ TEST(CpuAttention, MediumLlamaShapes) {
   p.dqk = p.dv = 128;
   p.page_size = 16;
   run_case(p, rng);
+}
+
+// --- attention sinks ---------------------------------------------------------------------------
+
+// Every path with random sinks against the reference: ragged and paged prefill, decode, split KV
+// (the planner's own splits, forced small chunks, the deterministic fixed split), sliding window,
+// soft cap, GQA 1/4/8, head dims 64/128/256, empty requests; at each ISA level.
+TEST(CpuAttention, SinksOnEveryPath) {
+  FLASHKV_SEEDED_RNG(rng, 131);
+  const int gqa[] = {1, 4, 8};
+  const int dims[] = {64, 128, 256};
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
+    for (int iter = 0; iter < 9; ++iter) {
+      const Op ops[] = {Op::ragged, Op::paged_prefill, Op::decode};
+      Case c;
+      c.op = ops[iter % 3];
+      c.sinks = true;
+      const int batch = rng.uniform_int(1, 5);
+      c.kv_lens = random_lengths(rng, batch, c.op == Op::decode ? 300 : 90);
+      c.kv_lens[0] = 0;  // an empty request: O = 0, LSE = the sink
+      if (c.op == Op::ragged) {
+        c.q_lens = random_lengths(rng, batch, 30);
+      } else {
+        c.q_lens.resize(batch);
+        for (int i = 0; i < batch; ++i)
+          c.q_lens[i] = rng.uniform_int(0, std::min(c.kv_lens[i], 30));
+      }
+      c.q_lens[0] = c.op == Op::ragged ? 3 : 0;
+      c.hkv = rng.uniform_int(1, 2);
+      c.hq = c.hkv * gqa[(iter / 3) % 3];
+      c.dqk = c.dv = dims[(iter + iter / 3) % 3];
+      c.page_size = iter % 2 ? 16 : 1;
+      c.dtype = c.kv_dtype = iter % 4 == 0 ? DType::f32 : iter % 4 == 1 ? DType::f16 : DType::bf16;
+      c.causal = c.op == Op::decode ? rng.uniform() < 0.5 : rng.uniform() < 0.8;
+      c.window_left = iter % 3 == 1 ? rng.uniform_int(0, 40) : -1;
+      c.soft_cap = iter % 2 == 0 ? 6.0f : 0.0f;
+      c.want_lse = iter != 4;
+      // Forced small chunks (many splits), the deterministic size, or the planner's choice.
+      const int splits[] = {16, 64, 0};
+      c.fixed_split = splits[iter % 3];
+      const int q_tiles[] = {0, 1, 40};
+      if (c.op != Op::decode) c.q_tile = q_tiles[(iter / 3) % 3];
+      run_case(c, rng);
+    }
+  }
+}
+
+// Sinks on an empty batch row and on a row that sees nothing causally: O = 0, LSE = the sink in
+// base 2 (split or not).
+TEST(CpuAttention, SinksOnEmptyRows) {
+  FLASHKV_SEEDED_RNG(rng, 132);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
+    Case c;
+    c.op = Op::ragged;
+    c.q_lens = {5, 3, 40};
+    c.kv_lens = {0, 2, 35};
+    c.hq = 4;
+    c.hkv = 4;
+    c.dtype = c.kv_dtype = DType::f32;
+    c.sinks = true;
+    Tensor out = run_case(c, rng);
+    for (int64_t i = 0; i < 5 * 4 * 64; ++i) ASSERT_EQ(out.ptr<float>()[i], 0.0f);
+    Case d;
+    d.op = Op::decode;
+    d.kv_lens = {0, 0, 1, 400};
+    d.hq = 8;
+    d.hkv = 1;
+    d.sinks = true;
+    d.fixed_split = 32;
+    run_case(d, rng);
+  }
+}
+
+// Extend with a cached prefix as the backend runs it: the new tokens' causal ragged pass (no
+// sinks) writes out and its LSE; the prefix's paged pass merges into them (merge_o / merge_lse)
+// and adds the sinks once. The merged result equals the reference over the whole sequence with
+// the sinks. Unsplit and split prefix passes; LSE wanted or not.
+TEST(CpuAttention, SinksCountOnceInExtendMerge) {
+  FLASHKV_SEEDED_RNG(rng, 133);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
+    for (int iter = 0; iter < 4; ++iter) {
+      const int hq = iter % 2 ? 8 : 4, hkv = iter % 2 ? 1 : 2, d = iter < 2 ? 64 : 128;
+      const DType dt = iter == 0 ? DType::f32 : DType::bf16;
+      const std::vector<int32_t> prefix = {0, 37, 5, 150}, news = {4, 9, 1, 12};
+      const int32_t batch = 4;
+      std::vector<int32_t> total(batch);
+      for (int i = 0; i < batch; ++i) total[i] = prefix[i] + news[i];
+      const std::vector<int32_t> qo = test::indptr_of(news);
+      const int64_t tq = qo.back();
+      // The whole sequences as ragged K/V (the reference's view); the new tokens are the last
+      // news[i] rows of each, the prefix the first prefix[i] rows, read through token slots.
+      const std::vector<int32_t> all = test::indptr_of(total);
+      Tensor k = test::random_tensor(rng, {all.back(), hkv, d}, dt);
+      Tensor v = test::random_tensor(rng, {all.back(), hkv, d}, dt);
+      Tensor q = test::random_tensor(rng, {tq, hq, d}, dt);
+      Tensor sinks = test::random_tensor(rng, {hq}, DType::f32, 3.0);
+      Tensor qo_t = Tensor::from_i32(qo), all_t = Tensor::from_i32(all);
+      AttentionOptions whole;
+      whole.sinks = sinks;
+      const reference::Result ref = reference::ragged_attention(q, k, v, qo_t, all_t, whole);
+
+      std::vector<int32_t> new_kv(batch + 1, 0), slots, prefix_indptr(batch + 1, 0);
+      Tensor k_new = Tensor::empty({tq, hkv, d}, dt), v_new = Tensor::empty({tq, hkv, d}, dt);
+      const size_t row_bytes = size_t(hkv) * d * dtype_size(dt);
+      for (int i = 0; i < batch; ++i) {
+        std::memcpy(static_cast<char*>(k_new.data()) + qo[i] * row_bytes,
+                    static_cast<char*>(k.data()) + (all[i] + prefix[i]) * row_bytes,
+                    news[i] * row_bytes);
+        std::memcpy(static_cast<char*>(v_new.data()) + qo[i] * row_bytes,
+                    static_cast<char*>(v.data()) + (all[i] + prefix[i]) * row_bytes,
+                    news[i] * row_bytes);
+        for (int t = 0; t < prefix[i]; ++t) slots.push_back(all[i] + t);
+        prefix_indptr[i + 1] = prefix_indptr[i] + prefix[i];
+      }
+      Tensor out = Tensor::empty({tq, hq, d}, dt), lse_a = Tensor::empty({tq, hq}, DType::f32);
+      Tensor lse = Tensor::empty({tq, hq}, DType::f32);
+      test::poison(out);
+      test::poison(lse_a);
+      test::poison(lse);
+      const DeviceInfo dev = device_info(Device::cpu());
+      BatchShape bs;
+      bs.batch_size = batch;
+      bs.qo_indptr = qo.data();
+      bs.kv_len = news.data();
+      bs.num_qo_heads = hq;
+      bs.num_kv_heads = hkv;
+      bs.head_dim_qk = bs.head_dim_v = d;
+      PrefillPlan ragged_plan = plan_prefill(bs, dev, PlanOptions());
+      Workspace ws_r(ragged_plan.layout.total_bytes, Device::cpu());
+      ws_r.upload(ragged_plan);
+      AttentionOptions new_opt;  // no sinks: the prefix pass adds them
+      ragged_prefill(ragged_plan, q, k_new, v_new, qo_t, qo_t, new_opt, out, lse_a, ws_r);
+
+      BatchShape ps = bs;
+      ps.kv_len = prefix.data();
+      ps.causal = false;
+      PlanOptions po;
+      po.fixed_split_size = iter % 2 ? 32 : 0;  // split prefix rows merge their chunks first
+      PrefillPlan paged_plan = plan_prefill(ps, dev, po);
+      if (iter % 2) EXPECT_FALSE(paged_plan.merges.empty()) << "expected split items";
+      Workspace ws_p(paged_plan.layout.total_bytes, Device::cpu());
+      ws_p.upload(paged_plan);
+      Tensor indptr_t = Tensor::from_i32(prefix_indptr);
+      Tensor idx_t = Tensor::from_i32(slots.empty() ? std::vector<int32_t>{0} : slots);
+      PagedKV kv{k, v, indptr_t, idx_t, TensorView(), 1};
+      AttentionOptions prefix_opt;
+      prefix_opt.causal = false;
+      prefix_opt.merge_o = out;
+      prefix_opt.merge_lse = lse_a;
+      prefix_opt.sinks = sinks;
+      const bool want_lse = iter != 2;
+      paged_prefill(paged_plan, q, qo_t, kv, prefix_opt, out,
+                    want_lse ? TensorView(lse) : TensorView(), ws_p);
+      SCOPED_TRACE(str_cat("iter ", iter, " isa ", cpu::isa_name(cpu::active_isa())));
+      test::expect_close(out, want_lse ? TensorView(lse) : TensorView(), ref, dt, false);
+    }
+  }
+}
+
+// sinks: dtype, shape and device checked, each error naming it; on CUDA tensors refused before
+// launch (the CUDA kernels do not take sinks yet).
+TEST(CpuAttention, SinksBadInput) {
+  FLASHKV_SEEDED_RNG(rng, 134);
+  const int hq = 4, hkv = 2, d = 64;
+  const std::vector<int32_t> lens = {5, 9};
+  Tensor kc = test::random_tensor(rng, {16, hkv, d}, DType::bf16);
+  Tensor vc = test::random_tensor(rng, {16, hkv, d}, DType::bf16);
+  Tensor q = test::random_tensor(rng, {2, hq, d}, DType::bf16);
+  Tensor out = Tensor::empty({2, hq, d}, DType::bf16);
+  Tensor indptr = Tensor::from_i32({0, 5, 14});
+  std::vector<int32_t> idx(14);
+  std::iota(idx.begin(), idx.end(), 0);
+  Tensor idx_t = Tensor::from_i32(idx);
+  PagedKV kv{kc, vc, indptr, idx_t, TensorView(), 1};
+  BatchShape bs;
+  bs.batch_size = 2;
+  bs.kv_len = lens.data();
+  bs.num_qo_heads = hq;
+  bs.num_kv_heads = hkv;
+  bs.head_dim_qk = bs.head_dim_v = d;
+  DecodePlan plan = plan_decode(bs, device_info(Device::cpu()), PlanOptions());
+  Workspace ws(plan.layout.total_bytes, Device::cpu());
+  ws.upload(plan);
+  auto error_with = [&](const TensorView& sinks) {
+    AttentionOptions opt;
+    opt.sinks = sinks;
+    return test::error_of([&] { paged_decode(plan, q, kv, opt, out, TensorView(), ws); });
+  };
+  Tensor f16 = test::random_tensor(rng, {hq}, DType::f16);
+  EXPECT_NE(error_with(f16).find("sinks: expected dtype f32"), std::string::npos)
+      << error_with(f16);
+  Tensor wrong = test::random_tensor(rng, {hq + 1}, DType::f32);
+  EXPECT_NE(error_with(wrong).find("sinks: expected size 4"), std::string::npos)
+      << error_with(wrong);
+  Tensor two_d = test::random_tensor(rng, {1, hq}, DType::f32);
+  EXPECT_NE(error_with(two_d).find("sinks"), std::string::npos) << error_with(two_d);
+  Tensor strided = test::random_tensor(rng, {2 * hq}, DType::f32);
+  TensorView every_other = strided.view();
+  every_other.shape[0] = hq;
+  every_other.stride[0] = 2;
+  EXPECT_NE(error_with(every_other).find("sinks"), std::string::npos) << error_with(every_other);
+  Tensor good = test::random_tensor(rng, {hq}, DType::f32);
+  TensorView on_gpu = good.view();
+  on_gpu.device = Device::cuda(0);
+  EXPECT_NE(error_with(on_gpu).find("sinks: expected device cpu"), std::string::npos)
+      << error_with(on_gpu);
+  // CUDA tensors with sinks: refused in the operator's checks, before any launch (nothing here
+  // is read, so the views need not point at GPU memory).
+  TensorView q_gpu = q.view(), out_gpu = out.view();
+  q_gpu.device = out_gpu.device = Device::cuda(0);
+  AttentionOptions opt;
+  opt.sinks = on_gpu;
+  const std::string e =
+      test::error_of([&] { paged_decode(plan, q_gpu, kv, opt, out_gpu, TensorView(), ws); });
+  EXPECT_NE(e.find("sinks: not supported by the CUDA kernels yet"), std::string::npos) << e;
 }
 
 }  // namespace

@@ -898,5 +898,165 @@ TEST(ReferenceArgs, MergeRejectsMismatchedStates) {
       "state 1");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Attention sinks: one more logit per query head in the softmax denominator, with no value.
+
+// softmax_average with a sink: O = sum_j e^s_j v_j / (sum_j e^s_j + e^sink),
+// LSE = log2(sum_j e^s_j + e^sink).
+Expected with_sink(const std::vector<double>& scores,
+                   const std::vector<std::vector<double>>& values, double sink, size_t dim) {
+  Expected e{std::vector<double>(dim, 0.0), 0};
+  double sum = std::exp(sink);
+  for (size_t j = 0; j < scores.size(); ++j) {
+    sum += std::exp(scores[j]);
+    for (size_t d = 0; d < dim; ++d) e.o[d] += std::exp(scores[j]) * values[j][d];
+  }
+  for (double& x : e.o) x /= sum;
+  e.lse = std::log(sum) / kLn2;
+  return e;
+}
+
+TEST(ReferenceSinks, OneKeyAndASink) {
+  // Score 2.5, sink 1: O = v * e^2.5 / (e^2.5 + e), LSE = log2(e^2.5 + e).
+  Tensor q = f32_tensor({1, 1, 2}, {1, 1});
+  Tensor k = f32_tensor({1, 1, 2}, {2, 0.5f});
+  Tensor v = f32_tensor({1, 1, 2}, {-3, 7});
+  Tensor qo = Tensor::from_i32({0, 1}), kvp = Tensor::from_i32({0, 1});
+  Tensor sinks = f32_tensor({1}, {1.0f});
+  AttentionOptions opt = options(true, 1.0f);
+  opt.sinks = sinks;
+  Result r = reference::ragged_attention(q, k, v, qo, kvp, opt);
+  const double w = std::exp(2.5) / (std::exp(2.5) + std::exp(1.0));
+  EXPECT_NEAR(r.o_at(0, 0, 0), -3.0 * w, 1e-14);
+  EXPECT_NEAR(r.o_at(0, 0, 1), 7.0 * w, 1e-14);
+  EXPECT_NEAR(r.lse_at(0, 0), std::log(std::exp(2.5) + std::exp(1.0)) / kLn2, 1e-14);
+  expect_row(r, 0, 0, with_sink({2.5}, {{-3, 7}}, 1.0, 2));
+  // A sink of -inf is no sink.
+  sinks.ptr<float>()[0] = -std::numeric_limits<float>::infinity();
+  Result none = reference::ragged_attention(q, k, v, qo, kvp, opt);
+  EXPECT_DOUBLE_EQ(none.o_at(0, 0, 0), -3.0);
+  EXPECT_NEAR(none.lse_at(0, 0), 2.5 / kLn2, 1e-14);
+}
+
+TEST(ReferenceSinks, EmptyKvGivesZeroAndTheSinkAsLse) {
+  // Request 0 has no KV, request 1 one key; heads 0 and 1 have sinks 0.5 and -2.
+  Tensor q = f32_tensor({2, 2, 1}, {1, 1, 1, 1});
+  Tensor k = f32_tensor({1, 1, 1}, {3});
+  Tensor v = f32_tensor({1, 1, 1}, {5});
+  Tensor qo = Tensor::from_i32({0, 1, 2}), kvp = Tensor::from_i32({0, 0, 1});
+  Tensor sinks = f32_tensor({2}, {0.5f, -2.0f});
+  AttentionOptions opt = options(true, 1.0f);
+  opt.sinks = sinks;
+  Result r = reference::ragged_attention(q, k, v, qo, kvp, opt);
+  for (int h = 0; h < 2; ++h) {
+    const double sink = h == 0 ? 0.5 : -2.0;
+    EXPECT_EQ(r.o_at(0, h, 0), 0.0);
+    EXPECT_NEAR(r.lse_at(0, h), sink / kLn2, 1e-15);  // log2(e^sink): base 2
+    expect_row(r, 1, h, with_sink({3.0}, {{5}}, sink, 1));
+  }
+  // The paged form, decode (one row per request), agrees.
+  Tensor indptr = Tensor::from_i32({0, 0, 1}), indices = Tensor::from_i32({0});
+  PagedKV kv;
+  kv.k = k;
+  kv.v = v;
+  kv.indptr = indptr;
+  kv.indices = indices;
+  Result p = reference::paged_attention(q, TensorView(), kv, opt);
+  expect_same(p, r, 1e-15);
+}
+
+TEST(ReferenceSinks, SoftCapAppliesToScoresNotToTheSink) {
+  // Scores 3 and 6, cap 2: 2 tanh(1.5) and 2 tanh(3); the sink 1.5 stays 1.5.
+  Tensor q = f32_tensor({1, 1, 2}, {3, 6});
+  Tensor k = f32_tensor({2, 1, 2}, {1, 0, 0, 1});
+  Tensor v = f32_tensor({2, 1, 2}, {1, 5, -2, 3});
+  Tensor qo = Tensor::from_i32({0, 1}), kvp = Tensor::from_i32({0, 2});
+  Tensor sinks = f32_tensor({1}, {1.5f});
+  AttentionOptions opt = options(false, 1.0f);
+  opt.logits_soft_cap = 2.0f;
+  opt.sinks = sinks;
+  Result r = reference::ragged_attention(q, k, v, qo, kvp, opt);
+  expect_row(r, 0, 0,
+             with_sink({2 * std::tanh(1.5), 2 * std::tanh(3.0)}, {{1, 5}, {-2, 3}}, 1.5, 2));
+}
+
+TEST(ReferenceSinks, WindowLimitsTheKeysAndTheSinkStays) {
+  LineCase c;
+  Tensor sinks = f32_tensor({1}, {2.0f});
+  AttentionOptions opt = options(true, 1.0f);
+  opt.window_left = 1;
+  opt.sinks = sinks;
+  Result r = c.run(opt);
+  expect_row(r, 0, 0, with_sink({1, 2}, {{20}, {30}}, 2.0, 1));
+  expect_row(r, 1, 0, with_sink({2, 3}, {{30}, {40}}, 2.0, 1));
+}
+
+TEST(ReferenceSinks, EachQueryHeadTakesItsOwnSinkUnderGqa) {
+  // Hq = 4, Hkv = 2 as in the GQA case above; sinks differ per query head.
+  Tensor q = f32_tensor({1, 4, 2}, {1, 2, 1, 2, 1, 2, 1, 2});
+  Tensor k = f32_tensor({3, 2, 2}, {0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 1, 1});
+  Tensor v = f32_tensor({3, 2, 2}, {0, 0, 1, 0, 1, -1, 1, 2, 2, -2, 1, 4});
+  Tensor qo = Tensor::from_i32({0, 1}), kvp = Tensor::from_i32({0, 3});
+  Tensor sinks = f32_tensor({4}, {-1, 0, 1, 2});
+  AttentionOptions opt = options(false, 1.0f);
+  opt.sinks = sinks;
+  Result r = reference::ragged_attention(q, k, v, qo, kvp, opt);
+  for (int h = 0; h < 4; ++h) {
+    const std::vector<double> s =
+        h < 2 ? std::vector<double>{0, 0, 0} : std::vector<double>{1, 2, 3};
+    const std::vector<std::vector<double>> vals =
+        h < 2 ? std::vector<std::vector<double>>{{0, 0}, {1, -1}, {2, -2}}
+              : std::vector<std::vector<double>>{{1, 0}, {1, 2}, {1, 4}};
+    expect_row(r, 0, h, with_sink(s, vals, h - 1.0, 2));
+  }
+}
+
+TEST(ReferenceSinks, SinkIsTheStateZeroAndSinkInBase2MergedOnce) {
+  FLASHKV_SEEDED_RNG(rng, 207);
+  // Split KV: the parts without the sink, merged with one part that has it, equal the whole.
+  const int n = 19;
+  RaggedBatch b(rng, {3, 5}, {n, 7}, 4, 2, 8);
+  Tensor sinks = test::random_tensor(rng, {4}, DType::f32);
+  AttentionOptions with = options(true);
+  with.sinks = sinks;
+  const Result whole = b.run(with);
+  Result plain = b.run(options(true));
+  // The sink alone: O = 0, LSE = sink * log2(e).
+  Result sink_state = plain;
+  for (int64_t row = 0; row < plain.rows; ++row)
+    for (int h = 0; h < 4; ++h) {
+      for (int d = 0; d < plain.head_dim; ++d) sink_state.o[(row * 4 + h) * plain.head_dim + d] = 0;
+      sink_state.lse[row * 4 + h] = sinks.ptr<float>()[h] / kLn2;
+    }
+  expect_same(reference::merge_states({plain, sink_state}), whole, 1e-12);
+  // Extend form: causal new tokens (with the sink) merged with the non-causal prefix (without).
+  RaggedBatch one(rng, {4}, {n}, 4, 2, 8);
+  const Result full = one.run(with);
+  const int prefix = n - 4;
+  TensorView k_new = one.k.view().rows(prefix, n), v_new = one.v.view().rows(prefix, n);
+  TensorView k_old = one.k.view().rows(0, prefix), v_old = one.v.view().rows(0, prefix);
+  Tensor qo = Tensor::from_i32({0, 4});
+  const Result news = reference::ragged_attention(one.q, k_new, v_new, qo, qo, with);
+  AttentionOptions prefix_opt = options(false);
+  const Result old = reference::ragged_attention(one.q, k_old, v_old, qo,
+                                                 Tensor::from_i32({0, prefix}), prefix_opt);
+  expect_same(reference::merge_states({news, old}), full, 1e-12);
+}
+
+TEST(ReferenceArgs, RejectsBadSinks) {
+  FLASHKV_SEEDED_RNG(rng, 305);
+  RaggedBatch b(rng, {2, 3}, {4, 5}, 4, 2, 8);
+  AttentionOptions opt = options(true);
+  Tensor bf = test::random_tensor(rng, {4}, DType::bf16);
+  opt.sinks = bf;
+  expect_error_naming([&] { b.run(opt); }, "sinks: expected dtype f32");
+  Tensor short_sinks = test::random_tensor(rng, {2}, DType::f32);
+  opt.sinks = short_sinks;
+  expect_error_naming([&] { b.run(opt); }, "sinks: expected size 4");
+  Tensor two_d = test::random_tensor(rng, {1, 4}, DType::f32);
+  opt.sinks = two_d;
+  expect_error_naming([&] { b.run(opt); }, "sinks: expected 1 dims");
+}
+
 }  // namespace
 }  // namespace flashkv

@@ -412,8 +412,9 @@ class ItemTask {
     }
   }
 
-  // O / l (times the V scale) and LSE = m + log2(l); empty rows: O = 0, LSE = -inf. Split
-  // items write partial states instead.
+  // O / l (times the V scale) and LSE = m + log2(l); empty rows: O = 0, LSE = -inf; the sink
+  // (if any) merged in here for unsplit rows. Split items write partial states instead (without
+  // the sink: merge_partials adds it once, after the chunks' merge).
   void store_outputs(int row0, int rows) const {
     const int dv = p_.head_dim_v;
     for (int h = 0; h < heads_; ++h) {
@@ -423,15 +424,16 @@ class ItemTask {
         const int qo_head = (head0_ + h) * group_ + (row0 + r) % group_;
         const float l = T::reduce_add(T::load(t.lsum + r * W));
         // l == 0: nothing visible. A NaN l (a NaN score) makes O and LSE NaN.
-        const float scale = l != 0 ? p_.v_scale / l : 0.0f;
-        const float lse = l != 0 ? t.m[r] + std::log2(l) : kNegInf;
+        float scale = l != 0 ? p_.v_scale / l : 0.0f;
+        float lse = l != 0 ? t.m[r] + std::log2(l) : kNegInf;
         const float* o = t.o + r * t.dv_pad;
         if (item_.partial < 0) {
           const int64_t row = item_.q_begin + qi;
-          if (p_.merge_o) {
+          if (p_.merge_o) {  // adds the sink too
             store_merged_row<T>(p_, row, qo_head, o, scale, lse);
             continue;
           }
+          if (p_.sinks) add_sink(p_.sinks[qo_head], scale, lse);
           store_row<T>(
               p_.q_dtype, o, scale, dv,
               static_cast<char*>(p_.o) + (row * p_.o_stride_n + qo_head * p_.o_stride_h) * q_esz_);

@@ -252,20 +252,35 @@ inline float merge_max(float m, float lse) {
 inline float merge_weight(float lse, float m) { return m == kNegInf ? 0.0f : std::exp2(lse - m); }
 inline float merged_lse(float m, float sum) { return sum != 0 ? m + std::log2(sum) : kNegInf; }
 
+// Merges the sink of a query head (SEMANTICS.md "Attention sinks": the state O = 0,
+// LSE = sink * log2(e)) into a row's final state (O * scale, lse): scale and lse in place. An
+// empty row (scale 0, lse -inf) gets O = 0 and LSE = the sink's; a NaN on either side makes both
+// NaN. Called once per (row, head), at the row's final write only.
+inline void add_sink(float sink, float& scale, float& lse) {
+  const float sink_lse = sink * kLog2e;
+  const float m = merge_max(lse, sink_lse);
+  const float w = merge_weight(lse, m);
+  const float sum = w + merge_weight(sink_lse, m);
+  scale *= sum != 0 ? w / sum : 0.0f;
+  lse = merged_lse(m, sum);
+}
+
 // Writes output row `row`, query head `head` of p (O and, when wanted, LSE) as the merge of the
 // state (cur * cur_scale, cur_lse), cur [D_v] fp32, with p's merge state (p.merge_o / p.merge_lse,
-// SEMANTICS.md "Merging partial states"); an empty state (LSE -inf) weighs 0 and its values are
-// never read. The merge state's row may be the output row itself: each vector of it is read
-// before the same vector is written.
+// SEMANTICS.md "Merging partial states") and p's sink (if any); an empty state (LSE -inf) weighs
+// 0 and its values are never read. The merge state's row may be the output row itself: each vector
+// of it is read before the same vector is written.
 template <class T, class Elem>
 void store_merged_row_impl(const AttentionParams& p, int64_t row, int head, const float* cur,
                            float cur_scale, float cur_lse) {
   const int dv = p.head_dim_v;
   const float prev_lse = p.merge_lse[row * p.num_qo_heads + head];
-  const float m = merge_max(prev_lse, cur_lse);
+  // The sink, when given, is a third state (O = 0): it counts once, in the merged result.
+  const float sink_lse = p.sinks ? p.sinks[head] * kLog2e : kNegInf;
+  const float m = merge_max(merge_max(prev_lse, cur_lse), sink_lse);
   const float w_prev = merge_weight(prev_lse, m);
   const float w_cur = merge_weight(cur_lse, m);
-  const float sum = w_prev + w_cur;
+  const float sum = w_prev + w_cur + (p.sinks ? merge_weight(sink_lse, m) : 0.0f);
   const float inv = sum != 0 ? 1.0f / sum : 0.0f;
   const Elem* prev =
       static_cast<const Elem*>(p.merge_o) + row * p.merge_stride_n + head * p.merge_stride_h;

@@ -56,11 +56,21 @@ void merge_partials_impl(const AttentionParams& p, const MergeItem& m, int32_t i
     const int64_t first = (int64_t{m.partial} + i) * heads + h;
     PartialStates states{p.partial_o + first * dv, p.partial_lse + first, m.q_len * heads * dv,
                          m.q_len * heads};
-    if (p.merge_o) {  // the chunks' merge, then the merge with p's merge state
+    if (p.merge_o || p.sinks) {
+      // The chunks' merge, then the merge with p's merge state and sink (the sink once, here).
       auto* buf = static_cast<float*>(thread_scratch(dv * sizeof(float)));
       float lse = 0;
       merge_one<T, float>(states, m.num_chunks, static_cast<int>(dv), DType::f32, buf, &lse);
-      store_merged_row<T>(p, out_row, h, buf, 1.0f, lse);
+      if (p.merge_o) {
+        store_merged_row<T>(p, out_row, h, buf, 1.0f, lse);
+        continue;
+      }
+      float scale = 1.0f;
+      add_sink(p.sinks[h], scale, lse);
+      store_row<T>(p.q_dtype, buf, scale, static_cast<int>(dv),
+                   static_cast<char*>(p.o) +
+                       (out_row * p.o_stride_n + h * p.o_stride_h) * static_cast<int64_t>(esz));
+      if (p.lse) p.lse[out_row * heads + h] = lse;
       continue;
     }
     merge_one<T, float>(states, m.num_chunks, static_cast<int>(dv), p.q_dtype,

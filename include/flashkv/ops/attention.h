@@ -58,6 +58,12 @@ struct AttentionOptions {
   // backend's index builders), so the decode kernel reads them while that kernel still runs.
   // Two dependent memory round trips less per call; matters on small batches.
   bool layout_ready = false;
+  // Attention sinks (SEMANTICS.md): f32 [Hq] contiguous, on q's device; one logit per query head
+  // (natural log) that joins the softmax denominator with no value vector; the LSE includes it.
+  // Added once to what the call writes: with merge_o, to the merged result (the state given in
+  // merge_o / merge_lse must not include it). Undefined: no sinks. CPU kernels only for now:
+  // CUDA tensors with sinks are refused before launch.
+  TensorView sinks;
 };
 
 // Scratch memory an operator's plan needs: the uploaded plan and the partial states of split

@@ -64,6 +64,10 @@ struct AttentionParams {
   float sm_scale = 0;                    // already resolved (never 0 here)
   const uint8_t* custom_mask = nullptr;  // [sum qo_len * kv_len] u8; replaces causal
   const int32_t* mask_indptr = nullptr;  // [B + 1], required with custom_mask
+  // [Hq] f32 (natural-log logits) or null: joins each row's softmax denominator once, at the
+  // row's final write (unsplit epilogue, split merge, or the merge with merge_o); the state it
+  // adds is (O = 0, LSE = sinks[h] * log2(e)).
+  const float* sinks = nullptr;
 
   // The plan, as uploaded into the workspace (device copy on CUDA), and partial-state buffers.
   // Under a CUDA graph the counts below are frozen at capture: kernels then read the current

@@ -29,6 +29,8 @@ struct Result {
   double lse_at(int64_t r, int h) const { return lse[r * heads + h]; }
 };
 
+// Both take opt.sinks (f32 [Hq] on the host, optional): each row's result includes the sink once
+// (SEMANTICS.md "Attention sinks"); opt.merge_o / merge_lse are not read.
 // Ragged attention (see ragged_prefill for shapes).
 Result ragged_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& qo_indptr, const TensorView& kv_indptr,
