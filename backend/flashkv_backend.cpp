@@ -649,6 +649,7 @@ LayerIO layer_io(const BackendOptions& o, const LayerSpec& layer, const ForwardB
   io.opt.sm_scale = layer.scaling;
   io.opt.logits_soft_cap = layer.logit_cap;
   io.opt.window_left = layer.sliding_window_size;  // negative: none (the operators normalise)
+  io.opt.sinks = layer.sinks;                      // checked by the operators ("sinks: ...")
   return io;
 }
 
@@ -794,14 +795,18 @@ TensorView FlashKVBackend::forward_extend(const TensorView& q, const TensorView&
     // whose pass merges its result with that state by LSE as it writes out. The prefix pass
     // may start while the ragged pass still runs (it writes only out and lse_a, which the
     // prefix pass reads after waiting for it).
+    // The sinks count once: the prefix pass adds them to the merged rows, the ragged pass
+    // leaves them out.
     const TensorView lse_a = s.lse_a.view().rows(0, n.num_tokens);
+    AttentionOptions new_opt = io.opt;
+    new_opt.sinks = TensorView();
     AttentionOptions prefix_opt = io.opt;
     prefix_opt.causal = false;
     prefix_opt.merge_o = io.out;
     prefix_opt.merge_lse = lse_a;
     prefix_opt.overlap_previous = true;
     const PreparedAttention new_tokens = prepare_ragged_prefill(
-        n.ragged_causal, io.q, io.k, io.v, qo, qo, io.opt, io.out, lse_a, s.ws_ragged_causal);
+        n.ragged_causal, io.q, io.k, io.v, qo, qo, new_opt, io.out, lse_a, s.ws_ragged_causal);
     const PreparedAttention prefix = prepare_paged_prefill(wr.paged, io.q, qo, kv, prefix_opt,
                                                            io.out, TensorView(), buf.ws_paged);
     if (save) append = prepare_save(io, layer);

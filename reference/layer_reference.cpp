@@ -153,6 +153,19 @@ reference::Result layer_reference(const LayerSpec& layer, const std::vector<Refe
   opt.window_left = layer.sliding_window_size;
   opt.logits_soft_cap = layer.logit_cap;
   opt.sm_scale = layer.scaling;
+  Tensor sinks;
+  if (layer.sinks.defined()) {  // read on the host, wherever the layer keeps them
+    Expect(layer.sinks, "layer.sinks")
+        .ndim(1)
+        .dtype(DType::f32)
+        .contiguous()
+        .dim(0, layer.num_qo_heads, "num_qo_heads");
+    sinks = Tensor::empty({layer.num_qo_heads}, DType::f32);
+    copy_bytes(sinks.data(), Device::cpu(), layer.sinks.data, layer.sinks.device,
+               sizeof(float) * layer.num_qo_heads);
+    synchronize(layer.sinks.device);
+    opt.sinks = sinks;
+  }
   Tensor mask_t;
   if (any_mask) {
     mask_t = Tensor::empty({std::max<int64_t>(static_cast<int64_t>(mask.size()), 1)}, DType::u8);

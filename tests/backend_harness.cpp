@@ -47,6 +47,15 @@ Harness::Harness(const ModelShape& shape, BackendOptions extra)
   }
   if (shape.shuffle_pages) shuffle_free_pages();
   backend_ = std::make_unique<FlashKVBackend>(o);
+  if (shape.sinks)
+    for (int l = 0; l < shape.num_layers; ++l) {
+      // Wide enough that a sink sometimes dominates a row and sometimes vanishes.
+      Tensor host = random_tensor(rng_, {shape.hq}, DType::f32, 3.0);
+      Tensor dev = Tensor::empty({shape.hq}, DType::f32, d);
+      copy_bytes(dev.data(), d, host.data(), Device::cpu(), sizeof(float) * shape.hq);
+      synchronize(d);
+      sinks_.push_back(std::move(dev));
+    }
 }
 
 void Harness::shuffle_free_pages() {
@@ -70,6 +79,7 @@ LayerSpec Harness::layer(int i) const {
   if (shape_.sliding_window >= 0 && i % 2 == 0) l.sliding_window_size = shape_.sliding_window;
   if (shape_.encoder_decoder && i % 2 == 1) l.is_cross_attention = true;
   if (shape_.encoder_only) l.attn_type = AttentionType::ENCODER_ONLY;
+  if (shape_.sinks) l.sinks = sinks_[i];
   return l;
 }
 

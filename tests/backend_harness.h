@@ -38,6 +38,8 @@ struct ModelShape {
   // Hand out pages in a random order (requests' slots then jump around the pool), instead of the
   // fresh allocator's ascending one.
   bool shuffle_pages = false;
+  // Every layer has its own random attention sinks (LayerSpec::sinks, f32 [hq] on the device).
+  bool sinks = false;
 };
 
 // Everything a backend call could write outside its own buffers: the K/V bytes of every pool,
@@ -126,6 +128,7 @@ class Harness {
   std::vector<int32_t> batch_new_;
   Tensor rpi_, loc_, enc_loc_, mask_;
   Tensor mask_host_;
+  std::vector<Tensor> sinks_;  // per layer, on the device (ModelShape::sinks)
 };
 
 }  // namespace flashkv::test

@@ -358,6 +358,75 @@ TEST_P(BackendTest, DeterministicExtendIsBatchInvariant) {
   EXPECT_FALSE(h.backend().uses_ragged());
 }
 
+// Attention sinks per layer (gpt-oss style: window layers alternating with full ones, soft cap
+// off and on): every mode against the layer reference, which adds each sink once. An extend on
+// a cached prefix runs two passes merged into one output; the sink must count once there too.
+TEST_P(BackendTest, SinksInEveryMode) {
+  if (!GetParam().is_cpu()) {
+    // The CUDA kernels do not take sinks yet: refused before anything runs.
+    ModelShape s = shape();
+    s.sinks = true;
+    Harness h(s);
+    Request a = h.add_request(20);
+    auto b = h.make_batch(ForwardMode::DECODE, {&a}, {1});
+    const std::string e = error_of([&] { h.run_and_check(b); });
+    EXPECT_NE(e.find("sinks: not supported by the CUDA kernels yet"), std::string::npos) << e;
+    return;
+  }
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE(::testing::Message() << "variant " << variant);
+    ModelShape s = shape();
+    s.sinks = true;
+    if (variant == 1) {
+      s.sliding_window = 6;
+      s.swa_pool = true;
+    }
+    if (variant == 2) s.logit_cap = 5.0f;
+    for (bool tensor_cores : {false, true}) {
+      BackendOptions o;
+      o.use_tensor_cores = tensor_cores;
+      Harness h(s, o);
+      // Extend: one request without a prefix, two on prefixes (ragged + paged, merged).
+      Request a = h.add_request(100), b = h.add_request(0), c = h.add_request(33);
+      h.run_and_check(h.make_batch(ForwardMode::EXTEND, {&a, &b, &c}, {20, 9, 1}));
+      // Extend where no request has a prefix: the ragged pass alone adds the sink.
+      Request d = h.add_request(0);
+      h.run_and_check(h.make_batch(ForwardMode::EXTEND, {&d}, {13}));
+      h.run_and_check(h.make_batch(ForwardMode::DECODE, {&a, &b, &c, &d}, {1, 1, 1, 1}));
+      h.run_and_check(h.make_batch(ForwardMode::TARGET_VERIFY, {&a, &b}, {4, 4}));
+      h.run_and_check(h.make_batch(ForwardMode::DRAFT_EXTEND, {&c, &d}, {3, 1}));
+    }
+    // One paged pass over everything (multimodal): the sink in that single pass.
+    BackendOptions mm;
+    mm.is_multimodal = true;
+    Harness h(s, mm);
+    Request a = h.add_request(50), b = h.add_request(0);
+    h.run_and_check(h.make_batch(ForwardMode::EXTEND, {&a, &b}, {7, 11}));
+  }
+}
+
+// LayerSpec::sinks of the wrong dtype or shape: a flashkv::Error naming sinks, and the pool is
+// left as it was.
+TEST_P(BackendTest, SinksBadInput) {
+  Harness h(shape());
+  Request a = h.add_request(20);
+  auto b = h.make_batch(ForwardMode::DECODE, {&a}, {1});
+  h.backend().init_forward_metadata(b);
+  const PoolSnapshot before = h.snapshot();
+  Harness::LayerInputs in = h.layer_inputs(1);
+  const int hq = h.shape().hq;
+  for (int bad = 0; bad < 2; ++bad) {
+    Tensor sinks =
+        Tensor::empty({bad == 0 ? hq : hq + 1}, bad == 0 ? DType::f16 : DType::f32, GetParam());
+    LayerSpec l = h.layer(0);
+    l.sinks = sinks;
+    const std::string e =
+        error_of([&] { h.backend().forward(in.q, in.k, in.v, l, b, true, in.out); });
+    EXPECT_NE(e.find("sinks"), std::string::npos) << e;
+  }
+  h.expect_unchanged(before);
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, BackendTest, ::testing::ValuesIn(backend_test_devices()),
                          [](const auto& info) { return info.param.is_cpu() ? "cpu" : "cuda"; });
 

@@ -44,6 +44,11 @@ struct LayerSpec {
   int sliding_window_size = -1;
   bool is_cross_attention = false;
   AttentionType attn_type = AttentionType::DECODER;
+  // Attention sinks (SEMANTICS.md "Attention sinks"), as SGLang passes RadixAttention's `sinks`:
+  // f32 [num_qo_heads] on the backend's device, one natural-log logit per query head; undefined:
+  // none. The backend adds them once to every output row of the layer (an extend on a cached
+  // prefix: in the prefix pass, which writes the merged rows).
+  TensorView sinks;
 
   int v_dim() const { return head_dim_v > 0 ? head_dim_v : head_dim_qk; }
 };
