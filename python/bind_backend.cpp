@@ -225,7 +225,12 @@ void bind_batch(nb::module_& m) {
       .value("DECODER", AttentionType::DECODER)
       .value("ENCODER_ONLY", AttentionType::ENCODER_ONLY);
 
-  nb::class_<LayerSpec>(m, "LayerSpec", "One attention layer as the model declares it.")
+  // dynamic_attr: `sinks` (an array, as SGLang's RadixAttention holds it) is a Python attribute
+  // of the layer; FlashKVBackend.forward hands it to _forward, which keeps it alive for the call.
+  nb::class_<LayerSpec>(m, "LayerSpec",
+                        "One attention layer as the model declares it; set `sinks` (float32 "
+                        "[num_qo_heads]) on it for attention sinks.",
+                        nb::dynamic_attr())
       .def(
           "__init__",
           [](LayerSpec* self, int layer_id, int num_qo_heads, int num_kv_heads, int head_dim_qk,
@@ -359,15 +364,18 @@ void bind_flashkv_backend(nb::module_& m) {
       .def(
           "_forward",
           [](FlashKVBackend& be, const Array& q, const OptArray& k, const OptArray& v,
-             const LayerSpec& layer, const PyForwardBatch& f, bool save_kv_cache,
-             const Array& out) {
+             const LayerSpec& layer, const PyForwardBatch& f, bool save_kv_cache, const Array& out,
+             const OptArray& sinks) {
             const TensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
             const TensorView ov = view_of(out, "out");
-            be.forward(qv, kv, vv, layer, f.b, save_kv_cache, ov);
+            LayerSpec with_sinks = layer;
+            with_sinks.sinks = view_of(sinks, "sinks");
+            be.forward(qv, kv, vv, with_sinks, f.b, save_kv_cache, ov);
           },
           nb::kw_only(), nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("layer"),
           nb::arg("forward_batch"), nb::arg("save_kv_cache"), nb::arg("out"),
-          "One layer into `out` [T, Hq * D_v] (or [T, Hq, D_v]).")
+          nb::arg("sinks").none() = nb::none(),
+          "One layer into `out` [T, Hq * D_v] (or [T, Hq, D_v]); sinks: float32 [Hq] or None.")
       .def("init_cuda_graph_state", &FlashKVBackend::init_cuda_graph_state, nb::arg("max_bs"),
            nb::arg("max_num_tokens"))
       .def(

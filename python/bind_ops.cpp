@@ -72,8 +72,12 @@ struct PyBatchShape {
 // The operator checks the fields (the masks against the run's device and batch) when it runs.
 struct PyAttentionOptions {
   AttentionOptions opt;
-  ArrayField custom_mask, mask_indptr;
+  ArrayField custom_mask, mask_indptr, sinks;
 
+  void set_sinks(const nb::object& value) {
+    set_array(sinks, value, "sinks", no_check);
+    opt.sinks = sinks.view;
+  }
   void set_custom_mask(const nb::object& value) {
     set_array(custom_mask, value, "custom_mask", no_check);
     opt.custom_mask = custom_mask.view;
@@ -150,7 +154,8 @@ class PyPlan {
                  const PyAttentionOptions& options, const Array& out, const OptArray& lse,
                  uintptr_t stream) {
     const AttentionOptions opt = options.opt;  // copies, as in plan()
-    const OptArray mask = options.custom_mask.array, mask_indptr = options.mask_indptr.array;
+    const OptArray mask = options.custom_mask.array, mask_indptr = options.mask_indptr.array,
+                   sinks = options.sinks.array;
     check_planned(opt.causal, opt.window_left);
     PagedKV kv;
     kv.k = kv_view_of(k, "k_cache", kv_dtype, page_size);
@@ -176,7 +181,8 @@ class PyPlan {
                   const Array& kv_indptr, const PyAttentionOptions& options, const Array& out,
                   const OptArray& lse, uintptr_t stream) {
     const AttentionOptions opt = options.opt;  // copies, as in plan()
-    const OptArray mask = options.custom_mask.array, mask_indptr = options.mask_indptr.array;
+    const OptArray mask = options.custom_mask.array, mask_indptr = options.mask_indptr.array,
+                   sinks = options.sinks.array;
     check_planned(opt.causal, opt.window_left);
     FLASHKV_CHECK(!decode_,
                   "run: this plan is a decode plan; ragged attention needs a prefill plan");
@@ -347,7 +353,8 @@ void bind_structs(nb::module_& m) {
       .def(
           "__init__",
           [](PyAttentionOptions* self, bool causal, int window_left, float logits_soft_cap,
-             float sm_scale, const nb::object& custom_mask, const nb::object& mask_indptr) {
+             float sm_scale, const nb::object& custom_mask, const nb::object& mask_indptr,
+             const nb::object& sinks) {
             new (self) PyAttentionOptions();
             self->opt.causal = causal;
             self->opt.window_left = window_left;
@@ -355,10 +362,12 @@ void bind_structs(nb::module_& m) {
             self->opt.sm_scale = sm_scale;
             self->set_custom_mask(custom_mask);
             self->set_mask_indptr(mask_indptr);
+            self->set_sinks(sinks);
           },
           nb::kw_only(), nb::arg("causal") = ao.causal, nb::arg("window_left") = ao.window_left,
           nb::arg("logits_soft_cap") = ao.logits_soft_cap, nb::arg("sm_scale") = ao.sm_scale,
-          nb::arg("custom_mask").none() = nb::none(), nb::arg("mask_indptr").none() = nb::none())
+          nb::arg("custom_mask").none() = nb::none(), nb::arg("mask_indptr").none() = nb::none(),
+          nb::arg("sinks").none() = nb::none())
       .def_prop_rw(
           "causal", [](const PyAttentionOptions& o) { return o.opt.causal; },
           [](PyAttentionOptions& o, bool v) { o.opt.causal = v; },
@@ -385,7 +394,14 @@ void bind_structs(nb::module_& m) {
       .def_prop_rw(
           "mask_indptr", [](const PyAttentionOptions& o) { return o.mask_indptr.object; },
           [](PyAttentionOptions& o, const nb::object& v) { o.set_mask_indptr(v); },
-          nb::arg("value").none(), "int32 [batch_size + 1]: where each request's mask starts.");
+          nb::arg("value").none(), "int32 [batch_size + 1]: where each request's mask starts.")
+      .def_prop_rw(
+          "sinks", [](const PyAttentionOptions& o) { return o.sinks.object; },
+          [](PyAttentionOptions& o, const nb::object& v) { o.set_sinks(v); },
+          nb::arg("value").none(),
+          "float32 [num_qo_heads] on q's device, or None: one natural-log logit per query head "
+          "that joins the softmax denominator with no value (attention sinks); the LSE includes "
+          "it. CPU only for now.");
 }
 
 }  // namespace

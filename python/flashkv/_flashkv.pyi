@@ -184,7 +184,7 @@ class PlanOptions:
 class AttentionOptions:
     """The masks and scales of one attention run."""
 
-    def __init__(self, *, causal: bool = True, window_left: int = -1, logits_soft_cap: float = 0.0, sm_scale: float = 0.0, custom_mask: NDArray | None = None, mask_indptr: NDArray | None = None) -> None: ...
+    def __init__(self, *, causal: bool = True, window_left: int = -1, logits_soft_cap: float = 0.0, sm_scale: float = 0.0, custom_mask: NDArray | None = None, mask_indptr: NDArray | None = None, sinks: NDArray | None = None) -> None: ...
 
     @property
     def causal(self) -> bool:
@@ -233,6 +233,17 @@ class AttentionOptions:
 
     @mask_indptr.setter
     def mask_indptr(self, value: NDArray | None) -> None: ...
+
+    @property
+    def sinks(self) -> Any:
+        """
+        float32 [num_qo_heads] on q's device, or None: one natural-log logit per query head that
+        joins the softmax denominator with no value (attention sinks); the LSE includes it. CPU
+        only for now.
+        """
+
+    @sinks.setter
+    def sinks(self, value: NDArray | None) -> None: ...
 
 class Plan:
     """
@@ -476,7 +487,12 @@ class AttentionType(enum.Enum):
     ENCODER_ONLY = 1
 
 class LayerSpec:
-    """One attention layer as the model declares it."""
+    """
+    One attention layer as the model declares it; set `sinks` (float32 [num_qo_heads]) on it for
+    attention sinks.
+    """
+
+    sinks: Any
 
     def __init__(self, layer_id: int = 0, num_qo_heads: int = 0, num_kv_heads: int = 0, head_dim_qk: int = 0, head_dim_v: int = 0, scaling: float = 0.0, logit_cap: float = 0.0, sliding_window_size: int = -1, is_cross_attention: bool = False, attn_type: AttentionType = AttentionType.DECODER) -> None: ...
 

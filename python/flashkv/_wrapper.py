@@ -119,12 +119,13 @@ def kv_lens_of(indptr: np.ndarray, last_page_len: Optional[np.ndarray], page_siz
 
 
 def attention_options(*, causal: bool, window_left: int, logits_soft_cap: Optional[float], sm_scale: float,
-                      custom_mask: Any, mask_indptr: Any) -> Any:
+                      custom_mask: Any, mask_indptr: Any, sinks: Any = None) -> Any:
     """The compiled run's AttentionOptions (a soft cap of None or 0 is off; sm_scale is the one
-    the run applies)."""
+    the run applies; sinks: float32 [num_qo_heads] or None, checked by the compiled run)."""
     return _C.AttentionOptions(causal=causal, window_left=window_left,
                                logits_soft_cap=float(logits_soft_cap or 0.0), sm_scale=sm_scale,
-                               custom_mask=A.dl(custom_mask), mask_indptr=A.dl(mask_indptr))
+                               custom_mask=A.dl(custom_mask), mask_indptr=A.dl(mask_indptr),
+                               sinks=A.dl(sinks))
 
 
 def as_tokens(split_size_in_pages: Optional[int], page_size: int) -> int:
@@ -284,7 +285,8 @@ class PagedWrapper(PlannedWrapper):
     def _run_paged(self, plan: Any, q: Any, paged_kv_cache: Any, qo_indptr: Any, causal: bool,
                    window_left: int, logits_soft_cap: Optional[float], sm_scale: Optional[float],
                    q_scale: Optional[float], k_scale: Optional[float], v_scale: Optional[float],
-                   custom_mask: Any, mask_indptr: Any, out: Any, lse: Any, return_lse: bool) -> Any:
+                   custom_mask: Any, mask_indptr: Any, out: Any, lse: Any, return_lse: bool,
+                   sinks: Any = None) -> Any:
         self._check_q(q)
         k, v = kv_cache_views(paged_kv_cache)
         kv_dtype = self._kv_dtype_override(k)
@@ -292,7 +294,8 @@ class PagedWrapper(PlannedWrapper):
         scale, ks, vs, out_scale = self._scales(int(q.shape[2]), sm_scale, q_scale, k_scale, v_scale, fp8)
         out, lse = self._outputs(q, int(v.shape[-1]), out, lse, return_lse)
         options = attention_options(causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                                    sm_scale=scale, custom_mask=custom_mask, mask_indptr=mask_indptr)
+                                    sm_scale=scale, custom_mask=custom_mask, mask_indptr=mask_indptr,
+                                    sinks=sinks)
         plan.run_paged(q=A.dl(q), k_cache=A.dl(k), v_cache=A.dl(v), paged_kv_indptr=A.dl(self._indptr_run),
                        paged_kv_indices=A.dl(self._indices_run),
                        paged_kv_last_page_len=A.dl(self._last_page_len_run) if self._page_size > 1 else None,

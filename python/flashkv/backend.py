@@ -81,15 +81,18 @@ class FlashKVBackend(_C.FlashKVBackend):
     options). forward() returns [num_tokens, num_qo_heads * head_dim_v] in q's dtype."""
 
     def forward(self, q: Any, k: Any, v: Any, layer: LayerSpec, forward_batch: ForwardBatch,
-                save_kv_cache: bool = True, out: Any = None) -> Any:
+                save_kv_cache: bool = True, out: Any = None, sinks: Any = None) -> Any:
         """One layer: writes k/v [T, Hkv, D] (or [T, Hkv * D]) into the pool at out_cache_loc
         when save_kv_cache, then attends with q [T, Hq, D] (or [T, Hq * D]). IDLE batches return
-        an empty [0, Hq * D_v] array."""
+        an empty [0, Hq * D_v] array. sinks: float32 [Hq] attention sinks on the backend's
+        device (default: the layer's `sinks` attribute, if set), counted once per output row."""
+        if sinks is None:
+            sinks = getattr(layer, "sinks", None)
         width = layer.num_qo_heads * (layer.head_dim_v or layer.head_dim_qk)
         if forward_batch.forward_mode == ForwardMode.IDLE:
             return A.empty(q, (0, width)) if out is None else out
         if out is None:
             out = A.empty(q, (int(q.shape[0]), width))
         self._forward(q=A.dl(q), k=A.dl(k), v=A.dl(v), layer=layer, forward_batch=forward_batch,
-                      save_kv_cache=save_kv_cache, out=A.dl(out))
+                      save_kv_cache=save_kv_cache, out=A.dl(out), sinks=A.dl(sinks))
         return out

@@ -184,11 +184,11 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
         run can be captured into a CUDA graph. Returns out [batch_size, num_qo_heads, head_dim]
         (q's dtype), or (out, lse) with lse [batch_size, num_qo_heads] float32 in base 2 when
         return_lse. k_scale/v_scale: the cache holds values divided by these (fp8 KV).
+        sinks: float32 [num_qo_heads] attention sinks (natural-log logits that join each row's
+        softmax denominator with no value; the LSE includes them), or None. CPU only for now.
         """
         if args:
             raise Error("run: extra positional arguments (custom kernel arguments) are not supported")
-        if sinks is not None:
-            raise Error("sinks: attention sinks are not supported by flashkv")
         self._require_planned()
         info = self._plan_info
         if not isinstance(info, DecodePlanInfo) or info.plan is not self._plans.get("decode"):
@@ -200,7 +200,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
         window = self._window_left if window_left is None else int(window_left)
         return self._run_paged(info.plan, q, paged_kv_cache, None, False, window,
                                self._logits_soft_cap, self._sm_scale, q_scale, k_scale, v_scale, None, None,
-                               out, lse, return_lse)
+                               out, lse, return_lse, sinks)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 

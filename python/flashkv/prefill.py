@@ -250,16 +250,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillState, PagedWrapper):
             sinks: Any = None) -> Any:
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over the planned batch.
         Returns out, or (out, lse) when return_lse. Allocates nothing beyond out/lse and never
-        synchronizes (CUDA-graph capturable)."""
+        synchronizes (CUDA-graph capturable). sinks: float32 [num_qo_heads] attention sinks, or
+        None (CPU only for now)."""
         if args:
             raise Error("run: extra positional arguments (custom kernel arguments) are not supported")
-        if sinks is not None:
-            raise Error("sinks: attention sinks are not supported by flashkv")
         plan, causal = self._plan_for(self._causal)
         window = self._window_left if window_left is None else int(window_left)
         return self._run_paged(plan, q, paged_kv_cache, self._qo_indptr_run, causal, window, self._logits_soft_cap,
                                self._sm_scale, q_scale, k_scale, v_scale, self._mask_run, self._mask_indptr_run,
-                               out, lse, return_lse)
+                               out, lse, return_lse, sinks)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -350,9 +349,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillState, PlannedWrapper):
     begin_forward = plan
 
     def run(self, q: Any, k: Any, v: Any, *args: Any, out: Any = None, lse: Any = None, return_lse: bool = False,
-            enable_pdl: Optional[bool] = None) -> Any:
+            enable_pdl: Optional[bool] = None, sinks: Any = None) -> Any:
         """Attention of q over k/v ([kv_indptr[-1], num_kv_heads, head_dim]) for the planned
-        batch. Returns out, or (out, lse) when return_lse."""
+        batch. Returns out, or (out, lse) when return_lse. sinks: float32 [num_qo_heads]
+        attention sinks, or None (CPU only for now)."""
         if args:
             raise Error("run: extra positional arguments (custom kernel arguments) are not supported")
         plan, causal = self._plan_for(self._causal)
@@ -367,7 +367,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillState, PlannedWrapper):
         out, lse = self._outputs(q, int(v.shape[-1]), out, lse, return_lse)
         options = attention_options(causal=causal, window_left=self._window_left,
                                     logits_soft_cap=self._logits_soft_cap, sm_scale=scale,
-                                    custom_mask=self._mask_run, mask_indptr=self._mask_indptr_run)
+                                    custom_mask=self._mask_run, mask_indptr=self._mask_indptr_run,
+                                    sinks=sinks)
         plan.run_ragged(q=A.dl(q), k=A.dl(k), v=A.dl(v), qo_indptr=A.dl(self._qo_indptr_run),
                         kv_indptr=A.dl(self._kv_indptr_run), options=options, out=A.dl(out), lse=A.dl(lse),
                         stream=A.stream_of(q))

@@ -12,10 +12,12 @@ import numpy as np
 
 def attention(q: np.ndarray, ks: Sequence[np.ndarray], vs: Sequence[np.ndarray], qo_lens: Sequence[int],
               causal: bool = False, window_left: int = -1, logits_soft_cap: float = 0.0,
-              sm_scale: Optional[float] = None, masks: Optional[Sequence[np.ndarray]] = None):
+              sm_scale: Optional[float] = None, masks: Optional[Sequence[np.ndarray]] = None,
+              sinks: Optional[np.ndarray] = None):
     """out [T, Hq, Dv], lse [T, Hq] (base 2) of requests with query rows q (packed, qo_lens[i] rows
     each) and KV ks[i] [L_i, Hkv, D], vs[i] [L_i, Hkv, Dv]; masks[i] bool [qo_len, L_i]
-    replaces causal."""
+    replaces causal. sinks [Hq] (natural-log logits, neither scaled nor capped): each joins its
+    head's softmax denominator once, with no value; the LSE includes it."""
     q = np.asarray(q, np.float64)
     t, hq, d = q.shape
     dv = vs[0].shape[-1] if len(vs) else d
@@ -56,6 +58,14 @@ def attention(q: np.ndarray, ks: Sequence[np.ndarray], vs: Sequence[np.ndarray],
                          -np.inf)
             lse[row:row + lq] = l.T
         row += lq
+    if sinks is not None:
+        # The sink is the state (O = 0, LSE = sink / ln 2) merged into every row.
+        s2 = np.asarray(sinks, np.float64)[None, :] / math.log(2)
+        new_lse = np.logaddexp2(lse, s2)
+        with np.errstate(invalid="ignore"):
+            w = np.where(np.isneginf(lse), 0.0, np.exp2(lse - new_lse))
+        out = out * w[..., None]
+        lse = new_lse
     return out, lse
 
 

@@ -281,7 +281,7 @@ def test_errors(xp, rng, workspace):
     with pytest.raises(flashkv.Error, match="head_dim"):
         w.run(xp.put(xp.get(q)[:, :, :16].copy()), cache)
     with pytest.raises(flashkv.Error, match="sinks"):
-        w.run(q, cache, sinks=xp.zeros(HQ, np.float32))
+        w.run(q, cache, sinks=xp.zeros(HQ + 1, np.float32))
     with pytest.raises(flashkv.Error, match="kv_data_type"):
         w.plan(indptr, indices, lpl, HQ, HKV, D, 1, kv_data_type=other)
         w.run(q, cache)
