@@ -58,6 +58,7 @@ int cmd_bench(int argc, char** argv) {
     shape.num_kv_heads = m.num_kv_heads;
     shape.head_dim = m.head_dim;
     shape.logit_cap = m.logit_cap;
+    shape.sinks = m.sinks;
     for (int l = 0; l < m.num_layers; ++l)
       (m.windowed(l) ? shape.has_window : shape.has_full) = true;
     shape.window_left = m.sliding_window;

@@ -46,9 +46,10 @@ void print_table_row(std::ostream& os, const CaseResult& r) {
                 c.layout_name(), types.c_str(), r.us, r.gbps, r.tflops,
                 100.0 * r.roofline_fraction);
   os << buf;
-  // A model's case (bench --model): its window and soft cap.
+  // A model's case (bench --model): its window, soft cap and sinks.
   if (c.window_left >= 0) os << " win=" << c.window_left;
   if (c.logit_cap > 0) os << " cap=" << c.logit_cap;
+  if (c.sinks) os << " sinks";
   os << "\n";
 }
 
@@ -85,7 +86,8 @@ std::string to_json(const BenchReport& report) {
        << ", \"tflops\": " << json_number(r.tflops)
        << ", \"roofline_fraction\": " << json_number(r.roofline_fraction)
        << ", \"runs\": " << r.runs << ", \"cuda_graph\": " << (r.cuda_graph ? "true" : "false")
-       << "}";
+       << ", \"window_left\": " << c.window_left << ", \"logit_cap\": " << json_number(c.logit_cap)
+       << ", \"sinks\": " << (c.sinks ? "true" : "false") << "}";
   }
   os << (report.cases.empty() ? "]\n}\n" : "\n  ]\n}\n");
   return os.str();
@@ -94,7 +96,8 @@ std::string to_json(const BenchReport& report) {
 std::string to_csv(const BenchReport& report) {
   std::ostringstream os;
   os << "op,device,batch,qo_len,kv_len,prefix_len,num_qo_heads,num_kv_heads,head_dim,page_size,"
-        "kv_layout,dtype,kv_dtype,us,gbps,tflops,roofline_fraction,runs,cuda_graph\n";
+        "kv_layout,dtype,kv_dtype,us,gbps,tflops,roofline_fraction,runs,cuda_graph,window_left,"
+        "logit_cap,sinks\n";
   for (const CaseResult& r : report.cases) {
     const BenchCase& c = r.c;
     os << op_name(c.op) << ',' << c.device.str() << ',' << c.batch << ',' << c.qo_len << ','
@@ -102,7 +105,8 @@ std::string to_csv(const BenchReport& report) {
        << c.head_dim << ',' << c.page_size << ',' << c.layout_name() << ',' << dtype_name(c.dtype)
        << ',' << dtype_name(c.kv_dtype) << ',' << json_number(r.us) << ',' << json_number(r.gbps)
        << ',' << json_number(r.tflops) << ',' << json_number(r.roofline_fraction) << ',' << r.runs
-       << ',' << (r.cuda_graph ? 1 : 0) << '\n';
+       << ',' << (r.cuda_graph ? 1 : 0) << ',' << c.window_left << ',' << json_number(c.logit_cap)
+       << ',' << (c.sinks ? 1 : 0) << '\n';
   }
   return os.str();
 }

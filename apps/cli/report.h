@@ -4,11 +4,13 @@
 //                "matmul_kind", "buffer_bytes"},
 //    "cases": [{"op", "device", "batch", "qo_len", "kv_len", "prefix_len", "num_qo_heads",
 //               "num_kv_heads", "head_dim", "page_size", "kv_layout", "dtype", "kv_dtype", "us",
-//               "gbps", "tflops", "roofline_fraction", "runs", "cuda_graph"}]}
+//               "gbps", "tflops", "roofline_fraction", "runs", "cuda_graph", "window_left",
+//               "logit_cap", "sinks"}]}
 // kv_len is the KV each query row attends to in total, prefix_len = kv_len - qo_len; kv_layout is
 // "in_order" (a fresh pool), "shuffled" (pages after churn) or "none" (no paged KV); us is the
 // median time of one run; gbps is 1e9 bytes/s, tflops 1e12 FLOP/s; "cores" is the CPU threads
-// used (0 on a GPU), "sms" the GPU's multiprocessors (0 on a CPU).
+// used (0 on a GPU), "sms" the GPU's multiprocessors (0 on a CPU); window_left (-1: none),
+// logit_cap (0: none) and sinks describe a model's case (bench --model).
 #pragma once
 
 #include <ostream>

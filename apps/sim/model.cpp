@@ -48,9 +48,6 @@ std::string ModelConfig::str() const {
 
 Model::Model(const ModelConfig& config, Device device, int64_t kv_slots, uint64_t seed)
     : config_(config), device_(device), gen_(seed) {
-  // Never run a model that has sinks without them.
-  FLASHKV_CHECK(!config.sinks,
-                "attention sinks: not supported yet (the backend's layers take no sink logits)");
   FLASHKV_CHECK(config.full_every >= 0, "full_every: expected >= 0, got ", config.full_every);
   KVPoolConfig pc;
   pc.num_slots = kv_slots;
@@ -71,6 +68,19 @@ Model::Model(const ModelConfig& config, Device device, int64_t kv_slots, uint64_
   o.sliding_window_size = config.sliding_window;
   o.is_encoder_decoder = config.encoder_decoder;
   backend_ = std::make_unique<FlashKVBackend>(o);
+  // Learned sink logits stand-ins: a few units around 0, as trained sinks are, drawn per layer.
+  if (config.sinks)
+    for (int l = 0; l < config.num_layers; ++l) {
+      Tensor host = Tensor::empty({config.num_qo_heads}, DType::f32);
+      fill_normal(host, gen_(), 2.0);
+      sinks_.push_back(host.to(device));
+    }
+}
+
+LayerSpec Model::layer(int i) const {
+  LayerSpec l = config_.layer(i);
+  if (!sinks_.empty()) l.sinks = sinks_[static_cast<size_t>(i)].view();
+  return l;
 }
 
 void Model::reserve_bank(int64_t elements) {
@@ -142,7 +152,7 @@ PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
   backend_->init_forward_metadata(b);
   TensorView last_out;
   for (int l = 0; l < c.num_layers; ++l) {
-    const LayerSpec spec = c.layer(l);
+    const LayerSpec spec = layer(l);
     const TensorView q = activations(T, c.num_qo_heads, c.head_dim);
     TensorView k, v;
     const int64_t kv_rows = spec.is_cross_attention ? (step.write_encoder_kv() ? E : 0) : T;
@@ -262,7 +272,7 @@ void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
   }
   const std::string what = str_cat(mode_name(b.mode), " pass of ", b.batch_size, " requests");
   for (size_t k = 0; k < check_layers.size(); ++k)
-    compare_layer(c.layer(check_layers[k]), rows, check_in[k], check_out[k], what.c_str(), r);
+    compare_layer(layer(check_layers[k]), rows, check_in[k], check_out[k], what.c_str(), r);
 }
 
 void Model::enable_multi_step_draft(int topk, int num_steps) {
@@ -342,7 +352,7 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
         out = check_out[at - checks.begin()];
         check_in[at - checks.begin()].q = q;
       }
-      last_out = multi_step_->forward(st, q, k, v, c.layer(l), true, out);
+      last_out = multi_step_->forward(st, q, k, v, layer(l), true, out);
       if (check.scan_every_layer && (st + 1 < steps || l + 1 < c.num_layers))
         scan_between_layers(last_out, rows, str_cat("step ", st, ", layer ", l), r);
     }
@@ -374,7 +384,7 @@ PassResult Model::forward_draft_steps(const std::vector<Sequence*>& seqs,
     }
     const std::string what =
         str_cat("draft step ", step, " of ", bs, " requests x ", topk, " branches");
-    compare_layer(c.layer(checks[k].second), checked, check_in[k], check_out[k], what.c_str(), r);
+    compare_layer(layer(checks[k].second), checked, check_in[k], check_out[k], what.c_str(), r);
   }
   r.check_ms +=
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();

@@ -33,7 +33,7 @@ struct ModelConfig {
   int full_every = 2;
   float logit_cap = 0;           // logit soft cap of every layer (0: none)
   float sm_scale = 0;            // 0: 1 / sqrt(head_dim)
-  bool sinks = false;            // learned per-head sink logits (not supported yet: refused)
+  bool sinks = false;            // learned per-head sink logits (random ones, seeded, per layer)
   bool encoder_decoder = false;  // odd layers cross-attend to the encoder tokens
 
   bool windowed(int layer) const {
@@ -95,6 +95,8 @@ class Model {
   // A [rows, heads, dim] slice of the activation bank at a random offset.
   TensorView activations(int64_t rows, int heads, int dim);
   void reserve_bank(int64_t elements);
+  // Layer i as the backend gets it: the config's shape, and this model's sinks when it has them.
+  LayerSpec layer(int i) const;
   // Rows of the checked outputs, described for the reference: request i of `reqs` owns rows
   // [first, first + count) of the pass.
   struct CheckedRows {
@@ -126,7 +128,8 @@ class Model {
   std::unique_ptr<KVPool> pool_;
   std::unique_ptr<FlashKVBackend> backend_;
   std::unique_ptr<MultiStepDraftBackend> multi_step_;
-  Tensor bank_;  // unit-normal values of the activation dtype on the device
+  Tensor bank_;                // unit-normal values of the activation dtype on the device
+  std::vector<Tensor> sinks_;  // per layer: f32 [num_qo_heads] on the device (config.sinks)
   std::mt19937_64 gen_;
 };
 

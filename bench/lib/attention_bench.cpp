@@ -75,6 +75,7 @@ struct CaseState {
   Tensor new_k, new_v, qo_indptr, new_kv_indptr;
   // extend: the ragged pass's LSE (its output is `out`, which the paged pass merges into).
   Tensor lse_new;
+  Tensor sinks;  // f32 [num_qo_heads] (BenchCase::sinks)
   DecodePlan decode_plan;
   PrefillPlan ragged_plan, paged_plan;
   Workspace ragged_ws, paged_ws;
@@ -159,6 +160,10 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
   AttentionOptions non_causal;
   non_causal.causal = false;
   non_causal.logits_soft_cap = c.logit_cap;
+  if (c.sinks) s.sinks = s.random({c.num_qo_heads}, DType::f32);
+  // The pass that writes a row's final result takes the sinks (once per row).
+  AttentionOptions final_causal = causal;
+  if (c.sinks) final_causal.sinks = s.sinks;
 
   if (c.op == BenchOp::decode) {
     s.make_pool(c, c.kv_len);
@@ -167,8 +172,8 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
     s.ragged_ws.reserve(s.decode_plan.layout.total_bytes, c.device);
     s.ragged_ws.upload(s.decode_plan);
     synchronize(c.device);
-    return [&s, causal](Stream st) {
-      paged_decode(s.decode_plan, s.q, s.paged, causal, s.out, TensorView(), s.ragged_ws, st);
+    return [&s, final_causal](Stream st) {
+      paged_decode(s.decode_plan, s.q, s.paged, final_causal, s.out, TensorView(), s.ragged_ws, st);
     };
   }
 
@@ -185,9 +190,9 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
   s.ragged_ws.upload(s.ragged_plan);
   if (c.op == BenchOp::prefill || c.prefix_len() == 0) {
     synchronize(c.device);
-    return [&s, causal](Stream st) {
-      ragged_prefill(s.ragged_plan, s.q, s.new_k, s.new_v, s.qo_indptr, s.new_kv_indptr, causal,
-                     s.out, TensorView(), s.ragged_ws, st);
+    return [&s, final_causal](Stream st) {
+      ragged_prefill(s.ragged_plan, s.q, s.new_k, s.new_v, s.qo_indptr, s.new_kv_indptr,
+                     final_causal, s.out, TensorView(), s.ragged_ws, st);
     };
   }
 
@@ -205,6 +210,7 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
   prefix.merge_o = s.out;
   prefix.merge_lse = s.lse_new;
   prefix.overlap_previous = true;
+  if (c.sinks) prefix.sinks = s.sinks;
   return [&s, causal, prefix](Stream st) {
     ragged_prefill(s.ragged_plan, s.q, s.new_k, s.new_v, s.qo_indptr, s.new_kv_indptr, causal,
                    s.out, s.lse_new, s.ragged_ws, st);
@@ -270,7 +276,8 @@ std::string BenchCase::str() const {
                  num_kv_heads, "/", head_dim, " P=", page_size, " ", layout_name(), " ",
                  dtype_name(dtype), "/", dtype_name(kv_dtype), " ", device.str(),
                  window_left >= 0 ? str_cat(" win=", window_left) : std::string(),
-                 logit_cap > 0 ? str_cat(" cap=", logit_cap) : std::string());
+                 logit_cap > 0 ? str_cat(" cap=", logit_cap) : std::string(),
+                 sinks ? " sinks" : "");
 }
 
 BenchCase decode_case(int batch, int kv_len, Device device, int hq, int hkv, int d, DType kv_dtype,
@@ -391,6 +398,11 @@ std::vector<BenchCase> model_grid(const std::string& name, Device device, const 
       c->window_left = w;
       c->logit_cap = m.logit_cap;
       g.push_back(*c);
+      // A model with sinks: the same case with them, right after, so the two compare in one run.
+      if (m.sinks) {
+        c->sinks = true;
+        g.push_back(*c);
+      }
     }
   }
   return g;

@@ -48,6 +48,9 @@ struct BenchCase {
   // such a layer: decode's last w + 1 tokens, extend's prefix's last w.
   int window_left = -1;
   float logit_cap = 0;  // logits soft cap of every pass (0: none)
+  // Attention sinks (random f32 [num_qo_heads] logits), added where the backend adds them: the
+  // decode, the prefill, or an extend's prefix pass (the one that writes the merged rows).
+  bool sinks = false;
 
   int prefix_len() const { return kv_len - qo_len; }
   // Decode, and extend with a cached prefix, read a paged pool; prefill does not.
@@ -115,6 +118,7 @@ struct ModelShape {
   bool has_full = true;     // has full-attention layers
   bool has_window = false;  // has windowed layers
   float logit_cap = 0;
+  bool sinks = false;  // the model has attention sinks: each case with and without them
 };
 std::vector<BenchCase> model_grid(const std::string& name, Device device, const ModelShape& m);
 
