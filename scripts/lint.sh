@@ -101,14 +101,18 @@ check_tidy() {
   cmake -S . -B "$build" -G Ninja "${configure[@]}" >/dev/null || return 1
 
   # Every tracked .cpp the configure compiled; a tracked .cpp missing from the database (and not
-  # one of the Python bindings skipped above) fails the run rather than going unchecked.
+  # one of the Python bindings skipped above, nor an example project built against the installed
+  # package, which clang-tidy checks with the public headers below) fails the run rather than
+  # going unchecked.
   local files
   files=$("$python" - "$build/compile_commands.json" <<'EOF'
 import json, os, subprocess, sys
 db = {os.path.realpath(e["file"]) for e in json.load(open(sys.argv[1]))}
 tracked = subprocess.run(["git", "ls-files", "*.cpp"], capture_output=True, text=True,
                          check=True).stdout.split()
-missing = [f for f in tracked if os.path.realpath(f) not in db and not f.startswith("python/")]
+# examples/ are projects of their own, built against the installed package (.ci/run).
+missing = [f for f in tracked if os.path.realpath(f) not in db
+           and not f.startswith(("python/", "examples/"))]
 if missing:
     sys.exit("clang-tidy: not in the compile database: " + " ".join(missing))
 print("\n".join(f for f in tracked if os.path.realpath(f) in db))
@@ -118,6 +122,15 @@ EOF
   mapfile -t host_files <<<"$files"
   local status=0
   run_tidy "$build" "${host_files[@]}" || status=1
+  # The example projects: their sources against the public headers alone, as a user compiles them.
+  local example out
+  for example in $(git ls-files 'examples/*.cpp'); do
+    if ! out=$("$clang_tidy" --quiet --warnings-as-errors="*" "$example" -- -std=c++17 -Iinclude \
+        -DFLASHKV_WITH_CUDA=0 2>&1); then
+      printf '%s\n' "$out"
+      status=1
+    fi
+  done
 
   # With nvcc present, the host code behind `#if FLASHKV_WITH_CUDA` too: the .cpp files that
   # mention it, again, from a CUDA-on configure (whose .cu files stay unchecked, as above).
