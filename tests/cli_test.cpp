@@ -361,14 +361,67 @@ TEST(Cli, UnknownOrUnsupportedModelsAreOneLineAndExitTwo) {
   for (const ModelPreset& p : model_presets())
     EXPECT_NE(unknown.err.find(p.name), std::string::npos) << unknown.err;
   EXPECT_EQ(flashkv("bench --model llama-9").code, 2);
-  // The encoder-decoder preset needs a simulator mode serve does not have.
-  for (const char* cmd :
-       {"serve --device cpu --model t5-base", "soak --device cpu --model t5-base"}) {
+  // What an encoder-decoder model cannot be combined with, and encoder inputs without one.
+  const std::pair<const char*, const char*> refused[] = {
+      {"serve --device cpu --model t5-base --workload spec",
+       "--workload spec: speculative decoding needs a decoder-only model"},
+      {"soak --device cpu --model t5-base --speculative on",
+       "--speculative on: speculative decoding needs a decoder-only model"},
+      {"serve --device cpu --model t5-base --window 16",
+       "--window 16: a model with cross attention has no sliding-window layers"},
+      {"serve --device cpu --encoder-len 64", "--encoder-len: the model has no cross attention"},
+      {"soak --device cpu --model llama-3.1-8b --encoder-len 64",
+       "--encoder-len: the model has no cross attention"},
+      {"serve --device cpu --model t5-base --encoder-len 0", "--encoder-len expects 1..65536"},
+  };
+  for (const auto& [cmd, says] : refused) {
     const RunResult r = flashkv(cmd);
     EXPECT_EQ(r.code, 2) << cmd << ": " << r.err;
     EXPECT_EQ(count_lines(r.err), 1) << cmd << ": " << r.err;
-    EXPECT_NE(r.err.find("cross attention"), std::string::npos) << cmd << ": " << r.err;
+    EXPECT_NE(r.err.find(says), std::string::npos) << cmd << ": " << r.err;
   }
+}
+
+// t5-base as published: 24 layers, self attention on the even ones and cross attention to each
+// request's encoder input on the odd ones, scale 1. serve --check compares sampled layers with
+// the reference; a saved workload replays with the same encoder inputs (drawn from the seed);
+// soak checks the invariants after every step and runs without speculative decoding.
+TEST(Cli, ServeAndSoakAnEncoderDecoderModel) {
+  const std::string json = temp_path("t5.json"), saved = temp_path("t5_workload.json");
+  const RunResult r = flashkv(
+      "serve --device cpu --model t5-base --requests 6 --encoder-len 64 --check --quiet --json " +
+      json + " --save-workload " + saved);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("24 layers, 12/12 heads, head dim 64, bf16, kv bf16, scale 1, cross "
+                       "attention on odd layers"),
+            std::string::npos)
+      << r.out;
+  const std::regex encoder(", ([0-9]+) encoder tokens \\(32\\.\\.64 a request\\)");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, encoder)) << r.out;
+  const int encoder_tokens = std::stoi(m[1]);
+  EXPECT_GE(encoder_tokens, 6 * 32);
+  EXPECT_LE(encoder_tokens, 6 * 64);
+  EXPECT_NE(r.out.find("prefix cache off"), std::string::npos) << r.out;
+  const JsonValue j = parse_json(read_file(json));
+  expect_serve_contract(j, 6);
+  EXPECT_EQ(number(j, "prefix_hit_rate"), 0);
+
+  const RunResult replay = flashkv(
+      "serve --device cpu --model t5-base --layers 2 --encoder-len "
+      "64 --quiet --workload " +
+      saved);
+  ASSERT_EQ(replay.code, 0) << replay.err;
+  EXPECT_NE(replay.out.find(str_cat(", ", encoder_tokens, " encoder tokens")), std::string::npos)
+      << replay.out;
+
+  const RunResult s = flashkv("soak --device cpu --model t5-base --layers 4 --steps 100 --quiet");
+  ASSERT_EQ(s.code, 0) << s.out << s.err;
+  EXPECT_NE(s.out.find("cross attention on odd layers, encoder inputs of 64..128 tokens\n"),
+            std::string::npos)
+      << s.out;
+  EXPECT_NE(s.out.find("invariants   ok after every step"), std::string::npos) << s.out;
+  EXPECT_EQ(s.out.find("speculative"), std::string::npos) << s.out;
 }
 
 TEST(Cli, ServeChecksAModelWithSinks) {

@@ -1,10 +1,14 @@
 // The pieces of `flashkv serve`: the JSON reader, workloads, the prefix cache, step batches and
-// the scheduler's end-of-run invariants; and layer_reference's argument checks.
+// the scheduler's end-of-run invariants; encoder-decoder serving (encoder K/V written once at
+// admission, read by the cross-attention layers, freed with the request) and the check that
+// catches cross attention reading or writing the wrong slots; and layer_reference's argument
+// checks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <set>
 
@@ -121,6 +125,38 @@ TEST(Workload, BuiltinsAreSeededAndShareTheirPrefixes) {
   }
   EXPECT_NE(error_of([] { builtin_workload("chats", 0, false, 1); }).find("chat, long, spec"),
             std::string::npos);
+}
+
+TEST(Workload, EncoderLensAreSeededAndInRange) {
+  Workload a = builtin_workload("chat", 40, false, 7), b = a, c = a;
+  EXPECT_EQ(a.encoder_tokens(), 0);
+  draw_encoder_lens(a, 100, 5);
+  draw_encoder_lens(b, 100, 5);
+  draw_encoder_lens(c, 100, 6);
+  bool differs = false;
+  std::set<int32_t> lens;
+  int64_t total = 0;
+  for (size_t i = 0; i < a.requests.size(); ++i) {
+    EXPECT_GE(a.requests[i].encoder_len, 50);
+    EXPECT_LE(a.requests[i].encoder_len, 100);
+    EXPECT_EQ(a.requests[i].encoder_len, b.requests[i].encoder_len);
+    differs = differs || a.requests[i].encoder_len != c.requests[i].encoder_len;
+    lens.insert(a.requests[i].encoder_len);
+    total += a.requests[i].encoder_len;
+  }
+  EXPECT_TRUE(differs);
+  EXPECT_GT(lens.size(), 10u);
+  EXPECT_EQ(a.encoder_tokens(), total);
+  // Counted in what a request needs of the pool.
+  EXPECT_EQ(Scheduler::slots_needed(a.requests[0], a.spec),
+            a.requests[0].encoder_len + static_cast<int64_t>(a.requests[0].prompt.size()) +
+                a.requests[0].output_len);
+  Workload one = a;
+  draw_encoder_lens(one, 1, 5);
+  EXPECT_EQ(one.requests[0].encoder_len, 1);
+  EXPECT_NE(error_of([&] { draw_encoder_lens(a, 0, 5); }).find("encoder length: expected 1.."),
+            std::string::npos);
+  EXPECT_THROW(draw_encoder_lens(a, kMaxEncoderTokens + 1, 5), Error);
 }
 
 TEST(Workload, FileFormat) {
@@ -388,6 +424,162 @@ TEST(StepBatch, VerifyTreeMaskAndFields) {
   EXPECT_THROW(StepBatch(ForwardMode::EXTEND, {{&s, 8, 2, {}}}, pool, Device::cpu()), Error);
 }
 
+TEST(StepBatch, EncoderTokensComeFirst) {
+  ReqToTokenPool pool(4, 64);
+  Sequence a, b;
+  a.row = (*pool.alloc(1))[0];
+  b.row = (*pool.alloc(1))[0];
+  set_encoder_tokens(a, iota_slots(40, 5), pool);
+  append_tokens(a, iota_slots(10, 3), pool);
+  set_encoder_tokens(b, iota_slots(50, 2), pool);
+  append_tokens(b, iota_slots(20, 4), pool);
+  EXPECT_EQ(a.encoder_len, 5);
+  EXPECT_EQ(a.seq_len(), 3);
+  EXPECT_EQ(pool.read(a.row, 0, 8), (std::vector<int32_t>{40, 41, 42, 43, 44, 10, 11, 12}));
+  EXPECT_THROW(set_encoder_tokens(a, {60}, pool), Error);
+  rewrite_tokens(a, 1, {30}, pool);  // decoder positions: after the encoder tokens
+  EXPECT_EQ(pool.read(a.row, 6, 1), (std::vector<int32_t>{30}));
+
+  StepBatch e(ForwardMode::EXTEND, {{&a, 3, 2, {}}, {&b, 4, 4, {}}}, pool, Device::cpu(),
+              /*write_encoder_kv=*/true);
+  const ForwardBatch& f = e.batch();
+  EXPECT_EQ(f.encoder_lens_cpu, (std::vector<int32_t>{5, 2}));
+  EXPECT_EQ(f.seq_lens_cpu, (std::vector<int32_t>{3, 4}));
+  EXPECT_EQ(f.extend_prefix_lens_cpu, (std::vector<int32_t>{1, 0}));
+  EXPECT_EQ(e.num_encoder_tokens(), 7);
+  EXPECT_TRUE(e.write_encoder_kv());
+  ASSERT_EQ(f.encoder_out_cache_loc.numel(), 7);
+  ASSERT_EQ(f.out_cache_loc.numel(), 6);
+  const std::vector<int32_t> enc = {40, 41, 42, 43, 44, 50, 51}, out = {30, 12, 20, 21, 22, 23};
+  for (int64_t i = 0; i < 7; ++i) EXPECT_EQ(f.encoder_out_cache_loc.at({i}), enc[i]) << i;
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(f.out_cache_loc.at({i}), out[i]) << i;
+  EXPECT_FALSE(
+      StepBatch(ForwardMode::DECODE, {{&a, 3, 1, {}}}, pool, Device::cpu()).write_encoder_kv());
+}
+
+// ---- encoder-decoder passes ----------------------------------------------------------------
+
+// Two self-attention layers and two cross-attention ones, in T5's order. The scale stays
+// 1 / sqrt(head_dim): with T5's 1 and unit-normal activations the softmax is nearly one-hot, so a
+// key the layer wrongly leaves out or takes in would change few outputs past the tolerance.
+ModelConfig small_encoder_decoder() {
+  ModelConfig m;
+  m.num_layers = 4;
+  m.num_qo_heads = 4;
+  m.num_kv_heads = 2;
+  m.head_dim = 64;
+  m.encoder_decoder = true;
+  return m;
+}
+
+CheckOptions check_everything(const ModelConfig& m) {
+  CheckOptions c;
+  c.enabled = true;
+  c.layers = m.num_layers;
+  c.requests = 1 << 20;
+  c.rows = 0;
+  return c;
+}
+
+// The cross-attention layers' K and V rows of `slots`, as bytes.
+std::vector<char> cross_kv_rows(KVPool& pool, const ModelConfig& m,
+                                const std::vector<int32_t>& slots) {
+  std::vector<char> bytes;
+  for (int l = 0; l < m.num_layers; ++l) {
+    if (!m.layer(l).is_cross_attention) continue;
+    for (const TensorView* t : {&pool.k(l), &pool.v(l)}) {
+      const size_t row = t->nbytes() / static_cast<size_t>(t->shape[0]);
+      for (int32_t s : slots) {
+        const char* p = static_cast<const char*>(t->data) + static_cast<size_t>(s) * row;
+        bytes.insert(bytes.end(), p, p + row);
+      }
+    }
+  }
+  return bytes;
+}
+
+// The first failure a check reports names a cross-attention layer of small_encoder_decoder().
+bool names_a_cross_layer(const std::string& failure) {
+  return failure.find("layer 1:") != std::string::npos ||
+         failure.find("layer 3:") != std::string::npos;
+}
+
+// The admitting EXTEND pass writes the encoder K/V once; decode passes read them unchanged; the
+// check compares every layer with the reference. Then the mutants a cross-attention bug would
+// make, each of which the check must catch: a request's row listing another request's encoder
+// slots (cross attention reads the wrong K/V), encoder lengths off by one (the self-attention
+// layers read an encoder token, the cross-attention ones miss one), and encoder K/V written to
+// slots the request's row does not list.
+TEST(EncoderDecoder, CheckCatchesCrossAttentionOnTheWrongSlots) {
+  const ModelConfig m = small_encoder_decoder();
+  EXPECT_FALSE(m.layer(0).is_cross_attention);
+  EXPECT_TRUE(m.layer(1).is_cross_attention);
+  Model model(m, Device::cpu(), 512, 11);
+  ReqToTokenPool pool(4, 128);
+  const CheckOptions check = check_everything(m);
+  Sequence a, b;
+  a.row = (*pool.alloc(1))[0];
+  b.row = (*pool.alloc(1))[0];
+  set_encoder_tokens(a, iota_slots(100, 20), pool);
+  append_tokens(a, iota_slots(10, 9), pool);
+  set_encoder_tokens(b, iota_slots(200, 13), pool);
+  append_tokens(b, iota_slots(30, 5), pool);
+  std::vector<int32_t> encoder_slots = iota_slots(100, 20);
+  const std::vector<int32_t> b_encoder = iota_slots(200, 13);
+  encoder_slots.insert(encoder_slots.end(), b_encoder.begin(), b_encoder.end());
+  const std::vector<char> before = cross_kv_rows(model.pool(), m, encoder_slots);
+  {
+    StepBatch e(ForwardMode::EXTEND, {{&a, 9, 9, {}}, {&b, 5, 5, {}}}, pool, Device::cpu(),
+                /*write_encoder_kv=*/true);
+    const PassResult r = model.forward(e, check);
+    EXPECT_EQ(r.checked, 4);
+    EXPECT_EQ(r.failures, 0) << r.failure;
+  }
+  const std::vector<char> written = cross_kv_rows(model.pool(), m, encoder_slots);
+  EXPECT_NE(written, before);
+  int32_t next_slot = 40;
+  auto decode = [&](const std::function<void(StepBatch&)>& mutate) {
+    append_tokens(a, {next_slot++}, pool);
+    append_tokens(b, {next_slot++}, pool);
+    StepBatch d(ForwardMode::DECODE, {{&a, a.seq_len(), 1, {}}, {&b, b.seq_len(), 1, {}}}, pool,
+                Device::cpu());
+    if (mutate) mutate(d);
+    return model.forward(d, check);
+  };
+  for (int i = 0; i < 3; ++i) {
+    const PassResult r = decode({});
+    EXPECT_EQ(r.checked, 4);
+    EXPECT_EQ(r.failures, 0) << r.failure;
+  }
+  EXPECT_EQ(cross_kv_rows(model.pool(), m, encoder_slots), written);  // written once
+
+  // Request a's row lists b's encoder slots: only the cross-attention layers read them.
+  pool.write(a.row, 0, b_encoder);
+  PassResult r = decode({});
+  EXPECT_EQ(r.failures, 2) << r.failure;
+  EXPECT_TRUE(names_a_cross_layer(r.failure)) << r.failure;
+  pool.write(a.row, 0, iota_slots(100, 13));
+  EXPECT_EQ(decode({}).failures, 0);
+
+  // Encoder lengths one short.
+  r = decode([](StepBatch& d) { --d.batch().encoder_lens_cpu[0]; });
+  EXPECT_EQ(r.failures, 4) << r.failure;
+  EXPECT_EQ(decode({}).failures, 0);
+
+  // A new request whose encoder K/V go to slots its row does not list.
+  Sequence c;
+  c.row = (*pool.alloc(1))[0];
+  set_encoder_tokens(c, iota_slots(300, 11), pool);
+  append_tokens(c, iota_slots(60, 4), pool);
+  StepBatch e(ForwardMode::EXTEND, {{&c, 4, 4, {}}}, pool, Device::cpu(),
+              /*write_encoder_kv=*/true);
+  int32_t* loc = static_cast<int32_t*>(e.batch().encoder_out_cache_loc.data);
+  for (int i = 0; i < 11; ++i) loc[i] = 400 + i;
+  r = model.forward(e, check);
+  EXPECT_EQ(r.failures, 2) << r.failure;
+  EXPECT_TRUE(names_a_cross_layer(r.failure)) << r.failure;
+}
+
 // ---- the scheduler -------------------------------------------------------------------------
 
 // A tight pool forces waiting and eviction; the run still finishes with every invariant held
@@ -416,6 +608,72 @@ TEST(Scheduler, TightPoolEvictsWaitsAndFinishesClean) {
     EXPECT_EQ(st.generated_tokens, out);
     EXPECT_GT(st.cached_prompt_tokens, 0);
   }
+}
+
+// An encoder-decoder model: every request's encoder K/V are written as it is admitted (several
+// requests per EXTEND pass), every pass matches the reference on every layer, the invariants
+// hold after every step, and every slot (the encoder tokens' included) is free at the end.
+TEST(Scheduler, EncoderDecoderServesCleanAndFreesEncoderSlots) {
+  Workload w = builtin_workload("chat", 10, false, 4);
+  draw_encoder_lens(w, 96, 4);
+  const ModelConfig m = small_encoder_decoder();
+  SchedulerOptions o;
+  o.kv_slots = 2048;
+  o.max_running = 6;
+  o.token_budget = 1024;
+  o.check = check_everything(m);
+  o.check.rows = 4;
+  Scheduler s(w, m, Device::cpu(), o);
+  int64_t steps = 0;
+  while (s.step()) {
+    ++steps;
+    ASSERT_EQ(s.check_step_invariants(), "") << "step " << steps;
+  }
+  const ServeStats& st = s.stats();
+  EXPECT_EQ(st.requests_done, 10);
+  EXPECT_EQ(st.encoder_tokens, w.encoder_tokens());
+  EXPECT_EQ(st.cached_prompt_tokens, 0);
+  EXPECT_EQ(s.prefix_cache_slots(), 0);
+  EXPECT_EQ(s.kv_in_use(), 0);
+  EXPECT_GT(st.peak_kv_slots, 0);
+  EXPECT_LT(st.by_mode.at("EXTEND").passes, 10);  // some pass admitted several requests
+  EXPECT_GT(st.by_mode.at("DECODE").passes, 0);
+  EXPECT_EQ(st.checked, 4 * static_cast<int64_t>(st.pass_ms.size()));
+  EXPECT_EQ(st.check_failures, 0) << st.first_failure;
+  EXPECT_EQ(st.nonfinite_passes, 0) << st.first_nonfinite;
+}
+
+TEST(Scheduler, EncoderInputsOnlyWithCrossAttention) {
+  Workload w = builtin_workload("chat", 3, false, 4);
+  SchedulerOptions o;
+  o.kv_slots = 2048;
+  // A model with cross attention needs every request's encoder input ...
+  EXPECT_NE(error_of([&] {
+              Scheduler(w, small_encoder_decoder(), Device::cpu(), o);
+            }).find("request 0: encoder_len: expected >= 1"),
+            std::string::npos);
+  // ... and a model without has none.
+  draw_encoder_lens(w, 8, 4);
+  EXPECT_NE(error_of([&] {
+              Scheduler(w, ModelConfig(), Device::cpu(), o);
+            }).find("request 0: encoder_len: expected 0"),
+            std::string::npos);
+  // The draft model of speculative decoding is decoder-only.
+  Workload spec = builtin_workload("spec", 3, false, 4);
+  draw_encoder_lens(spec, 8, 4);
+  EXPECT_NE(error_of([&] {
+              Scheduler(spec, small_encoder_decoder(), Device::cpu(), o);
+            }).find("speculative decoding needs a decoder-only model"),
+            std::string::npos);
+  // The encoder input counts in what a request needs of the pool: a pool that holds every
+  // request's prompt and output, and no more, is too small.
+  o.kv_slots = 0;
+  for (const RequestSpec& r : w.requests)
+    o.kv_slots =
+        std::max<int64_t>(o.kv_slots, static_cast<int64_t>(r.prompt.size()) + r.output_len);
+  EXPECT_NE(
+      error_of([&] { Scheduler(w, small_encoder_decoder(), Device::cpu(), o); }).find("KV slots"),
+      std::string::npos);
 }
 
 TEST(Scheduler, RejectsARequestLargerThanThePool) {

@@ -1,7 +1,7 @@
 // The soak test's invariant checks: each catches a deliberately broken state (a leaked slot, a
 // slot live twice, a slot held but free, a stale req_to_token row, a NaN or Inf output), and a
-// short soak run stays clean and stops, naming the step and the invariant, when the state is
-// broken under it.
+// short soak run stays clean (an encoder-decoder one too) and stops, naming the step and the
+// invariant, when the state is broken under it.
 #include "soak.h"
 
 #include <gtest/gtest.h>
@@ -205,6 +205,45 @@ TEST(Soak, ShortRunsStayClean) {
   }
 }
 
+// Cross attention: each request's encoder K/V are written as it is admitted and its slots are
+// freed with it, so the pool is empty at every flushed idle point and at the end.
+TEST(Soak, EncoderDecoderRunStaysClean) {
+  SoakOptions o = small_soak(300, false);
+  o.model.sliding_window = -1;
+  o.model.num_layers = 4;
+  o.model.encoder_decoder = true;
+  o.encoder_len = 48;
+  const SoakResult r = run_soak(o);
+  EXPECT_EQ(r.failure, "");
+  EXPECT_EQ(r.stats.requests_done, r.stats.requests);
+  EXPECT_GE(r.stats.encoder_tokens, 24 * r.stats.requests);
+  EXPECT_LE(r.stats.encoder_tokens, 48 * r.stats.requests);
+  EXPECT_GT(r.stats.checked, 50);
+  EXPECT_EQ(r.stats.check_failures, 0) << r.stats.first_failure;
+  EXPECT_GT(r.stats.admission_waits, 0);
+  EXPECT_GE(r.idle_points, 1);
+}
+
+// Encoder slots freed while the request holds them: the next step's ownership check names one.
+TEST(Soak, StopsAtAnEncoderSlotFreedWhileHeld) {
+  SoakOptions o = small_soak(200, false);
+  o.model.sliding_window = -1;
+  o.model.encoder_decoder = true;
+  o.encoder_len = 32;
+  // A request's first req_to_token entries are its encoder tokens' slots.
+  const SoakResult r = run_soak(o, {}, [](Scheduler& s, int64_t step) {
+    if (step != 30) return;
+    const ReqToTokenPool& rows = s.req_to_token();
+    for (int32_t row = 0; row < rows.max_reqs(); ++row)
+      if (rows.is_live(row)) {
+        s.allocator().free(rows.read(row, 0, 1));
+        return;
+      }
+  });
+  EXPECT_EQ(r.failed_step, 30);
+  EXPECT_TRUE(has(r.failure, "but free in the allocator")) << r.failure;
+}
+
 TEST(Soak, StopsAtALeakedSlot) {
   const SoakResult r = run_soak(small_soak(400, false), {}, [](Scheduler& s, int64_t step) {
     if (step == 37) s.allocator().alloc(1);  // allocated, and held by nobody
@@ -250,6 +289,22 @@ TEST(Soak, BadOptionsThrow) {
   o = small_soak(10, false);
   o.scheduler.kv_slots = 100;  // less than the longest soak request
   EXPECT_THROW(run_soak(o), Error);
+  // Encoder inputs go with cross attention, and cross attention without speculative decoding.
+  const auto error = [](const SoakOptions& x) { return test::error_of([&] { run_soak(x); }); };
+  o = small_soak(10, false);
+  o.encoder_len = 16;
+  EXPECT_TRUE(has(error(o), "encoder_len: expected 0 for a model without cross")) << error(o);
+  o.model.sliding_window = -1;
+  o.model.encoder_decoder = true;
+  o.encoder_len = 0;
+  EXPECT_TRUE(has(error(o), "encoder_len: expected 1..")) << error(o);
+  o.encoder_len = 16;
+  o.speculative = true;
+  EXPECT_TRUE(has(error(o), "needs a decoder-only model")) << error(o);
+  o.speculative = false;
+  EXPECT_EQ(error(o), "");
+  o.scheduler.kv_slots = SoakWorkload::kMaxPrompt + SoakWorkload::kMaxOutput;  // no room for it
+  EXPECT_TRUE(has(error(o), "soak kv_slots: expected >= 304")) << error(o);
 }
 
 }  // namespace

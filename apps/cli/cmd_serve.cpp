@@ -40,7 +40,7 @@ int64_t auto_kv_slots(const Workload& w, int max_running, int64_t max_slots) {
 }  // namespace
 
 int cmd_serve(int argc, char** argv) {
-  const ModelDefaults cpu_model{4, 8, 2, 64}, gpu_model{32, 32, 8, 128};
+  const ModelDefaults cpu_model{4, 8, 2, 64, 256}, gpu_model{32, 32, 8, 128, 512};
   std::vector<FlagSpec> flags = {
       {"--device", "auto|cpu|cuda[:N]", "device to serve on", "auto"},
       {"--workload", "chat|long|spec|FILE", "built-in workload or a workload file (JSON)", "chat"},
@@ -50,12 +50,12 @@ int cmd_serve(int argc, char** argv) {
       {"--save-workload", "FILE", "write the workload as a file that reads back identically", ""},
       {"--seed", "N", "random seed (workload, activations, draft trees)", "1"}};
   for (FlagSpec& f : model_flags(cpu_model, gpu_model, "-1")) flags.push_back(std::move(f));
-  flags.insert(
-      flags.end(),
-      {{"--kv-slots", "N", "KV pool size in tokens (auto: from the workload)", "auto"},
-       {"--token-budget", "N", "new prompt tokens per extend pass (auto: 512 / 8192)", "auto"},
-       {"--max-running", "N", "requests in flight (auto: 16 / 256)", "auto"},
-       {"--quiet", "", "no progress line", ""}});
+  flags.insert(flags.end(),
+               {{"--kv-slots", "N", "KV pool size in tokens (auto: from the workload)", "auto"},
+                {"--token-budget", "N",
+                 "new prompt and encoder tokens per extend pass (auto: 512 / 8192)", "auto"},
+                {"--max-running", "N", "requests in flight (auto: 16 / 256)", "auto"},
+                {"--quiet", "", "no progress line", ""}});
   Args args(
       argc, argv, 2, "serve",
       "Serves a workload through FlashKVBackend: requests arrive over time with shared prompt\n"
@@ -72,6 +72,7 @@ int cmd_serve(int argc, char** argv) {
   args.require_writable("--save-workload");
 
   const ModelConfig model = model_from_flags(args, gpu, cpu_model, gpu_model);
+  const int32_t encoder_len = encoder_len_from_flags(args, model, gpu, cpu_model, gpu_model);
 
   const std::string& which = args.get("--workload");
   const int requests = args.get_int("--requests", 1, kMaxWorkloadRequests, 0);
@@ -83,6 +84,12 @@ int cmd_serve(int argc, char** argv) {
     // A name that is neither built in nor a file reads "--workload chta: cannot read (no such
     // file)".
     args.fail(str_cat("--workload ", e.what()));
+  }
+  if (model.encoder_decoder) {
+    if (workload.spec.enabled)
+      args.fail(str_cat("--workload ", which, ": speculative decoding needs a decoder-only model; ",
+                        "this one has cross attention"));
+    draw_encoder_lens(workload, encoder_len, seed);
   }
 
   // Saved before the run, so that a run that fails can be replayed from it.
@@ -120,6 +127,8 @@ int cmd_serve(int argc, char** argv) {
   setup.spec = workload.spec;
   setup.prompt_tokens = workload.prompt_tokens();
   setup.output_tokens = workload.output_tokens();
+  setup.encoder_len = encoder_len;
+  setup.encoder_tokens = workload.encoder_tokens();
   setup.num_prefixes = workload.num_prefixes;
 
   Scheduler scheduler(workload, model, device, so);

@@ -23,7 +23,11 @@ void print_summary(const SoakOptions& o, const SoakResult& r) {
               static_cast<long long>(r.steps), static_cast<long long>(r.drain_steps), r.seconds,
               steps > 0 ? 1000.0 * r.seconds / double(steps) : 0.0,
               static_cast<unsigned long long>(o.seed), o.device.str().c_str());
-  std::printf("model        %s%s\n", o.model.str().c_str(),
+  const std::string encoder =
+      o.encoder_len > 0
+          ? str_cat(", encoder inputs of ", (o.encoder_len + 1) / 2, "..", o.encoder_len, " tokens")
+          : std::string();
+  std::printf("model        %s%s%s\n", o.model.str().c_str(), encoder.c_str(),
               o.speculative ? ", speculative (a one-layer draft, topk 2, 2 steps)" : "");
   std::printf("scheduler    %lld KV slots, %d requests in flight, %d new tokens per extend\n",
               static_cast<long long>(o.scheduler.kv_slots), o.scheduler.max_running,
@@ -59,19 +63,22 @@ void print_summary(const SoakOptions& o, const SoakResult& r) {
 
 int cmd_soak(int argc, char** argv) {
   // Small by default, so that 100k steps take minutes on a CPU.
-  const ModelDefaults small{2, 4, 2, 64};
+  const ModelDefaults small{2, 4, 2, 64, 128};
   std::vector<FlagSpec> flags = {
       {"--device", "auto|cpu|cuda[:N]", "device to run on", "auto"},
       {"--steps", "N", "steps with arrivals (then the run drains)", "10000"},
       {"--seed", "N", "random seed (requests, activations, draft trees)", "1"},
-      {"--speculative", "on|off", "speculative decoding (a draft model, tree verify)", "on"},
+      {"--speculative", "on|off",
+       "speculative decoding (a draft model, tree verify; off for a model with cross attention)",
+       "on"},
       {"--check-every", "N", "reference checks on every N-th step (0: none)", "4"},
       {"--flush-every", "N", "flush the prefix cache at every N-th idle point", "4"}};
   for (FlagSpec& f : model_flags(small, small, "48")) flags.push_back(std::move(f));
-  flags.insert(flags.end(), {{"--kv-slots", "N", "KV pool size in tokens", "1024"},
-                             {"--token-budget", "N", "new prompt tokens per extend pass", "256"},
-                             {"--max-running", "N", "requests in flight", "16"},
-                             {"--quiet", "", "no progress line", ""}});
+  flags.insert(flags.end(),
+               {{"--kv-slots", "N", "KV pool size in tokens", "1024"},
+                {"--token-budget", "N", "new prompt and encoder tokens per extend pass", "256"},
+                {"--max-running", "N", "requests in flight", "16"},
+                {"--quiet", "", "no progress line", ""}});
   Args args(
       argc, argv, 2, "soak",
       "Runs a long random serving workload (bursts of arrivals and quiet spells, shared and\n"
@@ -87,17 +94,25 @@ int cmd_soak(int argc, char** argv) {
   o.device = args.device();
   o.steps = args.get_int("--steps", 0, 1 << 30, 0);
   o.seed = static_cast<uint64_t>(args.get_int("--seed"));
+  o.model = model_from_flags(args, o.device.is_cuda(), small, small);
+  o.encoder_len = encoder_len_from_flags(args, o.model, o.device.is_cuda(), small, small);
   const std::string& spec = args.get("--speculative");
   if (spec != "on" && spec != "off")
     args.fail("--speculative expects on or off, got '" + spec + "'");
-  o.speculative = spec == "on";
+  // The draft model is decoder-only: a model with cross attention runs without it unless
+  // --speculative on asks for it, which is refused.
+  o.speculative = spec == "on" && !(o.model.encoder_decoder && !args.given("--speculative"));
+  if (o.speculative && o.model.encoder_decoder)
+    args.fail(
+        "--speculative on: speculative decoding needs a decoder-only model; this one has "
+        "cross attention");
   o.check_every = args.get_int("--check-every", 0, 1 << 30, 0);
   o.flush_every = args.get_int("--flush-every", 1, 1 << 30, 0);
-  o.model = model_from_flags(args, o.device.is_cuda(), small, small);
   o.scheduler.kv_slots = args.get_int("--kv-slots", 1, 1 << 30, 0);
   o.scheduler.token_budget = args.get_int("--token-budget", 1, 1 << 24, 0);
   o.scheduler.max_running = args.get_int("--max-running", 1, 1 << 16, 0);
-  const int64_t longest = SoakWorkload::kMaxPrompt + SoakWorkload::kMaxOutput +
+  const int64_t longest = int64_t{o.encoder_len} + SoakWorkload::kMaxPrompt +
+                          SoakWorkload::kMaxOutput +
                           (o.speculative ? SpeculativeConfig().draft_tokens() : 0);
   if (o.scheduler.kv_slots < longest)
     args.fail(str_cat("--kv-slots ", o.scheduler.kv_slots, ": the soak's longest request needs ",

@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "workload.h"
+
 namespace flashkv::app {
 
 namespace {
@@ -41,7 +43,24 @@ std::vector<FlagSpec> model_flags(const ModelDefaults& cpu, const ModelDefaults&
        "layer windowed; 2: even layers windowed)",
        "2"},
       {"--soft-cap", "X", "logit soft cap of every layer (0: none)", "0"},
+      {"--encoder-len", "N",
+       "encoder-decoder models: each request's encoder input has N/2 .. N tokens " +
+           auto_note(cpu.encoder_len, gpu.encoder_len),
+       "auto"},
   };
+}
+
+int32_t encoder_len_from_flags(const Args& args, const ModelConfig& model, bool gpu,
+                               const ModelDefaults& cpu, const ModelDefaults& gpu_defaults) {
+  if (!model.encoder_decoder) {
+    if (args.given("--encoder-len"))
+      args.fail(
+          "--encoder-len: the model has no cross attention (an encoder-decoder model such "
+          "as --model t5-base has)");
+    return 0;
+  }
+  return args.get_int("--encoder-len", 1, kMaxEncoderTokens,
+                      (gpu ? gpu_defaults : cpu).encoder_len);
 }
 
 const ModelPreset* preset_from_flags(const Args& args) {
@@ -86,10 +105,9 @@ ModelConfig model_from_flags(const Args& args, bool gpu, const ModelDefaults& cp
   const std::string what = preset ? str_cat("--model ", preset->name, ": ") : std::string();
   const std::string reason = model_unsupported_reason(model, gpu);
   if (!reason.empty()) args.fail(what + reason);
-  if (model.encoder_decoder)
-    args.fail(what +
-              "cross attention: the serving simulator has no encoder-decoder mode yet (its "
-              "requests carry no encoder tokens); flashkv bench --model takes this preset");
+  if (model.encoder_decoder && model.sliding_window >= 0)
+    args.fail(str_cat(what, "--window ", model.sliding_window,
+                      ": a model with cross attention has no sliding-window layers"));
   if (model.num_qo_heads % model.num_kv_heads != 0)
     args.fail(str_cat(what, "--heads ", model.num_qo_heads, " must be a multiple of --kv-heads ",
                       model.num_kv_heads));

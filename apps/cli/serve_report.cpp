@@ -77,6 +77,9 @@ void print_serve_report(std::ostream& os, const ServeSetup& s, const ServeStats&
   os << "workload     " << s.workload << ": " << st.requests << " requests, " << s.prompt_tokens
      << " prompt tokens (" << s.num_prefixes << " shared prefixes), " << s.output_tokens
      << " output tokens"
+     << (s.encoder_len > 0 ? str_cat(", ", s.encoder_tokens, " encoder tokens (",
+                                     (s.encoder_len + 1) / 2, "..", s.encoder_len, " a request)")
+                           : "")
      << (s.spec.enabled
              ? str_cat(", speculative (", s.spec.topk, " x ", s.spec.num_steps, " draft trees)")
              : "")
@@ -98,10 +101,15 @@ void print_serve_report(std::ostream& os, const ServeSetup& s, const ServeStats&
     os << " " << mode << " " << m.passes << " x " << fmt("%.3f", m.passes ? m.ms / m.passes : 0)
        << " ms;";
   os << "\n";
-  os << "prefix cache hit rate " << fmt("%.1f", 100.0 * st.prefix_hit_rate()) << "% ("
-     << st.cached_prompt_tokens << " of " << st.prompt_tokens << " prompt tokens reused), "
-     << st.evicted_blocks << " blocks evicted, " << st.cached_blocks_end << " blocks ("
-     << st.cached_slots_end << " slots) cached at the end\n";
+  if (s.encoder_len > 0)
+    os << "prefix cache off (each request's decoder K/V depend on its own encoder input); the K/V "
+       << "of " << st.encoder_tokens << " encoder tokens written once, as their requests were "
+       << "admitted\n";
+  else
+    os << "prefix cache hit rate " << fmt("%.1f", 100.0 * st.prefix_hit_rate()) << "% ("
+       << st.cached_prompt_tokens << " of " << st.prompt_tokens << " prompt tokens reused), "
+       << st.evicted_blocks << " blocks evicted, " << st.cached_blocks_end << " blocks ("
+       << st.cached_slots_end << " slots) cached at the end\n";
   os << "KV pool      peak " << st.peak_kv_slots << " of " << st.kv_slots << " slots ("
      << fmt("%.0f", st.kv_slots ? 100.0 * st.peak_kv_slots / st.kv_slots : 0) << "%; at most "
      << st.peak_working_kv_slots << " held by running requests), " << st.admission_waits

@@ -38,6 +38,9 @@ struct ServeSetup {
   SpeculativeConfig spec;
   int64_t prompt_tokens = 0, output_tokens = 0;
   int num_prefixes = 0;
+  // Encoder-decoder models: the longest encoder input (--encoder-len) and their total.
+  int32_t encoder_len = 0;
+  int64_t encoder_tokens = 0;
 };
 
 void print_serve_report(std::ostream& os, const ServeSetup& setup, const ServeStats& stats);

@@ -217,9 +217,22 @@ void Model::compare_layer(const LayerSpec& layer, const CheckedRows& rows, const
     at += n;
   }
   // The ragged extend reads the new tokens' K/V as given, not rounded to an fp8 pool's dtype.
-  const bool fresh = in.k.defined() && backend_->reads_new_kv_from_input(layer);
+  const bool fresh_new = in.k.defined() && backend_->reads_new_kv_from_input(layer);
+  // In the pass that writes the encoder K/V, a cross-attention layer's reference takes them as
+  // given, so that K/V written anywhere but the slots the requests' rows list fail the check.
+  // A pool of the activations' dtype holds them exactly; an fp8 pool rounds them, so with one
+  // the reference reads the pool as the layer did.
+  const bool fresh_encoder = in.k.defined() && layer.is_cross_attention && !is_fp8(c.kv_dtype) &&
+                             rows.encoder_rows.size() == rows.reqs.size();
+  std::vector<ReferenceRequest> reqs = rows.reqs;
+  if (fresh_encoder)
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      reqs[i].new_len = reqs[i].encoder_len;
+      reqs[i].new_row = rows.encoder_rows[i];
+    }
+  const bool fresh = fresh_new || fresh_encoder;
   const reference::Result ref =
-      layer_reference(layer, rows.reqs, q, *pool_, nullptr, nullptr, fresh ? in.k : TensorView(),
+      layer_reference(layer, reqs, q, *pool_, nullptr, nullptr, fresh ? in.k : TensorView(),
                       fresh ? in.v : TensorView());
   const Errors err = compare(out, TensorView(), ref);
   const Tolerance tol = tolerance_for(c.dtype, is_fp8(c.kv_dtype));
@@ -250,6 +263,9 @@ void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
   // about 2^25 multiply-adds (a long GPU-sized context gets fewer rows).
   constexpr double kCheckWork = double(1 << 25);
   CheckedRows rows;
+  std::vector<int64_t> encoder_begin(1, 0);  // entry i's encoder tokens: rows from [i] of k / v
+  for (const BatchEntry& e : step.entries())
+    encoder_begin.push_back(encoder_begin.back() + e.seq->encoder_len);
   for (size_t i : check_entries) {
     const BatchEntry& e = step.entries()[i];
     int32_t n = e.num_new;
@@ -269,6 +285,7 @@ void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
     if (const uint8_t* m = step.mask(i)) rr.mask = m + int64_t{e.num_new - n} * e.seq_len;
     rows.reqs.push_back(rr);
     rows.ranges.emplace_back(step.qo_begin(i) + e.num_new - n, n);
+    if (step.write_encoder_kv()) rows.encoder_rows.push_back(encoder_begin[i]);
   }
   const std::string what = str_cat(mode_name(b.mode), " pass of ", b.batch_size, " requests");
   for (size_t k = 0; k < check_layers.size(); ++k)

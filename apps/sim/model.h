@@ -98,17 +98,20 @@ class Model {
   // Layer i as the backend gets it: the config's shape, and this model's sinks when it has them.
   LayerSpec layer(int i) const;
   // Rows of the checked outputs, described for the reference: request i of `reqs` owns rows
-  // [first, first + count) of the pass.
+  // [first, first + count) of the pass. encoder_rows[i] (a pass that writes the encoder K/V):
+  // where request i's encoder tokens start in the cross-attention layers' k / v.
   struct CheckedRows {
     std::vector<ReferenceRequest> reqs;
     std::vector<std::pair<int64_t, int64_t>> ranges;
+    std::vector<int64_t> encoder_rows;
   };
   // What a checked layer was given: q, and the new tokens' k / v (undefined where none).
   struct LayerInputs {
     TensorView q, k, v;
   };
   // Compares one checked layer's output rows with the reference (which reads the new tokens'
-  // K/V from `in` where the pass did, else from the pool).
+  // K/V from `in` where the pass did, and a cross-attention layer's encoder K/V from `in` in the
+  // pass that writes them; everything else from the pool).
   void compare_layer(const LayerSpec& layer, const CheckedRows& rows, const LayerInputs& in,
                      const TensorView& out, const char* what, PassResult& r);
   // Copies `rows` rows of a layer's output to the host and notes its first NaN or Inf in `r`.

@@ -25,6 +25,16 @@ struct Scheduler::Active {
   Sequence seq;
   std::vector<int32_t> chain;  // prefix-cache nodes it references: its leading prompt blocks
   int32_t generated = 0;       // output tokens so far (the prefill makes the first)
+
+  // The slots the request holds itself: its encoder tokens' and its decoder tokens' after the
+  // shared prefix blocks (those are the prefix cache's).
+  std::vector<int32_t> own_slots(int block_size) const {
+    const size_t enc = static_cast<size_t>(seq.encoder_len);
+    const size_t shared = chain.size() * static_cast<size_t>(block_size);
+    std::vector<int32_t> own(seq.slots.begin(), seq.slots.begin() + enc);
+    own.insert(own.end(), seq.slots.begin() + enc + shared, seq.slots.end());
+    return own;
+  }
 };
 
 namespace {
@@ -39,7 +49,7 @@ ModelConfig draft_config(const ModelConfig& target) {
 }  // namespace
 
 int64_t Scheduler::slots_needed(const RequestSpec& r, const SpeculativeConfig& spec) {
-  return static_cast<int64_t>(r.prompt.size()) + r.output_len +
+  return int64_t{r.encoder_len} + static_cast<int64_t>(r.prompt.size()) + r.output_len +
          (spec.enabled ? spec.draft_tokens() : 0);
 }
 
@@ -60,6 +70,10 @@ Scheduler::Scheduler(const Workload& workload, const ModelConfig& model, Device 
                 options.max_context);
   FLASHKV_CHECK(!workload.requests.empty() || options.max_context > 0, "workload ", workload.name,
                 ": no requests");
+  // The draft model is a decoder-only layer (and multi-step drafting plans no cross attention),
+  // as SGLang runs speculative decoding for decoder-only models alone.
+  FLASHKV_CHECK(!(workload.spec.enabled && model.encoder_decoder), "workload ", workload.name,
+                ": speculative decoding needs a decoder-only model; this one has cross attention");
   int64_t max_context = std::max<int64_t>(options.max_context, 1);
   if (options.max_context == 0)
     for (const RequestSpec& r : workload.requests)
@@ -140,15 +154,21 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
          static_cast<int>(running_.size() + admitted.size()) < options_.max_running) {
     const RequestSpec& spec = waiting_.front().request;
     const int32_t prompt_len = static_cast<int32_t>(spec.prompt.size());
-    std::vector<int32_t> chain = cache_.match(spec.prompt);
+    // A request with an encoder input shares no prompt blocks: its decoder tokens' K/V depend on
+    // its encoder input (SGLang's radix cache keys such a request by its encoder tokens first),
+    // and its encoder K/V are its own, freed with it.
+    const bool cacheable = spec.encoder_len == 0;
+    std::vector<int32_t> chain = cacheable ? cache_.match(spec.prompt) : std::vector<int32_t>();
     // At least one prompt token is computed (its output is the first generated token).
     if (static_cast<int64_t>(chain.size()) * B >= prompt_len) chain.resize((prompt_len - 1) / B);
     const int32_t matched = static_cast<int32_t>(chain.size()) * B;
     const int32_t new_tokens = prompt_len - matched;
-    if (!admitted.empty() && batch_tokens + new_tokens > options_.token_budget) break;
+    // The admitting pass also writes the encoder tokens' K/V: they count against the budget.
+    const int64_t pass_tokens = int64_t{new_tokens} + spec.encoder_len;
+    if (!admitted.empty() && batch_tokens + pass_tokens > options_.token_budget) break;
     cache_.acquire(chain);  // before counting: its blocks are no longer evictable
     const int64_t future = (spec.output_len - 1) + (spec_.enabled ? spec_.draft_tokens() : 0);
-    if (allocator_->num_free() + cache_.evictable_slots() < reserved + new_tokens + future) {
+    if (allocator_->num_free() + cache_.evictable_slots() < reserved + pass_tokens + future) {
       cache_.release(chain);
       ++stats_.admission_waits;
       break;
@@ -157,6 +177,8 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
     auto row = req_to_token_->alloc(1);
     FLASHKV_CHECK(row.has_value(), "scheduler: no free req_to_token row");
     a->seq.row = (*row)[0];
+    if (spec.encoder_len > 0)
+      set_encoder_tokens(a->seq, alloc_slots(spec.encoder_len), *req_to_token_);
     std::vector<int32_t> prefix;
     for (int32_t node : chain)
       prefix.insert(prefix.end(), cache_.slots(node).begin(), cache_.slots(node).end());
@@ -165,8 +187,9 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
     append_tokens(a->seq, alloc_slots(new_tokens), *req_to_token_);
     stats_.prompt_tokens += prompt_len;
     stats_.cached_prompt_tokens += matched;
-    reserved += new_tokens + future;
-    batch_tokens += new_tokens;
+    stats_.encoder_tokens += spec.encoder_len;
+    reserved += pass_tokens + future;
+    batch_tokens += pass_tokens;
     a->id = waiting_.front().id;
     a->request = std::move(waiting_.front().request);  // `spec` is gone from here on
     waiting_.pop_front();
@@ -178,8 +201,7 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
 
 void Scheduler::finish(Active* a) {
   cache_.release(a->chain);
-  const size_t shared = static_cast<size_t>(a->chain.size()) * cache_.block_size();
-  allocator_->free(std::vector<int32_t>(a->seq.slots.begin() + shared, a->seq.slots.end()));
+  allocator_->free(a->own_slots(cache_.block_size()));
   req_to_token_->free({a->seq.row});
   running_.erase(std::find(running_.begin(), running_.end(), a));
   ++stats_.requests_done;
@@ -197,18 +219,23 @@ void Scheduler::run_extend(const std::vector<Active*>& admitted) {
     e.num_new = e.seq_len - static_cast<int32_t>(a->chain.size()) * cache_.block_size();
     entries.push_back(e);
   }
-  StepBatch step(ForwardMode::EXTEND, entries, *req_to_token_, device_);
+  // The admitting pass is the one that writes the requests' encoder K/V (cross-attention layers
+  // get them as their k / v); later passes read them from the pool.
+  StepBatch step(ForwardMode::EXTEND, entries, *req_to_token_, device_,
+                 /*write_encoder_kv=*/model_->config().encoder_decoder);
   record("EXTEND", model_->forward(step, step_check_));
   if (draft_) record("draft EXTEND", draft_->forward(step, step_check_));
   for (Active* a : admitted) {
     // Cache the prompt's whole blocks; blocks another request cached meanwhile are shared.
-    std::vector<int32_t> prompt_slots(a->seq.slots.begin(),
-                                      a->seq.slots.begin() + a->request.prompt.size());
-    std::vector<int32_t> released;
-    cache_.insert(a->request.prompt, prompt_slots, a->chain, released);
-    if (!released.empty()) {
-      rewrite_tokens(a->seq, 0, prompt_slots, *req_to_token_);
-      allocator_->free(released);
+    if (a->request.encoder_len == 0) {
+      std::vector<int32_t> prompt_slots(a->seq.slots.begin(),
+                                        a->seq.slots.begin() + a->request.prompt.size());
+      std::vector<int32_t> released;
+      cache_.insert(a->request.prompt, prompt_slots, a->chain, released);
+      if (!released.empty()) {
+        rewrite_tokens(a->seq, 0, prompt_slots, *req_to_token_);
+        allocator_->free(released);
+      }
     }
     a->generated = 1;
     ++stats_.generated_tokens;
@@ -330,6 +357,14 @@ void Scheduler::submit(const RequestSpec& r) {
   FLASHKV_CHECK(!r.prompt.empty() && r.output_len >= 1, "request ", stats_.requests,
                 ": expected a prompt of >= 1 tokens and output >= 1, got ", r.prompt.size(),
                 " and ", r.output_len);
+  if (model_->config().encoder_decoder)
+    FLASHKV_CHECK(r.encoder_len >= 1, "request ", stats_.requests,
+                  ": encoder_len: expected >= 1 for a model with cross attention, got ",
+                  r.encoder_len);
+  else
+    FLASHKV_CHECK(r.encoder_len == 0, "request ", stats_.requests,
+                  ": encoder_len: expected 0 for a model without cross attention, got ",
+                  r.encoder_len);
   FLASHKV_CHECK(need <= options_.kv_slots, "request ", stats_.requests, " needs ", need,
                 " KV slots, more than the pool's ", options_.kv_slots);
   FLASHKV_CHECK(need <= options_.max_context, "request ", stats_.requests, " needs ", need,
@@ -387,19 +422,23 @@ std::string Scheduler::check_step_invariants() const {
   std::vector<SlotOwner> owners;
   owners.push_back({"the prefix cache", cache_.all_slots()});
   for (const Active* a : running_) {
-    // The request's first chain blocks' slots are the cache's; the rest are its own.
+    // The request's first chain blocks' slots (after its encoder tokens') are the cache's; the
+    // rest, its encoder tokens' included, are its own.
+    const size_t enc = static_cast<size_t>(a->seq.encoder_len);
     const size_t shared = a->chain.size() * static_cast<size_t>(B);
-    if (a->seq.slots.size() < shared)
+    if (enc != static_cast<size_t>(a->request.encoder_len))
+      return str_cat("request ", a->id, " holds ", enc,
+                     " encoder tokens, but its encoder input has ", a->request.encoder_len);
+    if (a->seq.slots.size() < enc + shared)
       return str_cat("request ", a->id, " holds ", a->seq.slots.size(), " slots, fewer than its ",
-                     a->chain.size(), " prefix blocks");
+                     enc, " encoder tokens and ", a->chain.size(), " prefix blocks");
     for (size_t b = 0; b < a->chain.size(); ++b) {
       const std::vector<int32_t>& block = cache_.slots(a->chain[b]);
-      if (!std::equal(block.begin(), block.end(), a->seq.slots.begin() + b * B))
+      if (!std::equal(block.begin(), block.end(), a->seq.slots.begin() + enc + b * B))
         return str_cat("request ", a->id, ": its prefix block ", b,
                        " does not list the prefix cache's slots of that block");
     }
-    owners.push_back({str_cat("request ", a->id),
-                      std::vector<int32_t>(a->seq.slots.begin() + shared, a->seq.slots.end())});
+    owners.push_back({str_cat("request ", a->id), a->own_slots(B)});
   }
   std::string bad = check_slot_ownership(*allocator_, owners);
   if (!bad.empty()) return "slot ownership: " + bad;

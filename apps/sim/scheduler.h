@@ -16,6 +16,12 @@
 // slots except the prompt blocks the cache holds, which stay until evicted.
 // Steps with nothing to run skip ahead to the next arrival.
 //
+// Encoder-decoder models (cross attention on odd layers): each request carries an encoder input
+// (RequestSpec::encoder_len tokens). Admission allocates their slots as the first entries of the
+// request's req_to_token row; the EXTEND pass that admits it writes their K/V (the cross-attention
+// layers' k / v) and every later pass reads them; they are freed with the request. Such requests
+// neither reuse nor cache prompt blocks, and speculative decoding is refused.
+//
 // run() serves a whole workload. A long-running driver (the soak test) instead calls submit()
 // and step() itself and checks the per-step invariants (check_step_invariants) in between.
 #pragma once
@@ -38,11 +44,12 @@ namespace flashkv::app {
 
 struct SchedulerOptions {
   int64_t kv_slots = 4096;  // usable slots of the KV pool
-  int token_budget = 512;   // new prompt tokens per EXTEND pass (a longer prompt runs alone)
-  int max_running = 16;     // requests in flight
-  int block_size = 16;      // prefix-cache granularity in tokens
-  // Longest request (prompt + output + draft tree) in tokens: the width of the req_to_token
-  // rows. 0: the longest request of the constructor's workload.
+  // New prompt tokens (and encoder tokens) per EXTEND pass; a longer request runs alone.
+  int token_budget = 512;
+  int max_running = 16;  // requests in flight
+  int block_size = 16;   // prefix-cache granularity in tokens
+  // Longest request (encoder input + prompt + output + draft tree) in tokens: the width of the
+  // req_to_token rows. 0: the longest request of the constructor's workload.
   int64_t max_context = 0;
   CheckOptions check;
   int check_every = 1;  // with check.enabled: check the passes of every check_every-th step
@@ -54,6 +61,7 @@ struct ServeStats {
   int64_t requests = 0, requests_done = 0;
   int64_t prompt_tokens = 0;         // all prompt tokens of the admitted requests
   int64_t cached_prompt_tokens = 0;  // of which served from the prefix cache
+  int64_t encoder_tokens = 0;        // encoder tokens of the admitted requests
   int64_t generated_tokens = 0;
   double serve_s = 0;           // wall time of the run, reference checks and NaN scans excluded
   double check_s = 0;           // time spent in those
@@ -107,12 +115,14 @@ class Scheduler {
   // ServeStats::invariant_failures).
   ServeStats run(const std::function<void(const Progress&)>& on_progress = {});
 
-  // Slots one request needs at its end (prompt, output and a draft tree): the pool must hold it.
+  // Slots one request needs at its end (encoder input, prompt, output and a draft tree): the pool
+  // must hold it.
   static int64_t slots_needed(const RequestSpec& r, const SpeculativeConfig& spec);
 
   // --- driving the scheduler step by step ---
   // Queues a request arriving at r.arrival (arrivals must not decrease). Throws flashkv::Error
-  // when it can never fit the pool or the req_to_token rows.
+  // when it can never fit the pool or the req_to_token rows, or when it has an encoder input
+  // (encoder_len >= 1) exactly when the model has no cross attention.
   void submit(const RequestSpec& r);
   // Runs one step (one EXTEND, DECODE or speculative step), first skipping ahead to the next
   // arrival when nothing is waiting or running. Returns false, doing nothing, when no request
@@ -129,19 +139,21 @@ class Scheduler {
   int64_t flush_prefix_cache();
   // The invariants that hold between any two steps; "" when they do, else the first violation:
   //   slot ownership   every allocated KV slot is held by exactly one owner: a running request
-  //                    (the slots after its shared prefix blocks) or the prefix cache, and
-  //                    every slot an owner holds is allocated (check_slot_ownership);
-  //   request rows     each running request's req_to_token row lists its slots (its prefix
-  //                    blocks' slots first), and no other row is in use;
+  //                    (its encoder tokens' slots and those after its shared prefix blocks) or
+  //                    the prefix cache, and every slot an owner holds is allocated
+  //                    (check_slot_ownership);
+  //   request rows     each running request's req_to_token row lists its slots (its encoder
+  //                    tokens', then its prefix blocks'), and no other row is in use;
   //   prefix cache     the cache's own bookkeeping (PrefixCache::check_invariants).
   std::string check_step_invariants() const;
   // Figures so far (run() returns the final ones).
   const ServeStats& stats() const { return stats_; }
   // The progress line's figures now (serve_s, step and steps are the caller's to fill).
   Progress progress() const;
-  // The allocator and the target model, for tools and tests that inspect (or deliberately
-  // break) the state the invariants watch.
+  // The allocator, the req_to_token rows and the target model, for tools and tests that inspect
+  // (or deliberately break) the state the invariants watch.
   TokenAllocator& allocator() { return *allocator_; }
+  const ReqToTokenPool& req_to_token() const { return *req_to_token_; }
   Model& model() { return *model_; }
 
  private:

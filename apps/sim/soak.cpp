@@ -95,12 +95,23 @@ SoakResult run_soak(const SoakOptions& o, const SoakProgress& on_progress,
   FLASHKV_CHECK(o.steps >= 0, "soak steps: expected >= 0, got ", o.steps);
   FLASHKV_CHECK(o.check_every >= 0, "soak check_every: expected >= 0, got ", o.check_every);
   FLASHKV_CHECK(o.flush_every >= 1, "soak flush_every: expected >= 1, got ", o.flush_every);
+  if (o.model.encoder_decoder) {
+    FLASHKV_CHECK(o.encoder_len >= 1 && o.encoder_len <= kMaxEncoderTokens,
+                  "soak encoder_len: expected 1..", kMaxEncoderTokens,
+                  " for a model with cross attention, got ", o.encoder_len);
+    FLASHKV_CHECK(!o.speculative,
+                  "soak speculative: speculative decoding needs a decoder-only model; this one has "
+                  "cross attention");
+  } else {
+    FLASHKV_CHECK(o.encoder_len == 0, "soak encoder_len: expected 0 for a model without cross ",
+                  "attention, got ", o.encoder_len);
+  }
   Workload w;
   w.name = "soak";
   w.spec.enabled = o.speculative;
   SchedulerOptions so = o.scheduler;
   so.seed = o.seed;
-  so.max_context = SoakWorkload::kMaxPrompt + SoakWorkload::kMaxOutput +
+  so.max_context = int64_t{o.encoder_len} + SoakWorkload::kMaxPrompt + SoakWorkload::kMaxOutput +
                    (o.speculative ? w.spec.draft_tokens() : 0);
   FLASHKV_CHECK(so.kv_slots >= so.max_context, "soak kv_slots: expected >= ", so.max_context,
                 " (the longest soak request), got ", so.kv_slots);
@@ -109,7 +120,15 @@ SoakResult run_soak(const SoakOptions& o, const SoakProgress& on_progress,
   so.check.scan_every_layer = true;
   Scheduler s(w, o.model, o.device, so);
   SoakWorkload gen(o.seed);
-  RequestSpec next = gen.next();
+  // Encoder inputs come from a stream of their own, so the requests are the same with or
+  // without them.
+  std::mt19937_64 encoder_gen(o.seed * 0x9E3779B97F4A7C15ull + 0xE2C0DE);
+  auto next_request = [&] {
+    RequestSpec r = gen.next();
+    if (o.encoder_len > 0) r.encoder_len = random_encoder_len(encoder_gen, o.encoder_len);
+    return r;
+  };
+  RequestSpec next = next_request();
 
   SoakResult res;
   const auto t0 = std::chrono::steady_clock::now();
@@ -121,7 +140,7 @@ SoakResult run_soak(const SoakOptions& o, const SoakProgress& on_progress,
     // to it instead of running out of work.
     while (arriving && (next.arrival <= s.clock() || s.num_pending() == 0)) {
       s.submit(next);
-      next = gen.next();
+      next = next_request();
     }
     if (!s.step()) break;
     ++step;

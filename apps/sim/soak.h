@@ -1,6 +1,7 @@
 // The soak test behind `flashkv soak`: a long random serving workload through the scheduler
 // (arrivals in bursts and quiet spells, short and long prompts, shared and nested prefixes,
-// repeated prompts, prefixes that go out of use, outputs of 1 to 64 tokens, speculative steps),
+// repeated prompts, prefixes that go out of use, outputs of 1 to 64 tokens, speculative steps;
+// with an encoder-decoder model, an encoder input per request instead of speculative steps),
 // with the serving invariants checked after EVERY step:
 //   slot ownership     no KV slot leaked or live twice (Scheduler::check_step_invariants);
 //   request rows       every running request's req_to_token row lists its slots;
@@ -54,6 +55,10 @@ struct SoakOptions {
   int check_every = 4;  // reference checks on every check_every-th step; 0: none
   int flush_every = 4;  // flush the prefix cache at every flush_every-th idle point
   ModelConfig model;
+  // A model with cross attention: each request's encoder input has (encoder_len + 1) / 2 ..
+  // encoder_len tokens (draw_encoder_lens' rule, seeded); 0 for a model without. Speculative
+  // decoding needs a decoder-only model.
+  int32_t encoder_len = 0;
   Device device = Device::cpu();
   SchedulerOptions scheduler;  // kv_slots, token_budget, max_running (the rest is set here)
 };

@@ -6,6 +6,14 @@
 
 namespace flashkv::app {
 
+void set_encoder_tokens(Sequence& seq, const std::vector<int32_t>& slots, ReqToTokenPool& pool) {
+  FLASHKV_CHECK(seq.slots.empty() && seq.encoder_len == 0,
+                "set_encoder_tokens: expected a sequence with no tokens, got ", seq.slots.size(),
+                " (", seq.encoder_len, " of them encoder tokens)");
+  append_tokens(seq, slots, pool);
+  seq.encoder_len = static_cast<int32_t>(slots.size());
+}
+
 void append_tokens(Sequence& seq, const std::vector<int32_t>& slots, ReqToTokenPool& pool) {
   if (slots.empty()) return;
   pool.write(seq.row, static_cast<int64_t>(seq.slots.size()), slots);

@@ -23,6 +23,10 @@ struct Sequence {
   int32_t seq_len() const { return static_cast<int32_t>(slots.size()) - encoder_len; }
 };
 
+// Gives a sequence with no tokens yet its encoder tokens, held in `slots`: they become the first
+// entries of the sequence and of its req_to_token row (SGLang's layout for encoder-decoder
+// models), and the decoder tokens follow them.
+void set_encoder_tokens(Sequence& seq, const std::vector<int32_t>& slots, ReqToTokenPool& pool);
 // Appends decoder tokens held in `slots` to the sequence and to its req_to_token row.
 void append_tokens(Sequence& seq, const std::vector<int32_t>& slots, ReqToTokenPool& pool);
 // Rewrites decoder token positions [start, start + slots.size()) with `slots` (host and row).

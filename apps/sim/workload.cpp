@@ -23,6 +23,12 @@ int64_t Workload::output_tokens() const {
   return n;
 }
 
+int64_t Workload::encoder_tokens() const {
+  int64_t n = 0;
+  for (const RequestSpec& r : requests) n += r.encoder_len;
+  return n;
+}
+
 int32_t Workload::max_prompt_len() const {
   int32_t n = 0;
   for (const RequestSpec& r : requests) n = std::max(n, static_cast<int32_t>(r.prompt.size()));
@@ -298,6 +304,17 @@ Workload parse_workload(const std::string& text, const std::string& source, int 
     throw Error(str_cat(source, ": ", e.what()));
   }
   return FileReader(source, seed).read(doc, num_requests);
+}
+
+int32_t random_encoder_len(std::mt19937_64& gen, int32_t max_len) {
+  FLASHKV_CHECK(max_len >= 1 && max_len <= kMaxEncoderTokens, "encoder length: expected 1..",
+                kMaxEncoderTokens, ", got ", max_len);
+  return std::uniform_int_distribution<int32_t>((max_len + 1) / 2, max_len)(gen);
+}
+
+void draw_encoder_lens(Workload& w, int32_t max_len, uint64_t seed) {
+  std::mt19937_64 gen(seed * 0x9E3779B97F4A7C15ull + 0xE2C0DE);
+  for (RequestSpec& r : w.requests) r.encoder_len = random_encoder_len(gen, max_len);
 }
 
 namespace {

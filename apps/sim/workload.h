@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,10 @@ struct RequestSpec {
   std::vector<int32_t> prompt;  // token ids; a shared prefix's tokens come first
   int32_t prefix_len = 0;       // tokens of the prompt that come from a shared prefix
   int32_t output_len = 1;       // tokens to generate (the first one comes out of the prefill)
+  // Encoder-decoder models: the request's encoder input in tokens. Their K/V take the first
+  // slots of the request's req_to_token row, written by the pass that admits it and freed with
+  // it; 0 for a decoder-only model.
+  int32_t encoder_len = 0;
 };
 
 // Speculative decoding (EAGLE-style): each step, the draft model drafts `topk` branches of
@@ -37,6 +42,7 @@ struct Workload {
 
   int64_t prompt_tokens() const;
   int64_t output_tokens() const;
+  int64_t encoder_tokens() const;
   int32_t max_prompt_len() const;
   // Longest prompt + output of any request (the KV a request needs at its end).
   int32_t max_sequence_len() const;
@@ -58,9 +64,17 @@ Workload load_workload_file(const std::string& path, int num_requests, uint64_t 
 // without "name" is named `source`.
 Workload parse_workload(const std::string& text, const std::string& source, int num_requests,
                         uint64_t seed);
+// Encoder inputs for an encoder-decoder model: each request gets a length drawn uniformly from
+// (max_len + 1) / 2 .. max_len, from `seed` and the request's index alone, so the same seed gives
+// every request of a workload (built-in or file) the same length. Throws flashkv::Error unless
+// 1 <= max_len <= kMaxEncoderTokens.
+constexpr int32_t kMaxEncoderTokens = 1 << 16;
+int32_t random_encoder_len(std::mt19937_64& gen, int32_t max_len);
+void draw_encoder_lens(Workload& w, int32_t max_len, uint64_t seed);
 // A workload file describing `w` exactly: token ids written out, each distinct shared prefix
 // once under "prefixes" (named p0, p1, ...). Reading it back gives the same requests, name and
-// speculative setting (`serve --save-workload`).
+// speculative setting (`serve --save-workload`). Encoder lengths are not written: serving the file
+// with the same --seed and --encoder-len draws them again.
 std::string workload_to_json(const Workload& w);
 
 }  // namespace flashkv::app
