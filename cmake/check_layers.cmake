@@ -4,7 +4,8 @@
 #   core: core                  kvcache: + kvcache         plan: core, plan
 #   kernels: core, plan, kernels                           ops: core, plan, ops (+ kernels in .cpp)
 #   backend: core, kvcache, plan, ops, backend             reference: + reference
-#   apps, python, bench/lib: the public layers (+ reference, except python)
+#   parallel (context parallelism): core, plan, ops, parallel
+#   apps, bench/lib: the public layers + parallel + reference      python: the public layers
 #   bench/*.cu (the standalone kernel benchmarks): + kernels
 cmake_minimum_required(VERSION 3.24)
 # Each rule: "<path prefixes, |-separated> = <layers it may include, comma-separated>"; the first
@@ -17,13 +18,15 @@ set(_rules
   "include/flashkv/ops/ = core,plan,ops"
   "ops/ = core,plan,ops,kernels"
   "include/flashkv/backend/|backend/ = core,kvcache,plan,ops,backend"
+  "include/flashkv/parallel/|parallel/ = core,plan,ops,parallel"
   "reference/ = core,kvcache,plan,ops,backend,reference"
-  "apps/|bench/lib/|tests/|fuzz/ = core,kvcache,plan,ops,backend,reference"
+  "apps/|bench/lib/|tests/|fuzz/ = core,kvcache,plan,ops,backend,parallel,reference"
   "python/ = core,kvcache,plan,ops,backend"
   "bench/ = core,kvcache,plan,ops,backend,kernels")
 file(GLOB_RECURSE _files RELATIVE ${ROOT}
   ${ROOT}/include/*.h ${ROOT}/core/* ${ROOT}/kvcache/* ${ROOT}/plan/* ${ROOT}/ops/*
-  ${ROOT}/backend/* ${ROOT}/reference/* ${ROOT}/kernels/* ${ROOT}/apps/* ${ROOT}/bench/*
+  ${ROOT}/backend/* ${ROOT}/parallel/* ${ROOT}/reference/* ${ROOT}/kernels/* ${ROOT}/apps/*
+  ${ROOT}/bench/*
   ${ROOT}/python/*.cpp ${ROOT}/python/*.h)
 list(FILTER _files INCLUDE REGEX "\\.(h|cpp|cu|cuh|in)$")
 set(_errors "")

@@ -1,0 +1,450 @@
+// Sharded extend: the new tokens' q/k/v all-gathered, every new row over this rank's prefix
+// shard, the prefix states routed to the rows' owners and merged, then the owned rows over all
+// new tokens (causal on their global positions) merged with them as they are written.
+#include <algorithm>
+#include <optional>
+#include <tuple>
+
+#include "copy.h"
+#include "flashkv/core/error.h"
+#include "flashkv/parallel/context_parallel.h"
+
+namespace flashkv::parallel {
+
+namespace {
+enum ExtendBuf : size_t {
+  kGatherQ,
+  kGatherK,
+  kGatherV,
+  kAllQ,
+  kAllK,
+  kAllV,
+  kPrefixO,
+  kPrefixLse,
+  kSendO,
+  kSendLse,
+  kRecvO,
+  kRecvLse,
+  kPickO,
+  kPickLse,
+  kLseByRow,
+  kMergedO,
+  kMergedLse,
+  kNumExtendBufs
+};
+
+Tensor on_device(const Tensor& host, Device dev) { return dev.is_cpu() ? host : host.to(dev); }
+
+Tensor mask_tensor(const std::vector<uint8_t>& bits, Device dev) {
+  Tensor t = Tensor::empty({std::max<int64_t>(static_cast<int64_t>(bits.size()), 1)}, DType::u8);
+  t.ptr<uint8_t>()[0] = 0;
+  std::copy(bits.begin(), bits.end(), t.ptr<uint8_t>());
+  return on_device(t, dev);
+}
+
+}  // namespace
+
+// Copies each segment's rows from src (row offset src_base + seg.src) to dst (dst_base + seg.dst).
+void CpExtend::copy_segments(void* dst, int64_t dst_base, const void* src, int64_t src_base,
+                             const std::vector<Segment>& segments, size_t row_bytes,
+                             Stream stream) {
+  const Device dev = comm_.device();
+  for (const Segment& seg : segments)
+    copy_bytes(static_cast<char*>(dst) + (dst_base + seg.dst) * row_bytes, dev,
+               static_cast<const char*>(src) + (src_base + seg.src) * row_bytes, dev,
+               seg.rows * row_bytes, stream);
+}
+
+CpExtend::CpExtend(Communicator& comm, const CpOptions& options) : comm_(comm), options_(options) {
+  CpShard(options, comm.size());  // validates the options
+  FLASHKV_CHECK(
+      options.exchange == CpExchange::all_gather || options.exchange == CpExchange::all_to_all,
+      "CpOptions::exchange: expected all_gather or all_to_all, got ",
+      static_cast<int>(options.exchange));
+}
+
+void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options, Stream stream) {
+  planned_ = false;
+  const int world = comm_.size(), rank = comm_.rank();
+  const CpShard shard(options_, world);
+  const Device dev = comm_.device();
+  const size_t batch = shape.prefix_len.size();
+  FLASHKV_CHECK(shape.extend_len.size() == batch, "CpExtendShape::extend_len: expected ", batch,
+                " entries (one per prefix_len entry), got ", shape.extend_len.size());
+  FLASHKV_CHECK(is_float(shape.dtype) && !is_fp8(shape.dtype), "CpExtendShape::dtype: expected ",
+                "f32, f16 or bf16, got ", dtype_name(shape.dtype));
+  const int64_t b = static_cast<int64_t>(batch);
+  const int32_t w = shape.window_left < 0 ? -1 : shape.window_left;
+  const bool custom = shape.custom_mask.defined();
+  for (int64_t i = 0; i < b; ++i) {
+    FLASHKV_CHECK(shape.prefix_len[i] >= 0, "CpExtendShape::prefix_len[", i,
+                  "] = ", shape.prefix_len[i], ": expected >= 0");
+    FLASHKV_CHECK(shape.extend_len[i] >= 0, "CpExtendShape::extend_len[", i,
+                  "] = ", shape.extend_len[i], ": expected >= 0");
+  }
+  std::vector<int64_t> mask_at(batch, 0);
+  if (custom) {
+    Expect(shape.custom_mask, "CpExtendShape::custom_mask").ndim(1).on_host().dtype(DType::u8);
+    Expect(shape.mask_indptr, "CpExtendShape::mask_indptr")
+        .ndim(1)
+        .on_host()
+        .index_dtype()
+        .dim(0, b + 1);
+    for (int64_t i = 0; i < b; ++i) {
+      mask_at[i] = index_at(shape.mask_indptr, i);
+      const int64_t need =
+          int64_t{shape.extend_len[i]} * (int64_t{shape.prefix_len[i]} + shape.extend_len[i]);
+      FLASHKV_CHECK(mask_at[i] >= 0 && mask_at[i] + need <= shape.custom_mask.shape[0],
+                    "CpExtendShape::custom_mask: request ", i, "'s ", need,
+                    " elements from mask_indptr[", i, "] = ", mask_at[i], " do not fit the mask's ",
+                    shape.custom_mask.shape[0], " elements");
+    }
+  } else {
+    FLASHKV_CHECK(!shape.mask_indptr.defined(),
+                  "CpExtendShape::mask_indptr: given without custom_mask");
+  }
+  auto tree = [&](int64_t i, int64_t row, int64_t col) {
+    const int64_t cols = int64_t{shape.prefix_len[i]} + shape.extend_len[i];
+    return shape.custom_mask.ptr<uint8_t>()[mask_at[i] + row * cols + col] != 0;
+  };
+
+  // Rows: global order (request by request), and each rank's own rows (zigzag).
+  std::vector<int32_t> new_indptr(batch + 1, 0);
+  for (size_t i = 0; i < batch; ++i) new_indptr[i + 1] = new_indptr[i] + shape.extend_len[i];
+  std::vector<int64_t> rank_rows(world, 0), rank_row_begin(world + 1, 0);
+  std::vector<Segment> to_global, own_of_global;
+  for (int s = 0; s < world; ++s) {
+    int64_t at = rank_row_begin[s];
+    for (size_t i = 0; i < batch; ++i) {
+      const ZigzagRows z = zigzag_rows(shape.extend_len[i], world, s);
+      for (int k = 0; k < 2; ++k) {
+        if (z.len[k] == 0) continue;
+        to_global.push_back({at, new_indptr[i] + z.begin[k], z.len[k]});
+        if (s == rank)
+          own_of_global.push_back({new_indptr[i] + z.begin[k], at - rank_row_begin[s], z.len[k]});
+        at += z.len[k];
+      }
+    }
+    rank_rows[s] = at - rank_row_begin[s];
+    rank_row_begin[s + 1] = at;
+  }
+  std::vector<Segment> to_owner;
+  for (const Segment& g : to_global) to_owner.push_back({g.dst, g.src, g.rows});
+
+  // The prefix pass: every new row over this rank's prefix shard. Its positions are global, so a
+  // window or a tree mask becomes a per-request mask over the local entries.
+  std::vector<int32_t> local_prefix(batch);
+  for (size_t i = 0; i < batch; ++i)
+    local_prefix[i] = static_cast<int32_t>(shard.local_len(rank, shape.prefix_len[i]));
+  const bool prefix_masked = custom || w >= 0;
+  std::vector<uint8_t> prefix_bits;
+  std::vector<int32_t> prefix_mask_indptr(batch + 1, 0);
+  if (prefix_masked) {
+    for (size_t i = 0; i < batch; ++i) {
+      const int64_t n = shape.prefix_len[i];
+      for (int64_t t = 0; t < shape.extend_len[i]; ++t) {
+        for (int64_t j = 0; j < local_prefix[i]; ++j) {
+          const int64_t g = shard.global_pos(rank, j);
+          const bool seen = (!custom || tree(i, t, g)) && (w < 0 || g >= n + t - w);
+          prefix_bits.push_back(seen ? 1 : 0);
+        }
+      }
+      FLASHKV_CHECK(prefix_bits.size() <= static_cast<size_t>(INT32_MAX),
+                    "CpExtendShape: the prefix mask of this rank exceeds 2^31 elements");
+      prefix_mask_indptr[i + 1] = static_cast<int32_t>(prefix_bits.size());
+    }
+  }
+  BatchShape pb;
+  pb.batch_size = static_cast<int32_t>(batch);
+  pb.qo_indptr = new_indptr.data();
+  pb.kv_len = local_prefix.data();
+  pb.num_qo_heads = shape.num_qo_heads;
+  pb.num_kv_heads = shape.num_kv_heads;
+  pb.head_dim_qk = shape.head_dim_qk;
+  pb.head_dim_v = shape.head_dim_v;
+  pb.page_size = shape.page_size;
+  pb.causal = false;
+  const DeviceInfo info = device_info(dev);
+  PrefillPlan prefix_plan = plan_prefill(pb, info, plan_options);
+
+  // The new-token pass: this rank's two chunks of each request, each a request of its own over
+  // the gathered new tokens [0, end of the chunk) (causal) or all of them (a mask or none), so
+  // that the kernel's positions (the query rows last) are the chunk's positions shifted by the
+  // prefix, which causal masking and a window do not see.
+  const bool new_masked = custom || (!shape.causal && w >= 0);
+  std::vector<int32_t> own_qo(1, 0), kv_len, kv_indptr(1, 0), kv_indices, new_mask_indptr(1, 0);
+  std::vector<uint8_t> new_bits;
+  for (size_t i = 0; i < batch; ++i) {
+    const int64_t m = shape.extend_len[i], n = shape.prefix_len[i];
+    const ZigzagRows z = zigzag_rows(m, world, rank);
+    for (int k = 0; k < 2; ++k) {
+      const int64_t kv = z.len[k] == 0 ? 0 : (custom || !shape.causal) ? m : z.begin[k] + z.len[k];
+      own_qo.push_back(own_qo.back() + static_cast<int32_t>(z.len[k]));
+      kv_len.push_back(static_cast<int32_t>(kv));
+      for (int64_t u = 0; u < kv; ++u)
+        kv_indices.push_back(new_indptr[i] + static_cast<int32_t>(u));
+      kv_indptr.push_back(static_cast<int32_t>(kv_indices.size()));
+      if (new_masked) {
+        for (int64_t q = 0; q < z.len[k]; ++q) {
+          const int64_t t = z.begin[k] + q;
+          for (int64_t u = 0; u < kv; ++u) {
+            const bool base = custom ? tree(i, t, n + u) : (!shape.causal || u <= t);
+            new_bits.push_back(base && (w < 0 || u >= t - w) ? 1 : 0);
+          }
+        }
+        FLASHKV_CHECK(new_bits.size() <= static_cast<size_t>(INT32_MAX),
+                      "CpExtendShape: the new tokens' mask of this rank exceeds 2^31 elements");
+        new_mask_indptr.push_back(static_cast<int32_t>(new_bits.size()));
+      }
+    }
+  }
+  BatchShape nb = pb;
+  nb.batch_size = static_cast<int32_t>(2 * batch);
+  nb.qo_indptr = own_qo.data();
+  nb.kv_len = kv_len.data();
+  nb.page_size = 1;
+  nb.causal = !new_masked && shape.causal;
+  nb.window_left = new_masked ? -1 : w;
+  PrefillPlan new_plan = plan_prefill(nb, info, plan_options);
+
+  // Device memory: index tensors, masks, workspaces, exchange buffers.
+  qo_indptr_ = on_device(Tensor::from_i32(new_indptr), dev);
+  own_qo_indptr_ = on_device(Tensor::from_i32(own_qo), dev);
+  new_kv_indptr_ = on_device(Tensor::from_i32(kv_indptr), dev);
+  if (kv_indices.empty()) kv_indices.push_back(0);
+  new_kv_indices_ = on_device(Tensor::from_i32(kv_indices), dev);
+  prefix_mask_ = prefix_masked ? mask_tensor(prefix_bits, dev) : Tensor();
+  prefix_mask_indptr_ =
+      prefix_masked ? on_device(Tensor::from_i32(prefix_mask_indptr), dev) : Tensor();
+  new_mask_ = new_masked ? mask_tensor(new_bits, dev) : Tensor();
+  new_mask_indptr_ = new_masked ? on_device(Tensor::from_i32(new_mask_indptr), dev) : Tensor();
+  prefix_ws_.reserve(prefix_ws_.bytes_needed(prefix_plan), dev);
+  prefix_ws_.upload(prefix_plan, stream);
+  new_ws_.reserve(new_ws_.bytes_needed(new_plan), dev);
+  new_ws_.upload(new_plan, stream);
+
+  const int64_t total = new_indptr.back(), own = rank_rows[rank];
+  const size_t es = dtype_size(shape.dtype);
+  const size_t row_q = static_cast<size_t>(shape.num_qo_heads) * shape.head_dim_qk * es;
+  const size_t row_k = static_cast<size_t>(shape.num_kv_heads) * shape.head_dim_qk * es;
+  const size_t row_v = static_cast<size_t>(shape.num_kv_heads) * shape.head_dim_v * es;
+  const size_t row_o = static_cast<size_t>(shape.num_qo_heads) * shape.head_dim_v * es;
+  const size_t row_l = static_cast<size_t>(shape.num_qo_heads) * sizeof(float);
+  detail::reserve(bufs_, kAllQ, total * row_q, dev);
+  detail::reserve(bufs_, kAllK, total * row_k, dev);
+  detail::reserve(bufs_, kAllV, total * row_v, dev);
+  detail::reserve(bufs_, kPrefixO, total * row_o, dev);
+  detail::reserve(bufs_, kPrefixLse, total * row_l, dev);
+  if (world > 1) {
+    detail::reserve(bufs_, kGatherQ, total * row_q, dev);
+    detail::reserve(bufs_, kGatherK, total * row_k, dev);
+    detail::reserve(bufs_, kGatherV, total * row_v, dev);
+    if (options_.exchange == CpExchange::all_to_all) {
+      detail::reserve(bufs_, kSendO, total * row_o, dev);
+      detail::reserve(bufs_, kSendLse, total * row_l, dev);
+      detail::reserve(bufs_, kRecvO, world * own * row_o, dev);
+      detail::reserve(bufs_, kRecvLse, world * own * row_l, dev);
+    } else {
+      detail::reserve(bufs_, kRecvO, world * total * row_o, dev);
+      detail::reserve(bufs_, kRecvLse, world * total * row_l, dev);
+      detail::reserve(bufs_, kPickO, world * own * row_o, dev);
+      detail::reserve(bufs_, kPickLse, world * own * row_l, dev);
+    }
+    detail::reserve(bufs_, kLseByRow, world * own * row_l, dev);
+    detail::reserve(bufs_, kMergedO, own * row_o, dev);
+    detail::reserve(bufs_, kMergedLse, own * row_l, dev);
+  }
+
+  shape_ = shape;
+  shape_.window_left = w;
+  shape_.custom_mask = TensorView();  // read here only; the derived masks are kept
+  shape_.mask_indptr = TensorView();
+  prefix_masked_ = prefix_masked;
+  new_masked_ = new_masked;
+  local_prefix_len_ = std::move(local_prefix);
+  new_indptr_ = std::move(new_indptr);
+  own_indptr_.assign(batch + 1, 0);
+  for (size_t i = 0; i < batch; ++i)
+    own_indptr_[i + 1] = own_indptr_[i] + own_qo[2 * i + 2] - own_qo[2 * i];
+  rank_rows_ = std::move(rank_rows);
+  rank_row_begin_ = std::move(rank_row_begin);
+  to_global_ = std::move(to_global);
+  to_owner_ = std::move(to_owner);
+  own_of_global_ = std::move(own_of_global);
+  prefix_plan_ = std::move(prefix_plan);
+  new_plan_ = std::move(new_plan);
+  custom_ = custom;
+  planned_ = true;
+}
+
+void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v,
+                   const PagedKV& prefix, const AttentionOptions& opt, const TensorView& out,
+                   const TensorView& lse, Stream stream) {
+  FLASHKV_CHECK(planned_, "CpExtend::run: call plan first");
+  const Device dev = comm_.device();
+  const int world = comm_.size(), rank = comm_.rank();
+  const int64_t b = static_cast<int64_t>(shape_.prefix_len.size());
+  const int64_t total = new_indptr_.back(), own = rank_rows_[rank];
+  const int64_t hq = shape_.num_qo_heads, hkv = shape_.num_kv_heads;
+  const int64_t dqk = shape_.head_dim_qk, dv = shape_.head_dim_v;
+  FLASHKV_CHECK(custom_ || opt.causal == shape_.causal, "opt.causal = ", opt.causal,
+                ": expected the plan's ", shape_.causal);
+  FLASHKV_CHECK(normalize_window_left(opt.window_left) == shape_.window_left,
+                "opt.window_left = ", opt.window_left, ": expected the plan's ",
+                shape_.window_left);
+  FLASHKV_CHECK(!opt.custom_mask.defined() && !opt.mask_indptr.defined(),
+                "opt.custom_mask: the sharded extend takes its mask at plan time "
+                "(CpExtendShape::custom_mask)");
+  FLASHKV_CHECK(!opt.merge_o.defined() && !opt.merge_lse.defined(),
+                "opt.merge_o: the sharded extend takes no merge state");
+  Expect(q, "q")
+      .ndim(3)
+      .device(dev)
+      .dtype(shape_.dtype)
+      .contiguous()
+      .dim(0, own)
+      .dim(1, hq)
+      .dim(2, dqk);
+  Expect(k, "k")
+      .ndim(3)
+      .device(dev)
+      .dtype(shape_.dtype)
+      .contiguous()
+      .dim(0, own)
+      .dim(1, hkv)
+      .dim(2, dqk);
+  Expect(v, "v")
+      .ndim(3)
+      .device(dev)
+      .dtype(shape_.dtype)
+      .contiguous()
+      .dim(0, own)
+      .dim(1, hkv)
+      .dim(2, dv);
+  Expect(out, "out").ndim(3).device(dev).dtype(shape_.dtype).dim(0, own).dim(1, hq).dim(2, dv);
+  if (lse.defined())
+    Expect(lse, "lse").ndim(2).device(dev).dtype(DType::f32).contiguous().dim(0, own).dim(1, hq);
+  if (prefix.indptr.defined() && prefix.indptr.device.is_cpu() && prefix.indices.device.is_cpu() &&
+      (prefix.page_size == 1 || prefix.last_page_len.device.is_cpu())) {
+    Expect(prefix.indptr, "prefix.indptr").ndim(1).dim(0, b + 1);
+    for (int64_t i = 0; i < b; ++i)
+      FLASHKV_CHECK(paged_kv_len(prefix, i) == local_prefix_len_[i], "prefix: request ", i,
+                    " holds ", paged_kv_len(prefix, i), " tokens on rank ", rank, ": expected ",
+                    local_prefix_len_[i], " (its share of ", shape_.prefix_len[i], ")");
+  }
+
+  const size_t es = dtype_size(shape_.dtype);
+  const size_t row_q = hq * dqk * es, row_k = hkv * dqk * es, row_v = hkv * dv * es;
+  const size_t row_o = hq * dv * es, row_l = hq * sizeof(float);
+  // One rank owns every row, in global order: its q/k/v are the gathered ones.
+  void* all_q = world == 1 ? q.data : bufs_[kAllQ].data();
+  void* all_k = world == 1 ? k.data : bufs_[kAllK].data();
+  void* all_v = world == 1 ? v.data : bufs_[kAllV].data();
+  void* pre_o = bufs_[kPrefixO].data();
+  void* pre_l = bufs_[kPrefixLse].data();
+  void* merged_o = world == 1 ? pre_o : bufs_[kMergedO].data();
+  void* merged_l = world == 1 ? pre_l : bufs_[kMergedLse].data();
+
+  // Validate both passes before the first collective.
+  AttentionOptions prefix_opt;
+  prefix_opt.causal = false;
+  prefix_opt.sm_scale = opt.sm_scale;
+  prefix_opt.logits_soft_cap = opt.logits_soft_cap;
+  if (prefix_masked_) {
+    prefix_opt.custom_mask = prefix_mask_;
+    prefix_opt.mask_indptr = prefix_mask_indptr_;
+  }
+  AttentionOptions new_opt;
+  new_opt.causal = !new_masked_ && shape_.causal;
+  new_opt.window_left = new_masked_ ? -1 : shape_.window_left;
+  new_opt.sm_scale = opt.sm_scale;
+  new_opt.logits_soft_cap = opt.logits_soft_cap;
+  new_opt.sinks = opt.sinks;  // the last pass writes each row once: the sink enters once
+  if (new_masked_) {
+    new_opt.custom_mask = new_mask_;
+    new_opt.mask_indptr = new_mask_indptr_;
+  }
+  new_opt.merge_o = detail::view(merged_o, shape_.dtype, {own, hq, dv}, dev);
+  new_opt.merge_lse = detail::view(merged_l, DType::f32, {own, hq}, dev);
+  if (total == 0) return;
+  const PreparedAttention prefix_pass = prepare_paged_prefill(
+      prefix_plan_, detail::view(all_q, shape_.dtype, {total, hq, dqk}, dev), qo_indptr_, prefix,
+      prefix_opt, detail::view(pre_o, shape_.dtype, {total, hq, dv}, dev),
+      detail::view(pre_l, DType::f32, {total, hq}, dev), prefix_ws_);
+  PagedKV new_kv{detail::view(all_k, shape_.dtype, {total, hkv, dqk}, dev),
+                 detail::view(all_v, shape_.dtype, {total, hkv, dv}, dev),
+                 new_kv_indptr_,
+                 new_kv_indices_,
+                 TensorView(),
+                 1};
+  std::optional<PreparedAttention> new_pass;
+  if (own > 0)
+    new_pass =
+        prepare_paged_prefill(new_plan_, q, own_qo_indptr_, new_kv, new_opt, out, lse, new_ws_);
+
+  if (world > 1) {
+    std::vector<size_t> counts(world), displs(world);
+    void* gathered[3] = {bufs_[kGatherQ].data(), bufs_[kGatherK].data(), bufs_[kGatherV].data()};
+    const void* mine[3] = {q.data, k.data, v.data};
+    void* all[3] = {all_q, all_k, all_v};
+    const size_t row[3] = {row_q, row_k, row_v};
+    for (int t = 0; t < 3; ++t) {
+      for (int s = 0; s < world; ++s) {
+        counts[s] = rank_rows_[s] * row[t];
+        displs[s] = rank_row_begin_[s] * row[t];
+      }
+      comm_.all_gather_v(mine[t], gathered[t], counts, displs, stream);
+      copy_segments(all[t], 0, gathered[t], 0, to_global_, row[t], stream);
+    }
+  }
+  prefix_pass.run(stream);
+
+  if (world > 1) {
+    char* recv_o;
+    char* recv_l;
+    if (options_.exchange == CpExchange::all_to_all) {
+      char* send_o = static_cast<char*>(bufs_[kSendO].data());
+      char* send_l = static_cast<char*>(bufs_[kSendLse].data());
+      copy_segments(send_o, 0, pre_o, 0, to_owner_, row_o, stream);
+      copy_segments(send_l, 0, pre_l, 0, to_owner_, row_l, stream);
+      recv_o = static_cast<char*>(bufs_[kRecvO].data());
+      recv_l = static_cast<char*>(bufs_[kRecvLse].data());
+      for (const auto& [dst, src, row] :
+           {std::tuple{recv_o, send_o, row_o}, std::tuple{recv_l, send_l, row_l}}) {
+        std::vector<size_t> sc(world), sd(world), rc(world), rd(world);
+        for (int s = 0; s < world; ++s) {
+          sc[s] = rank_rows_[s] * row;
+          sd[s] = rank_row_begin_[s] * row;
+          rc[s] = own * row;
+          rd[s] = s * own * row;
+        }
+        comm_.all_to_all_v(src, sc, sd, dst, rc, rd, stream);
+      }
+    } else {
+      char* all_o = static_cast<char*>(bufs_[kRecvO].data());
+      char* all_l = static_cast<char*>(bufs_[kRecvLse].data());
+      comm_.all_gather(pre_o, total * row_o, all_o, stream);
+      comm_.all_gather(pre_l, total * row_l, all_l, stream);
+      recv_o = static_cast<char*>(bufs_[kPickO].data());
+      recv_l = static_cast<char*>(bufs_[kPickLse].data());
+      for (int s = 0; s < world; ++s) {
+        copy_segments(recv_o, s * own, all_o, s * total, own_of_global_, row_o, stream);
+        copy_segments(recv_l, s * own, all_l, s * total, own_of_global_, row_l, stream);
+      }
+    }
+    if (own > 0) {
+      char* by_row = static_cast<char*>(bufs_[kLseByRow].data());
+      for (int s = 0; s < world; ++s)  // [P, T_own, H] -> [T_own, P, H]
+        detail::copy_2d(by_row + s * row_l, world * row_l, recv_l + s * own * row_l, row_l, row_l,
+                        own, dev, stream);
+      TensorView states(recv_o, shape_.dtype, {own, world, hq, dv}, dev);
+      states.stride[0] = hq * dv;
+      states.stride[1] = own * hq * dv;
+      merge_states(states, detail::view(by_row, DType::f32, {own, world, hq}, dev), new_opt.merge_o,
+                   new_opt.merge_lse, stream);
+    }
+  }
+  if (new_pass) new_pass->run(stream);
+}
+
+}  // namespace flashkv::parallel
