@@ -1,4 +1,8 @@
 // Sharded decode: the local decode over this rank's shard, the states exchanged, merge_states.
+#include <algorithm>
+#include <climits>
+#include <optional>
+
 #include "copy.h"
 #include "flashkv/core/error.h"
 #include "flashkv/parallel/context_parallel.h"
@@ -50,7 +54,44 @@ void CpDecode::plan(const CpDecodeShape& shape, const PlanOptions& plan_options,
   bs.head_dim_v = shape.head_dim_v;
   bs.page_size = shape.page_size;
   const Device dev = comm_.device();
-  DecodePlan plan = plan_decode(bs, device_info(dev), plan_options);
+  const int32_t window = shape.window_left < 0 ? -1 : shape.window_left;
+  const bool masked = window >= 0 && comm_.size() > 1;
+  DecodePlan plan;
+  PrefillPlan masked_plan;
+  Tensor qo_indptr, mask, mask_indptr;
+  std::vector<int32_t> qo(local.size() + 1);
+  if (masked) {
+    // Request i's row sits at global position kv_len[i] - 1 and sees positions >= kv_len[i] - 1 -
+    // window: on this rank, the local entries whose global position is that far on.
+    std::vector<int32_t> mi(local.size() + 1, 0);
+    std::vector<uint8_t> bits;
+    for (size_t i = 0; i < local.size(); ++i) {
+      qo[i + 1] = static_cast<int32_t>(i + 1);
+      const int64_t first = int64_t{shape.kv_len[i]} - 1 - window;
+      for (int64_t j = 0; j < local[i]; ++j)
+        bits.push_back(shard.global_pos(comm_.rank(), j) >= first ? 1 : 0);
+      FLASHKV_CHECK(bits.size() <= static_cast<size_t>(INT32_MAX),
+                    "CpDecodeShape: the window mask of this rank exceeds 2^31 elements");
+      mi[i + 1] = static_cast<int32_t>(bits.size());
+    }
+    bs.qo_indptr = qo.data();
+    masked_plan = plan_prefill(bs, device_info(dev), plan_options);
+    Tensor m = Tensor::empty({std::max<int64_t>(static_cast<int64_t>(bits.size()), 1)}, DType::u8);
+    m.ptr<uint8_t>()[0] = 0;
+    std::copy(bits.begin(), bits.end(), m.ptr<uint8_t>());
+    qo_indptr = Tensor::from_i32(qo);
+    mask_indptr = Tensor::from_i32(mi);
+    mask = m;
+    if (dev.is_cuda()) {
+      qo_indptr = qo_indptr.to(dev);
+      mask_indptr = mask_indptr.to(dev);
+      mask = mask.to(dev);
+    }
+  } else {
+    bs.window_left = window;
+    plan = plan_decode(bs, device_info(dev), plan_options);
+  }
+  const Plan& any_plan = masked ? static_cast<const Plan&>(masked_plan) : plan;
 
   const int world = comm_.size();
   const int64_t b = bs.batch_size, hq = shape.num_qo_heads, dv = shape.head_dim_v;
@@ -59,8 +100,8 @@ void CpDecode::plan(const CpDecodeShape& shape, const PlanOptions& plan_options,
   for (int s = 0; s <= world; ++s) head_begin[s] = s * hq / world;
   const size_t o_bytes = static_cast<size_t>(b * hq * dv) * es;
   const size_t lse_bytes = static_cast<size_t>(b * hq) * sizeof(float);
-  ws_.reserve(ws_.bytes_needed(plan), dev);
-  ws_.upload(plan, stream);
+  ws_.reserve(ws_.bytes_needed(any_plan), dev);
+  ws_.upload(any_plan, stream);
   if (world > 1) {
     detail::reserve(bufs_, kLocalO, o_bytes, dev);
     detail::reserve(bufs_, kLocalLse, lse_bytes, dev);
@@ -85,7 +126,13 @@ void CpDecode::plan(const CpDecodeShape& shape, const PlanOptions& plan_options,
     }
   }
   plan_ = std::move(plan);
+  masked_plan_ = std::move(masked_plan);
+  masked_ = masked;
+  qo_indptr_ = qo_indptr;
+  mask_ = mask;
+  mask_indptr_ = mask_indptr;
   shape_ = shape;
+  shape_.window_left = window;
   local_kv_len_ = std::move(local);
   head_begin_ = std::move(head_begin);
   planned_ = true;
@@ -96,10 +143,11 @@ void CpDecode::run(const TensorView& q, const PagedKV& kv, const AttentionOption
   FLASHKV_CHECK(planned_, "CpDecode::run: call plan first");
   const Device dev = comm_.device();
   const int world = comm_.size(), rank = comm_.rank();
-  const int64_t b = plan_.batch_size, hq = shape_.num_qo_heads, dv = shape_.head_dim_v;
-  FLASHKV_CHECK(normalize_window_left(opt.window_left) < 0, "opt.window_left = ", opt.window_left,
-                ": a sliding window is not supported by the sharded decode (its positions are "
-                "global; expected -1)");
+  const int64_t b = static_cast<int64_t>(shape_.kv_len.size()), hq = shape_.num_qo_heads,
+                dv = shape_.head_dim_v;
+  FLASHKV_CHECK(normalize_window_left(opt.window_left) == shape_.window_left,
+                "opt.window_left = ", opt.window_left, ": expected the plan's ",
+                shape_.window_left);
   FLASHKV_CHECK(!opt.custom_mask.defined() && !opt.mask_indptr.defined(),
                 "opt.custom_mask: the sharded decode takes no mask");
   Expect(q, "q").defined().device(dev).dtype(shape_.dtype);
@@ -132,11 +180,21 @@ void CpDecode::run(const TensorView& q, const PagedKV& kv, const AttentionOption
   if (rank != 0) local_opt.sinks = TensorView();
   void* lo = bufs_[kLocalO].data();
   float* ll = static_cast<float*>(bufs_[kLocalLse].data());
-  const PreparedAttention local = prepare_paged_decode(
-      plan_, q, kv, local_opt, detail::view(lo, shape_.dtype, {b, hq, dv}, dev),
-      detail::view(ll, DType::f32, {b, hq}, dev), ws_);
+  const TensorView lo_view = detail::view(lo, shape_.dtype, {b, hq, dv}, dev);
+  const TensorView ll_view = detail::view(ll, DType::f32, {b, hq}, dev);
+  std::optional<PreparedAttention> local;
+  if (masked_) {
+    local_opt.window_left = -1;  // in the mask
+    local_opt.causal = false;
+    local_opt.custom_mask = mask_;
+    local_opt.mask_indptr = mask_indptr_;
+    local =
+        prepare_paged_prefill(masked_plan_, q, qo_indptr_, kv, local_opt, lo_view, ll_view, ws_);
+  } else {
+    local = prepare_paged_decode(plan_, q, kv, local_opt, lo_view, ll_view, ws_);
+  }
   if (b == 0) return;
-  local.run(stream);
+  local->run(stream);
 
   const size_t row_o = static_cast<size_t>(hq * dv) * es, row_lse = hq * sizeof(float);
   if (options_.exchange == CpExchange::all_gather) {

@@ -121,7 +121,7 @@ Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& rows) {
 std::string CpDecodeCase::str() const {
   return str_cat("decode kv_len ", lens_str(kv_len), " hq ", hq, " hkv ", hkv, " d ", head_dim,
                  " page ", page_size, " ", dtype_name(dtype), sinks ? " sinks" : "",
-                 soft_cap > 0 ? " soft_cap" : "", " seed ", seed);
+                 soft_cap > 0 ? " soft_cap" : "", " window ", window_left, " seed ", seed);
 }
 
 std::string CpExtendCase::str() const {
@@ -171,6 +171,7 @@ void check_cp_decode(Communicator& comm, const CpOptions& options, const CpDecod
 
   AttentionOptions opt;
   opt.logits_soft_cap = c.soft_cap;
+  opt.window_left = c.window_left;
   if (c.sinks) opt.sinks = sinks;
   const reference::Result ref = reference::paged_attention(q, TensorView(), global.kv, opt);
 
@@ -181,6 +182,7 @@ void check_cp_decode(Communicator& comm, const CpOptions& options, const CpDecod
   shape.head_dim_qk = shape.head_dim_v = c.head_dim;
   shape.page_size = c.page_size;
   shape.dtype = c.dtype;
+  shape.window_left = c.window_left;
   parallel::CpDecode cp(comm, options);
   cp.plan(shape);
   for (int64_t i = 0; i < b; ++i)

@@ -18,6 +18,7 @@ struct CpDecodeCase {
   DType dtype = DType::f32;
   bool sinks = false;
   float soft_cap = 0;
+  int window_left = -1;
   uint64_t seed = 1;
   std::string str() const;
 };

@@ -121,6 +121,9 @@ TEST(CpOneRank, DecodeMatchesReference) {
       c.sinks = true;
       c.seed = ++seed;
       check_cp_decode(comm, o, c);
+      c.window_left = 20;
+      c.seed = ++seed;
+      check_cp_decode(comm, o, c);
     }
   }
 }
@@ -172,7 +175,9 @@ TEST(CpOneRank, BadArguments) {
   cp.plan(shape);
   AttentionOptions windowed;
   windowed.window_left = 4;
-  EXPECT_NE(error_of([&] { cp.run(q, kv, windowed, out, {}); }).find("opt.window_left = 4"),
+  EXPECT_NE(error_of([&] {
+              cp.run(q, kv, windowed, out, {});
+            }).find("opt.window_left = 4: expected the plan's -1"),
             std::string::npos);
   Tensor bad_out = Tensor::empty({1, 4, 64}, DType::bf16);
   EXPECT_NE(error_of([&] { cp.run(q, kv, {}, bad_out, {}); }).find("out: expected dtype f32"),

@@ -26,6 +26,11 @@ std::string mpi_error_string(int code) {
   return std::string(text, len);
 }
 
+// memcpy that accepts empty ranges with null pointers (a rank may send nothing).
+void copy(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+}
+
 int to_int(size_t bytes, const char* what, const char* name) {
   FLASHKV_CHECK(bytes <= static_cast<size_t>(INT_MAX), "MPI ", what, ": ", name, " = ", bytes,
                 " bytes: expected at most ", INT_MAX, " (MPI counts are int)");
@@ -65,11 +70,11 @@ class MpiCommunicator final : public Communicator {
     to_int(bytes * size_, what, "the gathered size");
     char* s = stage(send_, bytes);
     char* r = stage(recv_, bytes * size_);
-    std::memcpy(s, send, bytes);
+    copy(s, send, bytes);
     MPI_Request req;
     check(MPI_Iallgather(s, n, MPI_BYTE, r, n, MPI_BYTE, comm_, &req), "MPI_Iallgather");
     wait(req, what);
-    std::memcpy(recv, r, bytes * size_);
+    copy(recv, r, bytes * size_);
   }
 
   void all_gather_v(const void* send, void* recv, const std::vector<size_t>& counts,
@@ -86,13 +91,13 @@ class MpiCommunicator final : public Communicator {
     }
     char* s = stage(send_, counts[rank_]);
     char* r = stage(recv_, end);
-    std::memcpy(s, send, counts[rank_]);
+    copy(s, send, counts[rank_]);
     MPI_Request req;
     check(MPI_Iallgatherv(s, c[rank_], MPI_BYTE, r, c.data(), d.data(), MPI_BYTE, comm_, &req),
           "MPI_Iallgatherv");
     wait(req, what);
     for (int p = 0; p < size_; ++p)
-      std::memcpy(static_cast<char*>(recv) + displs[p], r + displs[p], counts[p]);
+      copy(static_cast<char*>(recv) + displs[p], r + displs[p], counts[p]);
   }
 
   void all_to_all_v(const void* send, const std::vector<size_t>& send_counts,
@@ -116,15 +121,14 @@ class MpiCommunicator final : public Communicator {
     char* s = stage(send_, send_end);
     char* r = stage(recv_, recv_end);
     for (int p = 0; p < size_; ++p)
-      std::memcpy(s + send_displs[p], static_cast<const char*>(send) + send_displs[p],
-                  send_counts[p]);
+      copy(s + send_displs[p], static_cast<const char*>(send) + send_displs[p], send_counts[p]);
     MPI_Request req;
     check(MPI_Ialltoallv(s, sc.data(), sd.data(), MPI_BYTE, r, rc.data(), rd.data(), MPI_BYTE,
                          comm_, &req),
           "MPI_Ialltoallv");
     wait(req, what);
     for (int p = 0; p < size_; ++p)
-      std::memcpy(static_cast<char*>(recv) + recv_displs[p], r + recv_displs[p], recv_counts[p]);
+      copy(static_cast<char*>(recv) + recv_displs[p], r + recv_displs[p], recv_counts[p]);
   }
 
   void broadcast(void* data, size_t bytes, int root, Stream) override {
@@ -134,11 +138,11 @@ class MpiCommunicator final : public Communicator {
                   size_ - 1);
     const int n = to_int(bytes, what, "bytes");
     char* s = stage(send_, bytes);
-    if (rank_ == root) std::memcpy(s, data, bytes);
+    if (rank_ == root) copy(s, data, bytes);
     MPI_Request req;
     check(MPI_Ibcast(s, n, MPI_BYTE, root, comm_, &req), "MPI_Ibcast");
     wait(req, what);
-    if (rank_ != root) std::memcpy(data, s, bytes);
+    if (rank_ != root) copy(data, s, bytes);
   }
 
   void barrier() override {

@@ -105,6 +105,20 @@ TEST(CpMpi, Decode) {
     c.seed = ++seed;
     check_cp_decode(*comm, o, c);
   }
+  // Sliding windows: shorter and longer than some requests, on both page sizes.
+  for (const CpOptions& o : cp_option_sweep()) {
+    for (int window : {0, 5, 50}) {
+      for (int page : {1, 16}) {
+        CpDecodeCase c;
+        c.kv_len = {1, 40, 130, 17};
+        c.window_left = window;
+        c.page_size = page;
+        c.sinks = window == 5;
+        c.seed = ++seed;
+        check_cp_decode(*comm, o, c);
+      }
+    }
+  }
 }
 
 TEST(CpMpi, Extend) {

@@ -76,6 +76,10 @@ struct CpDecodeShape {
   int32_t num_qo_heads = 0, num_kv_heads = 0, head_dim_qk = 0, head_dim_v = 0;
   int32_t page_size = 1;
   DType dtype = DType::bf16;  // q and out
+  // A sliding window (AttentionOptions::window_left; < 0: none). Its positions are global, so
+  // with more than one rank each request's window becomes a mask over the rank's local entries
+  // and the local pass is a one-row masked paged_prefill instead of paged_decode.
+  int32_t window_left = -1;
 };
 
 class CpDecode {
@@ -88,7 +92,7 @@ class CpDecode {
   // q [B, Hq, D_qk] (the same on every rank); kv: this rank's shard (request i's local_kv_len()[i]
   // tokens in increasing position); out [B, Hq, D_v]; lse [B, Hq] f32 (optional). opt: sm_scale,
   // logits_soft_cap, sinks (added once: by rank 0's local pass, whose state enters the merge
-  // once); window_left and custom masks are refused.
+  // once); its window_left must be the plan's; custom masks are refused.
   void run(const TensorView& q, const PagedKV& kv, const AttentionOptions& opt,
            const TensorView& out, const TensorView& lse, Stream stream = {});
 
@@ -98,6 +102,10 @@ class CpDecode {
   CpDecodeShape shape_;
   std::vector<int32_t> local_kv_len_;
   DecodePlan plan_;
+  // A windowed decode on more than one rank: one-row requests with a mask over global positions.
+  bool masked_ = false;
+  PrefillPlan masked_plan_;
+  Tensor qo_indptr_, mask_, mask_indptr_;
   Workspace ws_;
   bool planned_ = false;
   std::vector<int64_t> head_begin_;  // all_to_all: rank s merges heads [head_begin_[s], [s + 1])
