@@ -129,6 +129,7 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
     rank_row_begin[s + 1] = at;
   }
   std::vector<Segment> to_owner;
+  to_owner.reserve(to_global.size());
   for (const Segment& g : to_global) to_owner.push_back({g.dst, g.src, g.rows});
 
   // The prefix pass: every new row over this rank's prefix shard. Its positions are global, so a
