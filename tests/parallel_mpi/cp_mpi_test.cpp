@@ -104,6 +104,10 @@ TEST(CpMpi, Decode) {
     c.hkv = 1;
     c.seed = ++seed;
     check_cp_decode(*comm, o, c);
+    // Fewer query heads than ranks at three: a rank merges no head slice.
+    c.hq = 2;
+    c.seed = ++seed;
+    check_cp_decode(*comm, o, c);
   }
   // Sliding windows: shorter and longer than some requests, on both page sizes.
   for (const CpOptions& o : cp_option_sweep()) {
