@@ -7,6 +7,7 @@
 
 #include "copy.h"
 #include "flashkv/core/error.h"
+#include "flashkv/ops/kv_ops.h"
 #include "flashkv/parallel/context_parallel.h"
 
 namespace flashkv::parallel {
@@ -30,6 +31,8 @@ enum ExtendBuf : size_t {
   kLseByRow,
   kMergedO,
   kMergedLse,
+  kLocalNewK,
+  kLocalNewV,
   kNumExtendBufs
 };
 
@@ -127,6 +130,20 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
     }
     rank_rows[s] = at - rank_row_begin[s];
     rank_row_begin[s + 1] = at;
+  }
+  // The new tokens whose positions this rank keeps, as runs of consecutive rows.
+  std::vector<Segment> local_new;
+  int64_t num_local_new = 0;
+  for (size_t i = 0; i < batch; ++i) {
+    for (int64_t t = 0; t < shape.extend_len[i]; ++t) {
+      if (shard.owner(int64_t{shape.prefix_len[i]} + t) != rank) continue;
+      const int64_t src = new_indptr[i] + t;
+      if (!local_new.empty() && local_new.back().src + local_new.back().rows == src)
+        ++local_new.back().rows;
+      else
+        local_new.push_back({src, num_local_new, 1});
+      ++num_local_new;
+    }
   }
   std::vector<Segment> to_owner;
   to_owner.reserve(to_global.size());
@@ -255,6 +272,8 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
     detail::reserve(bufs_, kMergedO, own * row_o, dev);
     detail::reserve(bufs_, kMergedLse, own * row_l, dev);
   }
+  detail::reserve(bufs_, kLocalNewK, num_local_new * row_k, dev);
+  detail::reserve(bufs_, kLocalNewV, num_local_new * row_v, dev);
 
   shape_ = shape;
   shape_.window_left = w;
@@ -272,6 +291,9 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
   to_global_ = std::move(to_global);
   to_owner_ = std::move(to_owner);
   own_of_global_ = std::move(own_of_global);
+  local_new_ = std::move(local_new);
+  num_local_new_ = num_local_new;
+  ran_ = false;
   prefix_plan_ = std::move(prefix_plan);
   new_plan_ = std::move(new_plan);
   custom_ = custom;
@@ -367,6 +389,7 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
   }
   new_opt.merge_o = detail::view(merged_o, shape_.dtype, {own, hq, dv}, dev);
   new_opt.merge_lse = detail::view(merged_l, DType::f32, {own, hq}, dev);
+  ran_ = true;
   if (total == 0) return;
   const PreparedAttention prefix_pass = prepare_paged_prefill(
       prefix_plan_, detail::view(all_q, shape_.dtype, {total, hq, dqk}, dev), qo_indptr_, prefix,
@@ -446,6 +469,51 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
     }
   }
   if (new_pass) new_pass->run(stream);
+}
+
+void CpExtend::append_local_kv(const TensorView& k, const TensorView& v,
+                               const TensorView& out_cache_loc, const TensorView& k_pool,
+                               const TensorView& v_pool, float k_scale, float v_scale,
+                               Stream stream) {
+  FLASHKV_CHECK(planned_, "CpExtend::append_local_kv: call plan first");
+  FLASHKV_CHECK(ran_, "CpExtend::append_local_kv: call run first");
+  const Device dev = comm_.device();
+  const int world = comm_.size();
+  const int64_t own = rank_rows_[comm_.rank()];
+  const int64_t hkv = shape_.num_kv_heads, dqk = shape_.head_dim_qk, dv = shape_.head_dim_v;
+  Expect(k, "k")
+      .ndim(3)
+      .device(dev)
+      .dtype(shape_.dtype)
+      .contiguous()
+      .dim(0, own)
+      .dim(1, hkv)
+      .dim(2, dqk);
+  Expect(v, "v")
+      .ndim(3)
+      .device(dev)
+      .dtype(shape_.dtype)
+      .contiguous()
+      .dim(0, own)
+      .dim(1, hkv)
+      .dim(2, dv);
+  Expect(out_cache_loc, "out_cache_loc").ndim(1).dim(0, num_local_new_);
+  if (num_local_new_ == 0) return;
+  if (world == 1) {  // the rank keeps every new token, in the order given
+    append_kv(k, v, out_cache_loc, k_pool, v_pool, k_scale, v_scale, stream);
+    return;
+  }
+  const size_t es = dtype_size(shape_.dtype);
+  void* k_new = bufs_[kLocalNewK].data();
+  void* v_new = bufs_[kLocalNewV].data();
+  // Validated before anything is copied or written.
+  const PreparedAppendKV append =
+      prepare_append_kv(detail::view(k_new, shape_.dtype, {num_local_new_, hkv, dqk}, dev),
+                        detail::view(v_new, shape_.dtype, {num_local_new_, hkv, dv}, dev),
+                        out_cache_loc, k_pool, v_pool, k_scale, v_scale);
+  copy_segments(k_new, 0, bufs_[kAllK].data(), 0, local_new_, hkv * dqk * es, stream);
+  copy_segments(v_new, 0, bufs_[kAllV].data(), 0, local_new_, hkv * dv * es, stream);
+  append.run(stream);
 }
 
 }  // namespace flashkv::parallel

@@ -298,9 +298,39 @@ void check_cp_extend(Communicator& comm, const CpOptions& options, const CpExten
   Tensor lse = Tensor::empty({own, c.hq}, DType::f32);
   poison(out);
   poison(lse);
-  cp.run(gather_rows(q, own_q_rows), gather_rows(k, own_kv_rows), gather_rows(v, own_kv_rows),
-         mine.kv, opt, out, lse);
+  const Tensor k_own = gather_rows(k, own_kv_rows), v_own = gather_rows(v, own_kv_rows);
+  cp.run(gather_rows(q, own_q_rows), k_own, v_own, mine.kv, opt, out, lse);
   expect_close(out, lse, rows_of(ref, own_q_rows), c.dtype);
+
+  // The new tokens this rank keeps go into its pool: with its prefix share they make its share of
+  // the whole sequence, and their K/V are the given ones, bit for bit.
+  std::vector<int64_t> kept;
+  for (int64_t i = 0; i < b; ++i) {
+    int64_t kept_i = 0;
+    for (int64_t t = 0; t < c.extend_len[i]; ++t) {
+      if (shard.owner(c.prefix_len[i] + t) != rank) continue;
+      kept.push_back(kvp[i] + c.prefix_len[i] + t);
+      ++kept_i;
+    }
+    EXPECT_EQ(my_prefix[i].size() + kept_i, shard.local_len(rank, seq_len[i])) << "request " << i;
+  }
+  const int64_t num_kept = static_cast<int64_t>(kept.size());
+  ASSERT_EQ(cp.num_local_new(), num_kept);
+  Tensor k_pool = Tensor::empty({num_kept + 1, c.hkv, c.head_dim}, c.dtype);
+  Tensor v_pool = Tensor::empty({num_kept + 1, c.hkv, c.head_dim}, c.dtype);
+  poison(k_pool);
+  poison(v_pool);
+  std::vector<int32_t> slots(num_kept);
+  std::iota(slots.begin(), slots.end(), 1);  // slot 0 is the pool's dummy
+  cp.append_local_kv(k_own, v_own, Tensor::from_i32(slots), k_pool, v_pool);
+  const Tensor k_kept = gather_rows(k, kept), v_kept = gather_rows(v, kept);
+  const size_t row_bytes = size_t(c.hkv) * c.head_dim * dtype_size(c.dtype);
+  EXPECT_EQ(std::memcmp(static_cast<char*>(k_pool.data()) + row_bytes, k_kept.data(),
+                        num_kept * row_bytes),
+            0);
+  EXPECT_EQ(std::memcmp(static_cast<char*>(v_pool.data()) + row_bytes, v_kept.data(),
+                        num_kept * row_bytes),
+            0);
 
   // One rank: every new token, the whole prefix.
   parallel::OneRankCommunicator one;

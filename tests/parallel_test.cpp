@@ -198,6 +198,10 @@ TEST(CpOneRank, BadArguments) {
   es.dtype = DType::f32;
   ext.plan(es);
   Tensor kn = Tensor::empty({1, 2, 64}, DType::f32), vn = Tensor::empty({1, 2, 64}, DType::f32);
+  EXPECT_NE(error_of([&] {
+              ext.append_local_kv(kn, vn, Tensor::from_i32({1}), k, v);
+            }).find("call run first"),
+            std::string::npos);
   AttentionOptions non_causal;
   non_causal.causal = false;
   EXPECT_NE(error_of([&] {

@@ -149,6 +149,18 @@ class CpExtend {
   void run(const TensorView& q, const TensorView& k, const TensorView& v, const PagedKV& prefix,
            const AttentionOptions& opt, const TensorView& out, const TensorView& lse,
            Stream stream = {});
+  // The new tokens this rank's KV pool keeps: those at the positions (prefix_len[i] + t) the
+  // layout gives this rank, request by request in increasing position, so that after the pass
+  // each request holds its local share of prefix + new tokens (CpShard::local_len).
+  int64_t num_local_new() const { return num_local_new_; }
+  // After run() (and before the next run or plan), writes those tokens' K/V into this rank's
+  // pool with append_kv. k, v: what the last run() was given (with one rank they are the source;
+  // otherwise the rows come from the new tokens run() gathered); out_cache_loc
+  // [num_local_new()] (i32/i64): their slots; k_pool / v_pool and the scales as append_kv takes
+  // them.
+  void append_local_kv(const TensorView& k, const TensorView& v, const TensorView& out_cache_loc,
+                       const TensorView& k_pool, const TensorView& v_pool, float k_scale = 1.0f,
+                       float v_scale = 1.0f, Stream stream = {});
 
  private:
   struct Segment {  // a copy of `rows` rows
@@ -168,6 +180,9 @@ class CpExtend {
   std::vector<Segment> to_global_;       // rank-major gather -> global order
   std::vector<Segment> to_owner_;        // global order -> owner-major (all_to_all send)
   std::vector<Segment> own_of_global_;   // global order -> own order (all_gather pick)
+  std::vector<Segment> local_new_;       // global order -> the new tokens this rank keeps
+  int64_t num_local_new_ = 0;
+  bool ran_ = false;  // run() since the last plan()
   PrefillPlan prefix_plan_, new_plan_;
   Workspace prefix_ws_, new_ws_;
   bool prefix_masked_ = false, new_masked_ = false, custom_ = false;
