@@ -101,9 +101,6 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
         .dtype(DType::f32)
         .contiguous()
         .dim(0, q.shape[1], "num_qo_heads");
-    // Refused here, before any launch, rather than computed without them.
-    FLASHKV_CHECK(dev.is_cpu(), "sinks: not supported by the CUDA kernels yet (", op, " on ",
-                  dev.str(), ")");
     p.sinks = static_cast<const float*>(opt.sinks.data);
   }
   // The plan as uploaded into the workspace.

@@ -362,17 +362,6 @@ TEST_P(BackendTest, DeterministicExtendIsBatchInvariant) {
 // off and on): every mode against the layer reference, which adds each sink once. An extend on
 // a cached prefix runs two passes merged into one output; the sink must count once there too.
 TEST_P(BackendTest, SinksInEveryMode) {
-  if (!GetParam().is_cpu()) {
-    // The CUDA kernels do not take sinks yet: refused before anything runs.
-    ModelShape s = shape();
-    s.sinks = true;
-    Harness h(s);
-    Request a = h.add_request(20);
-    auto b = h.make_batch(ForwardMode::DECODE, {&a}, {1});
-    const std::string e = error_of([&] { h.run_and_check(b); });
-    EXPECT_NE(e.find("sinks: not supported by the CUDA kernels yet"), std::string::npos) << e;
-    return;
-  }
   for (int variant = 0; variant < 3; ++variant) {
     SCOPED_TRACE(::testing::Message() << "variant " << variant);
     ModelShape s = shape();

@@ -947,8 +947,7 @@ TEST(CpuAttention, SinksCountOnceInExtendMerge) {
   }
 }
 
-// sinks: dtype, shape and device checked, each error naming it; on CUDA tensors refused before
-// launch (the CUDA kernels do not take sinks yet).
+// sinks: dtype, shape, layout and device checked, each error naming it.
 TEST(CpuAttention, SinksBadInput) {
   FLASHKV_SEEDED_RNG(rng, 134);
   const int hq = 4, hkv = 2, d = 64;
@@ -994,15 +993,6 @@ TEST(CpuAttention, SinksBadInput) {
   on_gpu.device = Device::cuda(0);
   EXPECT_NE(error_with(on_gpu).find("sinks: expected device cpu"), std::string::npos)
       << error_with(on_gpu);
-  // CUDA tensors with sinks: refused in the operator's checks, before any launch (nothing here
-  // is read, so the views need not point at GPU memory).
-  TensorView q_gpu = q.view(), out_gpu = out.view();
-  q_gpu.device = out_gpu.device = Device::cuda(0);
-  AttentionOptions opt;
-  opt.sinks = on_gpu;
-  const std::string e =
-      test::error_of([&] { paged_decode(plan, q_gpu, kv, opt, out_gpu, TensorView(), ws); });
-  EXPECT_NE(e.find("sinks: not supported by the CUDA kernels yet"), std::string::npos) << e;
 }
 
 }  // namespace

@@ -33,6 +33,7 @@ struct DecodeCase {
   bool want_lse = true;
   int fixed_split_size = 0;
   bool plan_sees_window = true;  // pass window_left to the planner (it then trims KV ranges)
+  bool sinks = false;            // random per-query-head attention sinks
 };
 
 // A batch on the host: q [B, Hq, D], pools [slots, Hkv, D] with the requests' pages shuffled
@@ -46,6 +47,7 @@ struct HostBatch {
   }
   int page_size = 1;
   float k_scale = 1.0f, v_scale = 1.0f;
+  Tensor sinks;  // f32 [Hq] when the case has sinks
 };
 
 HostBatch make_batch(Rng& rng, const DecodeCase& c, int64_t extra_pages = 5) {
@@ -92,6 +94,7 @@ HostBatch make_batch(Rng& rng, const DecodeCase& c, int64_t extra_pages = 5) {
   b.indptr = Tensor::from_i32(test::indptr_of(pages_of));
   b.indices = Tensor::from_i32(indices);
   b.last_page_len = Tensor::from_i32(last);
+  if (c.sinks) b.sinks = test::random_tensor(rng, {c.hq}, DType::f32, 3.0);
   return b;
 }
 
@@ -133,10 +136,17 @@ Tensor run_plan(const HostBatch& h, const DeviceBatch& dv, const DecodeCase& c,
   test::poison(out);
   test::poison(lse);
   Tensor out_d = out.to(Device::cuda()), lse_d = lse.to(Device::cuda());
-  paged_decode(plan, dv.q, dv.kv(h), c.opt, out_d, c.want_lse ? lse_d.view() : TensorView(), ws);
+  AttentionOptions opt = c.opt, ref_opt = c.opt;
+  Tensor sinks;
+  if (h.sinks.defined()) {
+    sinks = h.sinks.to(Device::cuda());
+    opt.sinks = sinks;
+    ref_opt.sinks = h.sinks;
+  }
+  paged_decode(plan, dv.q, dv.kv(h), opt, out_d, c.want_lse ? lse_d.view() : TensorView(), ws);
   synchronize(Device::cuda());
   Tensor out_h = out_d.to(Device::cpu()), lse_h = lse_d.to(Device::cpu());
-  const auto ref = reference::paged_attention(h.q, TensorView(), h.kv(), c.opt);
+  const auto ref = reference::paged_attention(h.q, TensorView(), h.kv(), ref_opt);
   test::expect_close(out_h, c.want_lse ? lse_h.view() : TensorView(), ref, c.q_dtype,
                      is_fp8(c.kv_dtype));
   if (lse_out) *lse_out = lse_h;
@@ -264,6 +274,75 @@ TEST(CudaDecode, ForcedAndAutomaticSplits) {
   a.kv_lens = {9000, 4100};
   a.opt.logits_soft_cap = 30.0f;
   EXPECT_GT(run_case(rng, a), 0u);
+}
+
+// Attention sinks (SEMANTICS.md) on every decode path: each group and head dim (heads padded to
+// the mma's tile: the pad rows read no sink), page sizes 1 and 16, empty requests (O = 0, LSE =
+// the sink), unsplit rows (the sink folded in the warps' merge), forced and automatic splits
+// (folded once, after the chunks, by the CTA that completes a tile; with chunks emptied by a
+// window the planner does not see, and with one request cut into many chunks), soft cap and
+// window, fp8 KV, no LSE.
+TEST(CudaDecode, SinksOnEveryPath) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 620);
+  for (int group : {1, 4, 8})
+    for (int d : {64, 128, 256})
+      for (int split : {0, 64}) {
+        DecodeCase c;
+        c.sinks = true;
+        c.hkv = 2;
+        c.hq = 2 * group;
+        c.d = d;
+        c.page_size = split ? 16 : 1;
+        c.fixed_split_size = split;
+        c.kv_lens = kAwkwardLens;
+        SCOPED_TRACE(testing::Message() << "G=" << group << " D=" << d << " split=" << split);
+        run_case(rng, c);
+      }
+  for (auto [hq, hkv] : {std::pair{12, 1}, {40, 1}}) {
+    DecodeCase c;
+    c.sinks = true;
+    c.hq = hq;
+    c.hkv = hkv;
+    c.kv_lens = {300, 0, 45, 1100};
+    SCOPED_TRACE(testing::Message() << "Hq=" << hq << " Hkv=" << hkv);
+    run_case(rng, c);
+    c.fixed_split_size = 32;
+    run_case(rng, c);
+  }
+  DecodeCase w;  // chunks emptied by the window, soft cap, no LSE
+  w.sinks = true;
+  w.kv_lens = kAwkwardLens;
+  w.q_scale = 3.0;
+  w.opt.logits_soft_cap = 2.5f;
+  w.opt.window_left = 40;
+  w.plan_sees_window = false;
+  w.fixed_split_size = 32;
+  EXPECT_GT(run_case(rng, w), 0u);
+  w.want_lse = false;
+  run_case(rng, w);
+  DecodeCase m;  // many chunks per tile (the wide merge), then an automatic split
+  m.sinks = true;
+  m.hq = 32;
+  m.hkv = 8;
+  m.kv_lens = {20000, 3, 5000};
+  m.fixed_split_size = 16;
+  EXPECT_GT(run_case(rng, m), 0u);
+  m.fixed_split_size = 0;
+  m.kv_lens = {70000};
+  EXPECT_GT(run_case(rng, m), 0u);
+  for (DType kv : {DType::fp8_e4m3, DType::fp8_e5m2}) {
+    DecodeCase f;
+    f.sinks = true;
+    f.kv_dtype = kv;
+    f.k_scale = 0.75f;
+    f.v_scale = 1.5f;
+    f.kv_lens = kAwkwardLens;
+    SCOPED_TRACE(testing::Message() << "kv=" << dtype_name(kv));
+    run_case(rng, f);
+    f.fixed_split_size = 64;
+    run_case(rng, f);
+  }
 }
 
 // Split requests are merged inside the decode kernel by the CTA whose chunk arrives last.

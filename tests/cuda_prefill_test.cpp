@@ -60,11 +60,13 @@ struct Problem {
   // NaN in request 0's first K row (element 0 of KV head 0) or V row (dims 0 and 1), which
   // every query row of the request sees (causal, no window, no mask).
   bool nan_k = false, nan_v = false;
+  bool sinks = false;  // random per-query-head attention sinks (AttentionOptions::sinks)
 };
 
 // Host inputs of a problem.
 struct Inputs {
   Tensor q, k, v;  // k/v: pool [slots, Hkv, D] (paged) or ragged rows
+  Tensor sinks;    // f32 [Hq] when the problem has sinks
   std::vector<int32_t> qo_indptr, kv_indptr, indices, last_page_len;
   Tensor mask;  // u8, packed per request
   std::vector<int32_t> mask_indptr;
@@ -131,6 +133,8 @@ Inputs make_inputs(const Problem& pr, Rng& rng) {
     // A row that sees nothing: O = 0, LSE = -inf.
     if (batch > 0 && pr.q_lens[0] > 0) std::fill(m, m + pr.kv_lens[0], uint8_t{0});
   }
+  // Sinks of the logits' size and larger, so that they move both O and the LSE.
+  if (pr.sinks) in.sinks = test::random_tensor(rng, {pr.hq}, DType::f32, 3.0);
   return in;
 }
 
@@ -228,8 +232,12 @@ std::pair<Tensor, Tensor> run_on_gpu(const Problem& pr, const Inputs& in, Prefil
   Tensor q = in.q.to(gpu), k = in.k.to(gpu), v = in.v.to(gpu);
   Tensor out = out_h.to(gpu), lse = lse_h.to(gpu);
   Tensor qo = Tensor::from_i32(in.qo_indptr).to(gpu), kvp = Tensor::from_i32(in.kv_indptr).to(gpu);
-  Tensor mask, mask_indptr;
+  Tensor mask, mask_indptr, sinks;
   AttentionOptions opt = options_of(pr);
+  if (pr.sinks) {
+    sinks = in.sinks.to(gpu);
+    opt.sinks = sinks;
+  }
   if (pr.custom_mask) {
     mask = in.mask.to(gpu);
     mask_indptr = Tensor::from_i32(in.mask_indptr).to(gpu);
@@ -257,6 +265,7 @@ void check_problem(const Problem& pr, Rng& rng) {
   const Inputs in = make_inputs(pr, rng);
   auto [out, lse] = run_on_gpu(pr, in, nullptr);
   AttentionOptions ref_opt = options_of(pr);
+  if (pr.sinks) ref_opt.sinks = in.sinks;
   Tensor mask_indptr;  // owns what ref_opt.mask_indptr views
   if (pr.custom_mask) {
     mask_indptr = Tensor::from_i32(in.mask_indptr);
@@ -574,6 +583,7 @@ struct FusedExtendCase {
   bool empty_state = false;           // no ragged pass: merge with O = NaN, LSE = -inf
   bool graph = false;                 // graph-mode plans, both passes replayed from a CUDA graph
   bool nan_k = false, nan_v = false;  // as Problem's (request 0's first key: in its prefix)
+  bool sinks = false;                 // sinks on the prefix pass, which must add them once
 };
 
 // Runs ragged_prefill then paged_prefill merging with its state on `dev`; checks against one
@@ -587,6 +597,7 @@ void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
   full.dtype = full.kv_dtype = c.dtype;
   full.nan_k = c.nan_k;
   full.nan_v = c.nan_v;
+  full.sinks = c.sinks;
   for (size_t i = 0; i < c.prefix.size(); ++i) full.kv_lens.push_back(c.prefix[i] + c.q_lens[i]);
   const Inputs in = make_inputs(full, rng);
   const ExtendParts e = split_extend(full, in, c.prefix);
@@ -631,8 +642,13 @@ void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
       Tensor::from_i32(e.pin.indices.empty() ? std::vector<int32_t>{0} : e.pin.indices).to(dev);
   Tensor plpl = Tensor::from_i32(e.pin.last_page_len).to(dev);
   PagedKV pre_kv{k, v, pkvp, pidx, plpl, full.page_size};
-  AttentionOptions causal, prefix_opt;
+  AttentionOptions causal, prefix_opt;  // the ragged pass without sinks: the prefix pass adds them
   prefix_opt.causal = false;
+  Tensor sinks;
+  if (c.sinks) {
+    sinks = in.sinks.to(dev);
+    prefix_opt.sinks = sinks;
+  }
   prefix_opt.merge_o = state;
   prefix_opt.merge_lse = state_lse;
   prefix_opt.overlap_previous = c.overlap;
@@ -680,12 +696,15 @@ void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
     PagedKV kv{in.k, in.v, kvp, idx, lpl, full.page_size};
     AttentionOptions o;
     o.causal = false;
+    if (c.sinks) o.sinks = in.sinks;
     ref = reference::paged_attention(in.q, ref_qo, kv, o);
   } else {
     Tensor kvp = Tensor::from_i32(in.kv_indptr), idx = Tensor::from_i32(in.indices),
            lpl = Tensor::from_i32(in.last_page_len);
     PagedKV kv{in.k, in.v, kvp, idx, lpl, full.page_size};
-    ref = reference::paged_attention(in.q, ref_qo, kv, AttentionOptions());
+    AttentionOptions o;
+    if (c.sinks) o.sinks = in.sinks;
+    ref = reference::paged_attention(in.q, ref_qo, kv, o);
   }
   test::expect_close(o_res, c.in_place ? lse_res.view() : TensorView(), ref, full.dtype);
   if (c.nan_k || c.nan_v)
@@ -913,6 +932,93 @@ TEST(CudaPrefill, AllKernelsAtHeadDim128) {
     many.kv_lens = many.q_lens;
     many.samples = 4;
     check_problem(many, rng);
+  }
+}
+
+// Attention sinks (SEMANTICS.md) on every prefill kernel (as AllKernelsAtHeadDim128 selects them)
+// and path: ragged and paged, causal or not, window and soft cap, rows that see nothing (a custom
+// mask, a request without KV: O = 0, LSE = the sink), split KV (the sink added once, in the merge
+// pass), the extend's prefix pass merging the ragged state (once, in the fused merge; split and
+// not), fp8 KV, no LSE; then the other head dims and groups on the kernel each runs.
+TEST(CudaPrefill, SinksOnEveryKernelAndPath) {
+  FLASHKV_REQUIRE_GPU();
+  const char* configs[][2] = {{"0", "0"}, {"1", "0"}, {"1", "1"}};
+  for (const auto& config : configs) {
+    SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << config[0]
+                                    << " FLASHKV_PREFILL_SM90_WS=" << config[1]);
+    test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
+    test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
+    FLASHKV_SEEDED_RNG(rng, 1850);
+    Problem pr = small_variant_problem();
+    pr.sinks = true;
+    check_problem(pr, rng);  // causal, paged (page size 16)
+    pr.paged = false;
+    pr.custom_mask = true;  // request 0's first row sees nothing
+    check_problem(pr, rng);
+    pr.custom_mask = false;
+    pr.causal = false;
+    pr.soft_cap = 5.0f;
+    pr.sm_scale = 0.3f;
+    pr.window_left = 40;
+    pr.dtype = pr.kv_dtype = DType::f16;
+    check_problem(pr, rng);
+    Problem empty;
+    empty.sinks = true;
+    empty.q_lens = {0, 3, 0, 20};
+    empty.kv_lens = {5, 0, 0, 30};  // request 1 has no KV: O = 0, LSE = the sink
+    empty.with_lse = true;
+    check_problem(empty, rng);
+    Problem split = small_variant_problem();
+    split.sinks = true;
+    split.page_size = 1;
+    split.plan.fixed_split_size = 64;
+    split.expect_merges = true;
+    check_problem(split, rng);
+    split.with_lse = false;
+    check_problem(split, rng);
+    for (int i : {2, 3}) {  // page size 1, G 4, prefix pass whole and split
+      FusedExtendCase c = fused_extend_cases()[i];
+      c.sinks = true;
+      check_fused_extend(c, Device::cuda(), rng);
+    }
+    FusedExtendCase separate = fused_extend_cases()[1];
+    separate.sinks = true;
+    separate.in_place = false;
+    check_fused_extend(separate, Device::cuda(), rng);
+    Problem ragged;  // many row blocks a worker
+    ragged.sinks = true;
+    ragged.q_lens = {300, 0, 1, 129, 517, 64};
+    ragged.kv_lens = ragged.q_lens;
+    ragged.hq = 32;
+    ragged.hkv = 8;
+    ragged.paged = false;
+    ragged.samples = 48;
+    check_problem(ragged, rng);
+  }
+  FLASHKV_SEEDED_RNG(rng, 1851);
+  Problem fp8 = small_variant_problem();
+  fp8.sinks = true;
+  fp8.kv_dtype = DType::fp8_e4m3;
+  fp8.k_scale = 0.75f;
+  fp8.v_scale = 1.5f;
+  check_problem(fp8, rng);
+  struct Shape {
+    int hq, hkv, dqk;
+  };
+  for (const Shape& s : {Shape{4, 4, 64}, Shape{8, 1, 64}, Shape{8, 2, 256}, Shape{16, 2, 128}}) {
+    SCOPED_TRACE(testing::Message() << "hq=" << s.hq << " hkv=" << s.hkv << " d=" << s.dqk);
+    Problem pr;
+    pr.sinks = true;
+    pr.hq = s.hq;
+    pr.hkv = s.hkv;
+    pr.dqk = pr.dv = s.dqk;
+    pr.q_lens = {33, 150, 1};
+    pr.kv_lens = {33 + 20, 150 + 300, 1 + 77};
+    check_problem(pr, rng);
+    pr.paged = false;
+    pr.window_left = 17;
+    pr.kv_lens = {33, 150, 1};
+    check_problem(pr, rng);
   }
 }
 

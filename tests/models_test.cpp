@@ -108,12 +108,9 @@ TEST(ModelPresets, UnsupportedOnADeviceNamesTheHeadDimAndTheDevice) {
   odd.head_dim = 72;
   EXPECT_NE(model_unsupported_reason(odd, false).find("head dim 72: the CPU kernels"),
             std::string::npos);
-  // Sinks run on the CPU; the CUDA kernels do not take them yet, so a CUDA run is refused
-  // before it starts rather than served without them.
-  EXPECT_EQ(model_unsupported_reason(preset("gpt-oss-20b").config(), false), "");
-  EXPECT_NE(model_unsupported_reason(preset("gpt-oss-20b").config(), true)
-                .find("attention sinks: not supported by the CUDA kernels yet"),
-            std::string::npos);
+  // Sinks run on both devices.
+  for (bool cuda : {false, true})
+    EXPECT_EQ(model_unsupported_reason(preset("gpt-oss-20b").config(), cuda), "") << cuda;
 }
 
 }  // namespace

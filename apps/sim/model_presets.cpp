@@ -186,7 +186,6 @@ std::string model_unsupported_reason(const ModelConfig& model, bool cuda) {
     return str_cat("head dim ", model.head_dim, ": the ", cuda ? "CUDA" : "CPU",
                    " kernels support ", join_ints(dims, " and "),
                    cuda ? " (the CPU ones also 80 and 96)" : "");
-  if (model.sinks && cuda) return "attention sinks: not supported by the CUDA kernels yet";
   return "";
 }
 

@@ -185,7 +185,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
         (q's dtype), or (out, lse) with lse [batch_size, num_qo_heads] float32 in base 2 when
         return_lse. k_scale/v_scale: the cache holds values divided by these (fp8 KV).
         sinks: float32 [num_qo_heads] attention sinks (natural-log logits that join each row's
-        softmax denominator with no value; the LSE includes them), or None. CPU only for now.
+        softmax denominator with no value; the LSE includes them), or None.
         """
         if args:
             raise Error("run: extra positional arguments (custom kernel arguments) are not supported")

@@ -251,7 +251,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillState, PagedWrapper):
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim_qk] over the planned batch.
         Returns out, or (out, lse) when return_lse. Allocates nothing beyond out/lse and never
         synchronizes (CUDA-graph capturable). sinks: float32 [num_qo_heads] attention sinks, or
-        None (CPU only for now)."""
+        None."""
         if args:
             raise Error("run: extra positional arguments (custom kernel arguments) are not supported")
         plan, causal = self._plan_for(self._causal)
@@ -352,7 +352,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillState, PlannedWrapper):
             enable_pdl: Optional[bool] = None, sinks: Any = None) -> Any:
         """Attention of q over k/v ([kv_indptr[-1], num_kv_heads, head_dim]) for the planned
         batch. Returns out, or (out, lse) when return_lse. sinks: float32 [num_qo_heads]
-        attention sinks, or None (CPU only for now)."""
+        attention sinks, or None."""
         if args:
             raise Error("run: extra positional arguments (custom kernel arguments) are not supported")
         plan, causal = self._plan_for(self._causal)

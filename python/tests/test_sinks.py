@@ -1,7 +1,6 @@
 """Attention sinks through the FlashInfer-shaped wrappers (`sinks=` on run, FlashInfer's name:
 float32 [num_qo_heads]) and the backend (`sinks=` on forward, or a layer's `sinks` attribute),
-against the float64 reference; bad sinks raise flashkv.Error naming them; CUDA refuses them
-until its kernels take them."""
+against the float64 reference, on every device; bad sinks raise flashkv.Error naming them."""
 
 import numpy as np
 import pytest
@@ -19,15 +18,6 @@ def sinks_of(rng):
     return (3.0 * rng.standard_normal(HQ)).astype(np.float32)
 
 
-def refused_on_cuda(xp, fn):
-    """On CUDA, sinks are refused before launch; returns True when it was."""
-    if not xp.is_cuda:
-        return False
-    with pytest.raises(flashkv.Error, match="sinks: not supported by the CUDA kernels yet"):
-        fn()
-    return True
-
-
 @pytest.mark.parametrize("split", [0, 4])
 def test_decode_with_sinks(xp, rng, workspace, split):
     batch = R.paged_batch(rng, [5, 0, 170, 17, 1], HKV, D, 4, dtype=xp.float)
@@ -36,10 +26,7 @@ def test_decode_with_sinks(xp, rng, workspace, split):
            logits_soft_cap=5.0, window_left=60, fixed_split_size=split or None)
     q = rng.standard_normal((5, HQ, D)).astype(xp.float)
     sinks = sinks_of(rng)
-    run = lambda: w.run(xp.put(q), xp.put(batch.flat()), return_lse=True, sinks=xp.put(sinks))
-    if refused_on_cuda(xp, run):
-        return
-    out, lse = xp.get(run())
+    out, lse = xp.get(w.run(xp.put(q), xp.put(batch.flat()), return_lse=True, sinks=xp.put(sinks)))
     ks, vs = batch.all_kv()
     ref_out, ref_lse = R.attention(q, ks, vs, [1] * 5, logits_soft_cap=5.0, window_left=60, sinks=sinks)
     R.assert_close(out, lse, ref_out, ref_lse)
@@ -58,10 +45,8 @@ def test_paged_and_ragged_prefill_with_sinks(xp, rng, workspace):
     paged = BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
     paged.plan(xp.put(qo), *xp.put((batch.indptr, batch.indices, batch.last_page_len)), HQ, HKV, D, 1,
                causal=True)
-    run = lambda: paged.run(xp.put(q), xp.put(batch.flat()), return_lse=True, sinks=xp.put(sinks))
-    if refused_on_cuda(xp, run):
-        return
-    out, lse = xp.get(run())
+    out, lse = xp.get(paged.run(xp.put(q), xp.put(batch.flat()), return_lse=True,
+                                sinks=xp.put(sinks)))
     ks, vs = batch.all_kv()
     R.assert_close(out, lse, *R.attention(q, ks, vs, qo_lens, causal=True, sinks=sinks))
 

@@ -61,8 +61,7 @@ struct AttentionOptions {
   // Attention sinks (SEMANTICS.md): f32 [Hq] contiguous, on q's device; one logit per query head
   // (natural log) that joins the softmax denominator with no value vector; the LSE includes it.
   // Added once to what the call writes: with merge_o, to the merged result (the state given in
-  // merge_o / merge_lse must not include it). Undefined: no sinks. CPU kernels only for now:
-  // CUDA tensors with sinks are refused before launch.
+  // merge_o / merge_lse must not include it). Undefined: no sinks.
   TensorView sinks;
 };
 

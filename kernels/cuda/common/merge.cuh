@@ -1,8 +1,8 @@
 // The merge of partial attention states over disjoint KV sets (SEMANTICS.md, "Merging partial
 // states"), the one definition every CUDA path uses: the decode kernel's merge of split tiles
 // (decode/merge.cuh), the prefill merge pass (prefill/merge.cuh), the prefill epilogue's merge
-// with AttentionParams::merge_o (prefill/epilogue.cuh), and merge_state / merge_states
-// (cuda/merge.cu).
+// with AttentionParams::merge_o (prefill/epilogue.cuh), merge_state / merge_states
+// (cuda/merge.cu), and the attention sink (sink_lse below), one more state with O = 0.
 //
 // States i with base-2 LSEs lse_i and normalised outputs O_i merge to
 //   O = sum_i w_i O_i / sum_i w_i,  LSE = max + log2(sum_i w_i),  w_i = 2^(lse_i - max),
@@ -26,6 +26,15 @@
 #include "common/ptx.cuh"
 
 namespace flashkv::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The attention sink of query head `head` (SEMANTICS.md "Attention sinks") as a state: O = 0 and
+// base-2 LSE sinks[head] * log2(e); -inf (a state that weighs 0) without sinks. Each path merges
+// it once, at the row's final write, so that split KV and the extend's two parts count it once.
+__device__ __forceinline__ float sink_lse(const float* sinks, int head) {
+  return sinks != nullptr ? sinks[head] * kLog2e : -INFINITY;
+}
 
 template <bool kFastExp2 = false, bool kFastLog2 = kFastExp2>
 struct MergeState {

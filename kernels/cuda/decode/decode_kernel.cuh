@@ -44,8 +44,6 @@
 
 namespace flashkv::cuda::decode_detail {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // indices_ready: fetch_first_indices_early ran (and a barrier followed it).
 template <class Tr, typename QT, KvFormat kKv>
 __device__ void DecodeCta<Tr, QT, kKv>::run(int32_t first_item, int32_t last_item,

@@ -20,8 +20,10 @@ __device__ void DecodeCta<Tr, QT, kKv>::store(const ItemView& v, const float* in
     const int h = i / kPerHead, d = (i % kPerHead) * 8;
     float x[8];
     if (empty) {
+      // O = 0; with a NaN sink on a final row, NaN (the sink's state alone is the row's).
+      const float zero = v.partial < 0 && isnan(sink_lse(p.sinks, qh0 + h)) ? NAN : 0.0f;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) x[k] = 0.0f;
+      for (int k = 0; k < 8; ++k) x[k] = zero;
     } else {
       const float* part = ob + h * Tr::kOutStride + d;
       float4 a = *reinterpret_cast<const float4*>(part);
@@ -51,7 +53,9 @@ __device__ void DecodeCta<Tr, QT, kKv>::store(const ItemView& v, const float* in
     }
   }
   if (tid < heads) {
-    const float value = empty ? -INFINITY : lse[tid];
+    // An empty final row is the sink's state alone (O = 0); an empty chunk weighs 0.
+    const float value =
+        !empty ? lse[tid] : v.partial < 0 ? sink_lse(p.sinks, qh0 + tid) : -INFINITY;
     if (v.partial < 0) {
       if (p.lse) p.lse[int64_t{v.row} * p.num_qo_heads + qh0 + tid] = value;
     } else {
@@ -170,6 +174,14 @@ __device__ void DecodeCta<Tr, QT, kKv>::merge_units(const TileMerge* done, int n
         }
       FLASHKV_TRACE(if (c0 == 0 && u0 == tid) timeline->mark(7);)
     }
+    if (p.sinks != nullptr) {  // the sink (O = 0) is the last state, folded once per row
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        float rescale, weight;
+        st[j].fold(sink_lse(p.sinks, qh0 + h[j]), rescale, weight);
+        acc[j].x *= rescale, acc[j].y *= rescale, acc[j].z *= rescale, acc[j].w *= rescale;
+      }
+    }
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) {
       if (u0 + j * Tr::kThreads >= total) break;
@@ -228,9 +240,18 @@ __device__ void DecodeCta<Tr, QT, kKv>::finalize(const ItemView& v, unsigned cha
         sum += mw == -INFINITY ? lw : lw * ptx::exp2_fast(mw - mx);
       }
       scale[n][j] = m[n][j] == -INFINITY ? 0.0f : ptx::exp2_fast(m[n][j] - mx);
-      if (warp == 0 && r == 0) {  // != 0, not > 0: a NaN sum stays NaN
-        fin_inv[h] = sum != 0.0f ? p.v_scale / sum : 0.0f;
-        fin_lse[h] = sum != 0.0f ? mx + __log2f(sum) : -INFINITY;
+      if (warp == 0 && r == 0) {
+        if (p.sinks != nullptr && v.partial < 0 && h < heads) {
+          // A final row: the sink (O = 0) is one more state, folded after the warps'.
+          MergeState</*kFastExp2=*/true> st{mx, sum};
+          float rescale, weight;
+          st.fold(sink_lse(p.sinks, qh0 + h), rescale, weight);
+          fin_inv[h] = p.v_scale * rescale * st.inv_sum();
+          fin_lse[h] = st.lse();
+        } else {  // != 0, not > 0: a NaN sum stays NaN
+          fin_inv[h] = sum != 0.0f ? p.v_scale / sum : 0.0f;
+          fin_lse[h] = sum != 0.0f ? mx + __log2f(sum) : -INFINITY;
+        }
       }
     }
   if constexpr (Tr::kWarps * Tr::kOutBytes <= Tr::kStageBytes) {

@@ -13,7 +13,7 @@
 namespace flashkv::cuda::prefill_detail {
 
 // A final row block merged with p's merge state (p.merge_o / p.merge_lse, possibly the same
-// memory as the outputs) as it is stored. Under programmatic dependent launch the state comes
+// memory as the outputs) and p's sink (if any) as it is stored. Under programmatic dependent launch the state comes
 // from the preceding kernel: wait for it here, before the first read of it (and write of O).
 //
 // The warp's rows of the state are copied with cp.async into the warp's own Q rows of shared
@@ -81,9 +81,15 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
       const int head = kv_head * group + (item_row - tok * group);
       // common/merge.cuh: an empty state (LSE -inf) weighs 0, and its values (never written,
       // maybe NaN) are unused; a NaN state weighs NaN, so O and LSE are NaN.
+      // The sink, when given, is a third state (O = 0): counted here, once.
       MergeState</*kFastExp2=*/false, /*kFastLog2=*/true> st;
-      float w_prev, w_cur;
-      st.pair(prev_lse[mt][h], lse[mt][h], w_prev, w_cur);
+      const float sink = sink_lse(p.sinks, head);
+      st.see(prev_lse[mt][h]);
+      st.see(lse[mt][h]);
+      st.see(sink);
+      const float w_prev = st.add(prev_lse[mt][h]);
+      const float w_cur = st.add(lse[mt][h]);
+      st.add(sink);
       const float inv = st.inv_sum();
       const float a = w_prev * inv, c = w_cur * inv * scale[mt][h];
       const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
@@ -122,15 +128,23 @@ __device__ __forceinline__ void store_block(const AttentionParams& p, const RowB
       const int tok = item_row / group;
       const int head = kv_head * group + (item_row - tok * group);
       const int col0 = (lane & 3) * 2;
-      const float sc = scale[mt][h];
+      float sc = scale[mt][h];
       if (b.partial < 0) {
+        float row_lse = lse[mt][h];
+        if (p.sinks != nullptr) {  // the row's final write: merge the sink (O = 0) once
+          MergeState</*kFastExp2=*/false, /*kFastLog2=*/true> st;
+          float w_cur, w_sink;
+          st.pair(row_lse, sink_lse(p.sinks, head), w_cur, w_sink);
+          sc *= w_cur * st.inv_sum();
+          row_lse = st.lse();
+        }
         const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
         QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h + col0;
 #pragma unroll
         for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
           *reinterpret_cast<uint32_t*>(dst + dt * 8) =
               pack2<QT>(o[mt][dt][2 * h] * sc, o[mt][dt][2 * h + 1] * sc);
-        if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = lse[mt][h];
+        if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = row_lse;
       } else {
         const int64_t prow = static_cast<int64_t>(b.partial) + tok;
         float* dst = p.partial_o + (prow * p.num_qo_heads + head) * Cfg::kDv + col0;

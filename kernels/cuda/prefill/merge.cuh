@@ -29,8 +29,11 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
                                      head * p.merge_stride_h
                                : nullptr;
     // The weights, 1 / sum and the LSE: common/merge.cuh (the maximum first).
+    // The sink, when given, is one more state (O = 0), counted here once.
+    const float sink = sink_lse(p.sinks, head);
     MergeState<> st;
     st.see(prev_lse);
+    st.see(sink);
     bool nan = prev_lse != prev_lse;
     for (int c = 0; c < mi.num_chunks; ++c) {
       const float l = p.partial_lse[prow(c) * hq + head];
@@ -48,6 +51,7 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
     }
     for (int c = 0; c < mi.num_chunks; ++c) st.add(p.partial_lse[prow(c) * hq + head]);
     const float w_prev = st.add(prev_lse);
+    st.add(sink);
     const float inv = st.inv_sum();
     for (int d = lane; d < dv; d += 32) {
       float acc = 0.0f;

@@ -4,11 +4,10 @@
 // per element (c = log2(e) alone when a soft cap already scaled the logits).
 #pragma once
 
+#include "common/merge.cuh"
 #include "prefill/primitives.cuh"
 
 namespace flashkv::cuda::prefill_detail {
-
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <int kMTiles>
 struct OnlineSoftmax {
