@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -223,14 +224,49 @@ TEST(Cli, BenchQuickWritesJsonCsvAndRoofline) {
   EXPECT_NE(plot.find("matmul "), std::string::npos);
 }
 
+// `flashkv check --device cpu --quick`, run once for the tests that read its output.
+const RunResult& quick_check() {
+  static const RunResult r = flashkv("check --device cpu --quick");
+  return r;
+}
+
 TEST(Cli, CheckQuickEndsWithPassedFailedLine) {
-  const RunResult r = flashkv("check --device cpu --quick");
+  const RunResult& r = quick_check();
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_TRUE(std::regex_match(last_line(r.out), std::regex("[1-9][0-9]* passed, 0 failed")))
       << last_line(r.out);
   EXPECT_NE(r.out.find("backend verify"), std::string::npos);
   EXPECT_NE(r.out.find("backend cross"), std::string::npos);
   EXPECT_NE(r.out.find("backend draft_steps"), std::string::npos);
+}
+
+// The quick grid lists attention-sinks cases (their description ends in "sinks") for every
+// operator path and the main backend modes, and each of them passes.
+TEST(Cli, CheckQuickListsSinksCasesAndTheyPass) {
+  const RunResult& r = quick_check();
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  std::map<std::string, int> by_op;  // the op column of each sinks row
+  bool split = false, window = false, cap = false;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find(" sinks ") == std::string::npos) continue;
+    EXPECT_EQ(line.substr(line.size() - 3), " ok") << line;
+    // Ops are one word, backend modes "backend <mode>".
+    std::istringstream words(line);
+    std::string op, mode;
+    words >> op;
+    if (op == "backend" && words >> mode) op.append(" ").append(mode);
+    ++by_op[op];
+    split |= line.find(" split=") != std::string::npos;
+    window |= line.find(" win=") != std::string::npos;
+    cap |= line.find(" cap=") != std::string::npos;
+  }
+  for (const char* op :
+       {"decode", "ragged_prefill", "paged_prefill", "extend", "backend decode", "backend extend",
+        "backend extend+prefix", "backend verify", "backend draft_extend"})
+    EXPECT_GT(by_op[op], 0) << "no sinks case for " << op << "\n" << r.out;
+  EXPECT_GE(by_op["decode"], 2);
+  EXPECT_TRUE(split && window && cap) << r.out;
 }
 
 TEST(Cli, HelpExitsZero) {

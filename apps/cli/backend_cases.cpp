@@ -40,7 +40,9 @@ std::string BackendCase::describe() const {
                           " D=", m.head_dim, " ", dtype_name(m.dtype));
   if (m.kv_dtype != m.dtype) s += str_cat("/kv ", dtype_name(m.kv_dtype));
   if (m.sliding_window >= 0) s += str_cat(" win=", m.sliding_window);
+  if (m.logit_cap > 0) s += str_cat(" cap=", m.logit_cap);
   if (m.encoder_decoder) s += " enc-dec";
+  if (m.sinks) s += " sinks";
   return s;
 }
 
@@ -268,6 +270,31 @@ std::vector<BackendCase> backend_case_grid(bool quick, uint64_t seed) {
       c.model.kv_dtype = kv;
       c.scale = quick ? 1 : 3;
       c.seed = gen();
+      cases.push_back(c);
+    }
+  }
+  // Attention sinks (a per-layer f32 [Hq] tensor, as gpt-oss has) in the modes whose passes add
+  // them differently: decode, extend alone (the ragged pass adds the sink) and on prefixes (the
+  // prefix pass merges the new tokens' state and adds it once), target verify, draft extend,
+  // MIXED, multi-step drafting, and windowed and full layers together; the cap on the scores
+  // leaves the sink alone. After the cases above so that their seeds do not change.
+  const BackendScenario with_sinks[] = {
+      BackendScenario::decode,      BackendScenario::extend,        BackendScenario::extend_prefix,
+      BackendScenario::mixed,       BackendScenario::verify,        BackendScenario::draft_extend,
+      BackendScenario::draft_steps, BackendScenario::sliding_window};
+  for (const ModelConfig& shape : shapes) {
+    for (BackendScenario sc : with_sinks) {
+      BackendCase c;
+      c.scenario = sc;
+      c.model = shape;
+      c.model.sinks = true;
+      c.scale = quick ? 1 : 3;
+      c.seed = gen();
+      if (sc == BackendScenario::extend_prefix) c.model.logit_cap = 20.0f;
+      if (sc == BackendScenario::sliding_window) {
+        c.model.num_layers = 4;
+        c.model.sliding_window = 13;
+      }
       cases.push_back(c);
     }
   }

@@ -44,7 +44,8 @@ struct BackendResult {
 };
 
 BackendResult run_backend_case(const BackendCase& c, Device device);
-// Every scenario (fp8 KV cache variants of some); quick: short sequences, one head shape.
+// Every scenario (fp8 KV cache variants of some; attention sinks in every mode but cross
+// attention); quick: short sequences, one head shape.
 std::vector<BackendCase> backend_case_grid(bool quick, uint64_t seed);
 
 }  // namespace flashkv::app

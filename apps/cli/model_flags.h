@@ -23,9 +23,9 @@ std::vector<FlagSpec> model_flags(const ModelDefaults& cpu, const ModelDefaults&
                                   const std::string& window);
 // The model the flags describe: --model's preset (when given), then every shape flag given on
 // the command line over it. `--model list` prints the presets and exits 0; an unknown model, or
-// a bad combination (a head dim without kernels on the device, attention sinks, cross attention
-// with a sliding window, heads not a multiple of KV heads, a non-fp8 KV dtype other than the
-// activations') exits 2 with one line.
+// a bad combination (a head dim without kernels on the device, cross attention with a sliding
+// window, heads not a multiple of KV heads, a non-fp8 KV dtype other than the activations')
+// exits 2 with one line. Attention sinks are not one: they run on the CPU and on CUDA.
 ModelConfig model_from_flags(const Args& args, bool gpu, const ModelDefaults& cpu,
                              const ModelDefaults& gpu_defaults);
 // --encoder-len for `model`: the longest encoder input of a request (each request draws

@@ -126,12 +126,27 @@ void plan_into(Planned<PlanT>& p, const BatchShape& b, const OpCase& c, Device d
   p.ws.upload(p.plan);
 }
 
-AttentionOptions options_of(const OpCase& c, bool causal) {
+AttentionOptions options_of(const OpCase& c, bool causal, const TensorView& sinks = {}) {
   AttentionOptions o;
   o.causal = causal;
   o.window_left = c.window_left;
   o.logits_soft_cap = c.soft_cap;
+  o.sinks = sinks;
   return o;
+}
+
+// The case's sink logits as a host f32 [Hq] (undefined without sinks): normal with std 2, as
+// learned sinks are a few units around 0, and one random head -inf (no sink there). They come
+// from their own generator, so a case's other inputs are the same with and without sinks.
+Tensor make_sinks(const OpCase& c) {
+  if (!c.sinks) return {};
+  std::mt19937_64 gen(c.seed ^ 0x51A4C0DEULL);
+  Tensor t = Tensor::empty({c.hq}, DType::f32);
+  std::normal_distribution<double> normal(0, 2);
+  for (int h = 0; h < c.hq; ++h) t.ptr<float>()[h] = static_cast<float>(normal(gen));
+  t.ptr<float>()[std::uniform_int_distribution<int>(0, c.hq - 1)(gen)] =
+      -std::numeric_limits<float>::infinity();
+  return t;
 }
 
 // A random tree-like mask per request: each query row sees a random subset of the prefix and
@@ -175,6 +190,7 @@ std::string OpCase::describe() const {
   if (window_left >= 0) os << " win=" << window_left;
   if (soft_cap > 0) os << " cap=" << soft_cap;
   if (fixed_split > 0) os << " split=" << fixed_split;
+  if (sinks) os << " sinks";
   return os.str();
 }
 
@@ -186,11 +202,15 @@ OpResult run_op_case(const OpCase& c, Device d) {
     const int B = static_cast<int>(c.kv_lens.size());
     reference::Result ref;
     Tensor out_host, lse_host;
+    // Sinks: the reference reads the host copy, the operator the device one.
+    const Tensor sinks = make_sinks(c);
+    const Tensor sinks_d = sinks.defined() ? sinks.to(d) : Tensor();
     if (c.op == OpKind::decode) {
       HostPaged h = make_paged(c, c.kv_lens, gen);
       Tensor q = random_host({B, c.hq, c.head_dim}, c.dtype, gen);
-      const AttentionOptions opt = options_of(c, true);
+      AttentionOptions opt = options_of(c, true, sinks);
       ref = reference::paged_attention(q, TensorView(), h.view(), opt);
+      opt.sinks = sinks_d;
       DevicePaged dk = to_device(h, d);
       Tensor qd = q.to(d), out = Tensor::empty({B, c.hq, c.head_dim_v}, c.dtype, d),
              lse = Tensor::empty({B, c.hq}, DType::f32, d);
@@ -240,7 +260,7 @@ OpResult run_op_case(const OpCase& c, Device d) {
         Tensor k = random_host({kvp.back(), c.hkv, c.head_dim}, c.dtype, gen);
         Tensor v = random_host({kvp.back(), c.hkv, c.head_dim_v}, c.dtype, gen);
         Tensor kvp_t = Tensor::from_i32(kvp);
-        AttentionOptions opt = options_of(c, c.causal);
+        AttentionOptions opt = options_of(c, c.causal, sinks);
         if (c.custom_mask) {
           make_mask(c.qo_lens, c.kv_lens, gen, &mask, &mask_indptr);
           opt.custom_mask = mask;
@@ -251,6 +271,7 @@ OpResult run_op_case(const OpCase& c, Device d) {
                mi_d = c.custom_mask ? mask_indptr.to(d) : Tensor();
         opt.custom_mask = mask_d;
         opt.mask_indptr = mi_d;
+        opt.sinks = sinks_d;
         Planned<PrefillPlan> p;
         plan_into(p, shape_of(c, &qo, c.kv_lens, c.causal), c, d,
                   [](auto&&... a) { return plan_prefill(a...); });
@@ -258,7 +279,7 @@ OpResult run_op_case(const OpCase& c, Device d) {
                        p.ws);
       } else if (c.op == OpKind::paged_prefill) {
         HostPaged h = make_paged(c, c.kv_lens, gen);
-        AttentionOptions opt = options_of(c, c.causal);
+        AttentionOptions opt = options_of(c, c.causal, sinks);
         if (c.custom_mask) {
           make_mask(c.qo_lens, c.kv_lens, gen, &mask, &mask_indptr);
           opt.custom_mask = mask;
@@ -269,6 +290,7 @@ OpResult run_op_case(const OpCase& c, Device d) {
                mi_d = c.custom_mask ? mask_indptr.to(d) : Tensor();
         opt.custom_mask = mask_d;
         opt.mask_indptr = mi_d;
+        opt.sinks = sinks_d;
         DevicePaged dk = to_device(h, d);
         Planned<PrefillPlan> p;
         plan_into(p, shape_of(c, &qo, c.kv_lens, c.causal), c, d,
@@ -278,10 +300,13 @@ OpResult run_op_case(const OpCase& c, Device d) {
         HostPaged h = make_paged(c, c.kv_lens, gen);
         Tensor k = random_host({T, c.hkv, c.head_dim}, c.dtype, gen);
         Tensor v = random_host({T, c.hkv, c.head_dim_v}, c.dtype, gen);
-        const AttentionOptions causal = options_of(c, true), full = options_of(c, false);
+        // The sink belongs to the prefix side only, so the merged reference holds it once.
+        const AttentionOptions causal = options_of(c, true);
+        AttentionOptions full = options_of(c, false, sinks);
         auto ref_new = reference::ragged_attention(q, k, v, qo_t, qo_t, causal);
         auto ref_prefix = reference::paged_attention(q, qo_t, h.view(), full);
         ref = reference::merge_states({ref_new, ref_prefix});
+        full.sinks = sinks_d;
         DevicePaged dk = to_device(h, d);
         Tensor qd = q.to(d), qo_d = qo_t.to(d);
         Tensor o2 = Tensor::empty({T, c.hq, c.head_dim_v}, c.dtype, d),
@@ -292,8 +317,16 @@ OpResult run_op_case(const OpCase& c, Device d) {
         plan_into(pp, shape_of(c, &qo, c.kv_lens, false), c, d,
                   [](auto&&... a) { return plan_prefill(a...); });
         ragged_prefill(pr.plan, qd, k.to(d), v.to(d), qo_d, qo_d, causal, out, lse, pr.ws);
-        paged_prefill(pp.plan, qd, qo_d, dk.view(h), full, o2, lse2, pp.ws);
-        merge_state(out, lse, o2, lse2, out, lse);
+        if (c.sinks) {
+          // As the backend runs it: the prefix pass merges the new tokens' state in (merge_o)
+          // and adds the sink once to the merged rows.
+          full.merge_o = out;
+          full.merge_lse = lse;
+          paged_prefill(pp.plan, qd, qo_d, dk.view(h), full, out, lse, pp.ws);
+        } else {
+          paged_prefill(pp.plan, qd, qo_d, dk.view(h), full, o2, lse2, pp.ws);
+          merge_state(out, lse, o2, lse2, out, lse);
+        }
       }
       out_host = out.to(Device::cpu());
       lse_host = lse.to(Device::cpu());
@@ -319,6 +352,7 @@ std::vector<OpCase> op_case_grid(bool quick, uint64_t seed) {
   const std::vector<std::pair<int, int>> heads = {{8, 8}, {8, 2}, {16, 2}};
   const std::vector<int> dims = quick ? std::vector<int>{64, 128} : std::vector<int>{64, 128, 256};
   const std::vector<DType> kv_types = {DType::bf16, DType::fp8_e4m3};
+  int sinks_turn = 0;
   for (auto [hq, hkv] : heads)
     for (int dim : dims)
       for (int page : {1, 16}) {
@@ -358,6 +392,14 @@ std::vector<OpCase> op_case_grid(bool quick, uint64_t seed) {
         ext.kv_lens = lens(3, 0, 100 * scale);  // prefix lengths
         ext.seed = gen();
         cases.push_back(ext);
+        // The full grid repeats one of this shape's five cases with sinks, a different one on
+        // each shape (its seed derived, so the draws of the cases after it do not change).
+        if (!quick) {
+          OpCase x = cases[cases.size() - 1 - sinks_turn++ % 5];
+          x.sinks = true;
+          x.seed ^= 0x5EED;
+          cases.push_back(x);
+        }
       }
   // Variants on one shape.
   OpCase base;
@@ -410,6 +452,90 @@ std::vector<OpCase> op_case_grid(bool quick, uint64_t seed) {
     x.op = OpKind::decode;
     x.dtype = x.kv_dtype = DType::f16;
     x.kv_lens = lens(16, 500, 3000);
+    x.seed = gen();
+    cases.push_back(x);
+  }
+  // Attention sinks (SEMANTICS.md "Attention sinks") on the base shape, last so that the cases
+  // above draw the same lengths as without them. Rows that see no key (a decode request with no
+  // KV, a non-causal request against none, an extend without a prefix in its prefix pass) take
+  // the sink's state alone.
+  {
+    const int scale = quick ? 1 : 4;
+    OpCase s = base;
+    s.sinks = true;
+    // Decode with the KV split in chunks: the sink joins once, at the final merge.
+    OpCase x = s;
+    x.op = OpKind::decode;
+    x.page_size = 16;
+    x.kv_lens = lens(4, 1, 300 * scale);
+    x.kv_lens.push_back(0);
+    x.fixed_split = 64;
+    x.seed = gen();
+    cases.push_back(x);
+    // Decode with a window, a soft cap (which the sink escapes) and an fp8 KV cache.
+    x = s;
+    x.op = OpKind::decode;
+    x.kv_lens = lens(4, 1, 200 * scale);
+    x.window_left = 37;
+    x.soft_cap = 30.0f;
+    x.kv_dtype = DType::fp8_e4m3;
+    x.seed = gen();
+    cases.push_back(x);
+    // Ragged prefill: causal with a soft cap on a wider shape, then non-causal with an empty KV.
+    x = s;
+    x.op = OpKind::ragged_prefill;
+    x.hq = 16;
+    x.head_dim = x.head_dim_v = 128;
+    x.qo_lens = lens(3, 1, 40 * scale);
+    x.kv_lens = x.qo_lens;
+    x.soft_cap = 20.0f;
+    x.seed = gen();
+    cases.push_back(x);
+    x = s;
+    x.op = OpKind::ragged_prefill;
+    x.causal = false;
+    x.qo_lens = {5, 1, 9};
+    x.kv_lens = {3, 50 * scale, 0};
+    x.seed = gen();
+    cases.push_back(x);
+    // Paged prefill: a tree mask on pages of 16, then a window with the KV split in chunks.
+    x = s;
+    x.op = OpKind::paged_prefill;
+    x.page_size = 16;
+    x.qo_lens = {5, 1, 9};
+    x.kv_lens = {40, 17, 9};
+    x.custom_mask = true;
+    x.seed = gen();
+    cases.push_back(x);
+    x = s;
+    x.op = OpKind::paged_prefill;
+    x.qo_lens = lens(3, 1, 30 * scale);
+    x.kv_lens = x.qo_lens;
+    for (int32_t& kv : x.kv_lens) kv += lens(1, 0, 90 * scale)[0];
+    x.window_left = 20;
+    x.fixed_split = 32;
+    x.seed = gen();
+    cases.push_back(x);
+    // Extend (ragged new tokens merged into the paged prefix pass, which adds the sink): one
+    // request without a prefix; a soft cap and split chunks on pages of 16, then fp8 KV on a
+    // wider shape.
+    x = s;
+    x.op = OpKind::extend;
+    x.page_size = 16;
+    x.qo_lens = lens(3, 1, 30 * scale);
+    x.kv_lens = lens(3, 0, 100 * scale);
+    x.kv_lens[1] = 0;
+    x.soft_cap = 30.0f;
+    x.fixed_split = 32;
+    x.seed = gen();
+    cases.push_back(x);
+    x = s;
+    x.op = OpKind::extend;
+    x.hq = 16;
+    x.head_dim = x.head_dim_v = 128;
+    x.kv_dtype = DType::fp8_e4m3;
+    x.qo_lens = lens(3, 1, 30 * scale);
+    x.kv_lens = lens(3, 1, 100 * scale);
     x.seed = gen();
     cases.push_back(x);
   }

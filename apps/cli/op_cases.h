@@ -27,6 +27,10 @@ struct OpCase {
   float soft_cap = 0;
   bool custom_mask = false;
   int fixed_split = 0;  // > 0: deterministic split size (forces split + merge)
+  // Attention sinks: per-head logits drawn from the seed (normal, std 2, one head -inf), given to
+  // the operator and the reference alike. Extend passes them to the prefix pass, which merges the
+  // new tokens' state (merge_o) and adds the sink once.
+  bool sinks = false;
   uint64_t seed = 1;
   std::string describe() const;
 };
