@@ -4,6 +4,7 @@
 #include <optional>
 #include <utility>
 
+#include "backend_detail.h"
 #include "flashkv/kvcache/kv_pool.h"
 #include "flashkv/kvcache/req_to_token_pool.h"
 #include "flashkv/kvcache/swa_allocator.h"
@@ -12,7 +13,16 @@
 
 namespace flashkv {
 
+using backend_detail::check_host_entries;
 using backend_detail::check_index_room;
+using backend_detail::check_pool;
+using backend_detail::decode_options;
+using backend_detail::flat_output;
+using backend_detail::layer_io;
+using backend_detail::LayerIO;
+using backend_detail::paged_view;
+using backend_detail::prefix_sums_into;
+using backend_detail::prepare_save;
 using backend_detail::upload_indices;
 using backend_detail::with_index_room;
 
@@ -93,7 +103,7 @@ struct FlashKVBackend::State {
   int graph_max_bs = 0, graph_max_tokens = 0;
 };
 
-namespace {
+namespace backend_detail {
 
 // A pool the backend reads and writes must match the model it was built for.
 void check_pool(const KVPool& pool, const BackendOptions& o, const char* name) {
@@ -132,7 +142,7 @@ void check_host_entries(const TensorView& t, int64_t limit, const char* name, co
   }
 }
 
-}  // namespace
+}  // namespace backend_detail
 
 FlashKVBackend::FlashKVBackend(const BackendOptions& options)
     : options_(options), eager_(std::make_unique<State>()), graph_(std::make_unique<State>()) {
@@ -154,6 +164,17 @@ FlashKVBackend::FlashKVBackend(const BackendOptions& options)
   FLASHKV_CHECK(o.decode_split_size > 0 && o.prefill_split_size > 0,
                 "BackendOptions: split sizes must be > 0");
   if (o.device.is_cuda()) device_info(o.device);  // fails clearly without a GPU
+  if (o.cp_comm != nullptr) {
+    const char* what = "BackendOptions.cp_comm: context parallelism in FlashKVBackend ";
+    FLASHKV_CHECK(o.device.is_cpu(), what, "runs on the CPU for now, got device ", o.device.str());
+    FLASHKV_CHECK(o.cp_comm->device() == o.device, what, "needs a communicator on ", o.device.str(),
+                  ", got one on ", o.cp_comm->device().str());
+    FLASHKV_CHECK(!o.is_encoder_decoder, what, "does not support cross attention");
+    FLASHKV_CHECK(o.swa_kv_pool == nullptr, what, "does not support a sliding-window pool");
+    FLASHKV_CHECK(!o.is_multimodal && !o.has_encoder_only_layers, what,
+                  "does not support multimodal or encoder-only layers");
+    cp_ = std::make_unique<CpState>(*o.cp_comm, o.cp, o.sliding_window_size >= 0);
+  }
   for (State* st : {eager_.get(), graph_.get()}) {
     st->wrappers.resize(num_wrappers());
     for (HostPlan* hp : {&st->plan, &st->next}) {
@@ -181,13 +202,18 @@ bool FlashKVBackend::extend_without_prefix() const {
 }
 
 void FlashKVBackend::init_forward_metadata(const ForwardBatch& batch) {
-  plan_batch(batch, /*graph=*/false);
+  if (cp_)
+    cp_plan(batch);
+  else
+    plan_batch(batch, /*graph=*/false);
 }
 
 void FlashKVBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
   FLASHKV_CHECK(max_bs > 0 && max_num_tokens >= max_bs,
                 "init_cuda_graph_state: expected max_bs > 0 and ", "max_num_tokens >= max_bs, got ",
                 max_bs, " and ", max_num_tokens);
+  FLASHKV_CHECK(cp_ == nullptr, "init_cuda_graph_state: CUDA graphs are not supported with ",
+                "context parallelism (BackendOptions::cp_comm)");
   State& s = *graph_;
   FLASHKV_CHECK(
       !s.graph_ready,
@@ -577,15 +603,7 @@ void FlashKVBackend::commit(const ForwardBatch& b, bool graph) {
   s.planned = true;
 }
 
-namespace {
-struct LayerIO {
-  TensorView q, k, v, out;  // 3-D views
-  KVPool* pool = nullptr;
-  TensorView cache_loc;
-  const char* cache_loc_name = "batch.out_cache_loc";
-  AttentionOptions opt;
-};
-
+namespace backend_detail {
 // The decode operator's options: the layer's, plus layout_ready. The request layout of a
 // decode batch (kv_indptr, kv_indices, last page lengths) is built in init_forward_metadata*
 // by copies and by kernels that never let a successor start early, before any layer runs; the
@@ -686,6 +704,10 @@ TensorView flat_output(const TensorView& out3) {
   return r;
 }
 
+}  // namespace backend_detail
+
+namespace {
+
 // The batch's new tokens' slots in the SWA pool (empty without one).
 TensorView swa_loc_of(const Tensor& t, int64_t T) {
   return t.defined() ? t.view().rows(0, T) : TensorView();
@@ -700,6 +722,8 @@ int wrapper_index(const BackendOptions& o, const LayerSpec& layer) {
 }  // namespace
 
 bool FlashKVBackend::reads_new_kv_from_input(const LayerSpec& layer) const {
+  // The sharded extend passes read the new tokens from the ranks' k / v, gathered.
+  if (cp_) return cp_->planned && !is_decode_or_idle(cp_->mode) && !layer.is_cross_attention;
   if (active_ == nullptr) return false;
   const HostPlan& n = active_->plan;
   const int wi = wrapper_index(options_, layer);
@@ -711,6 +735,7 @@ TensorView FlashKVBackend::forward_decode(const TensorView& q, const TensorView&
                                           const TensorView& v, const LayerSpec& layer,
                                           const ForwardBatch& b, bool save_kv_cache,
                                           const TensorView& out) {
+  if (cp_) return cp_forward(q, k, v, layer, b, save_kv_cache, out);
   FLASHKV_CHECK(active_ != nullptr, "forward: call init_forward_metadata first");
   State& s = *active_;
   const HostPlan& n = s.plan;
@@ -739,6 +764,7 @@ TensorView FlashKVBackend::forward_extend(const TensorView& q, const TensorView&
                                           const TensorView& v, const LayerSpec& layer,
                                           const ForwardBatch& b, bool save_kv_cache,
                                           const TensorView& out) {
+  if (cp_) return cp_forward(q, k, v, layer, b, save_kv_cache, out);
   FLASHKV_CHECK(active_ != nullptr, "forward: call init_forward_metadata first");
   State& s = *active_;
   const HostPlan& n = s.plan;

@@ -27,6 +27,9 @@ MultiStepDraftBackend::MultiStepDraftBackend(const BackendOptions& options, int 
   FLASHKV_CHECK(options.sliding_window_size < 0 && !options.is_encoder_decoder,
                 "MultiStepDraftBackend: draft models with sliding-window or cross-attention layers "
                 "are not supported");
+  FLASHKV_CHECK(options.cp_comm == nullptr,
+                "MultiStepDraftBackend: context parallelism (BackendOptions::cp_comm) is not "
+                "supported");
   for (int i = 0; i < num_steps; ++i) steps_.push_back(std::make_unique<FlashKVBackend>(options));
   step_batches_.resize(num_steps);
   for (Buffers* b : {eager_.get(), graph_.get()}) {

@@ -3,9 +3,9 @@
 # each may include (docs/ARCHITECTURE.md):
 #   core: core                  kvcache: + kvcache         plan: core, plan
 #   kernels: core, plan, kernels                           ops: core, plan, ops (+ kernels in .cpp)
-#   backend: core, kvcache, plan, ops, backend             reference: + reference
 #   parallel (context parallelism): core, plan, ops, parallel
-#   apps, bench/lib: the public layers + parallel + reference      python: the public layers
+#   backend: core, kvcache, plan, ops, parallel, backend   reference: + reference
+#   apps, bench/lib: the public layers + reference         python: the public layers
 #   bench/*.cu (the standalone kernel benchmarks): + kernels
 cmake_minimum_required(VERSION 3.24)
 # Each rule: "<path prefixes, |-separated> = <layers it may include, comma-separated>"; the first
@@ -17,11 +17,11 @@ set(_rules
   "kernels/ = core,plan,kernels"
   "include/flashkv/ops/ = core,plan,ops"
   "ops/ = core,plan,ops,kernels"
-  "include/flashkv/backend/|backend/ = core,kvcache,plan,ops,backend"
+  "include/flashkv/backend/|backend/ = core,kvcache,plan,ops,parallel,backend"
   "include/flashkv/parallel/|parallel/ = core,plan,ops,parallel"
-  "reference/ = core,kvcache,plan,ops,backend,reference"
+  "reference/ = core,kvcache,plan,ops,parallel,backend,reference"
   "apps/|bench/lib/|tests/|fuzz/ = core,kvcache,plan,ops,backend,parallel,reference"
-  "python/ = core,kvcache,plan,ops,backend"
+  "python/ = core,kvcache,plan,ops,parallel,backend"
   "bench/ = core,kvcache,plan,ops,backend,kernels")
 file(GLOB_RECURSE _files RELATIVE ${ROOT}
   ${ROOT}/include/*.h ${ROOT}/core/* ${ROOT}/kvcache/* ${ROOT}/plan/* ${ROOT}/ops/*

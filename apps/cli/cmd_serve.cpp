@@ -7,9 +7,12 @@
 #include <cstdio>
 #include <iostream>
 #include <limits>
+#include <memory>
+#include <string>
 
 #include "args.h"
 #include "commands.h"
+#include "cp_session.h"
 #include "flashkv/core/thread_pool.h"
 #include "json.h"
 #include "model_flags.h"
@@ -37,6 +40,73 @@ int64_t auto_kv_slots(const Workload& w, int max_running, int64_t max_slots) {
   return std::min(slots, std::max(max_slots, longest));
 }
 
+parallel::CpOptions cp_options_from_flags(const Args& args, const Workload& w, int ranks) {
+  parallel::CpOptions o;
+  const std::string& layout = args.get("--cp-layout");
+  if (layout == "interleaved") {
+    o.layout = parallel::CpLayout::interleaved;
+    o.block = args.get_int("--cp-interleave", 1, 1 << 30, 1);
+    if (args.given("--cp-block")) args.fail("--cp-block is for --cp-layout contiguous");
+  } else if (layout == "contiguous") {
+    o.layout = parallel::CpLayout::contiguous;
+    if (args.given("--cp-interleave")) args.fail("--cp-interleave is for --cp-layout interleaved");
+    int64_t longest = 1;
+    for (const RequestSpec& r : w.requests)
+      longest = std::max(longest, Scheduler::slots_needed(r, w.spec));
+    o.block =
+        args.get_int("--cp-block", 1, 1 << 30, static_cast<int>((longest + ranks - 1) / ranks));
+  } else {
+    args.fail(str_cat("--cp-layout ", layout, ": expected interleaved or contiguous"));
+  }
+  const std::string& exchange = args.get("--cp-exchange");
+  if (exchange == "all_gather")
+    o.exchange = parallel::CpExchange::all_gather;
+  else if (exchange == "all_to_all")
+    o.exchange = parallel::CpExchange::all_to_all;
+  else
+    args.fail(str_cat("--cp-exchange ", exchange, ": expected all_gather or all_to_all"));
+  return o;
+}
+
+// After a run with --cp: every rank's figures to every rank (each rank checked its own share and
+// its own outputs). A rank other than 0 prints its failures itself; rank 0's report counts them,
+// and every rank exits with the same status.
+void gather_cp_results(CpSession& session, const parallel::CpOptions& o, const Scheduler& s,
+                       ServeStats& stats, ServeSetup::CpReport& report) {
+  constexpr int kFields = 5;
+  const int64_t mine[kFields] = {stats.checked, stats.check_failures,
+                                 static_cast<int64_t>(stats.invariant_failures.size()),
+                                 stats.nonfinite_passes, s.rank_share()->peak_slots()};
+  std::vector<int64_t> all(static_cast<size_t>(kFields) * session.size());
+  session.comm().all_gather(mine, sizeof mine, all.data(), Stream{});
+  const int me = session.rank();
+  if (me != 0) {
+    if (!stats.first_failure.empty())
+      std::fprintf(stderr, "flashkv serve: rank %d: check failed: %s\n", me,
+                   stats.first_failure.c_str());
+    for (const std::string& f : stats.invariant_failures)
+      std::fprintf(stderr, "flashkv serve: rank %d: invariant failed: %s\n", me, f.c_str());
+  }
+  report.ranks = session.size();
+  report.layout = o.layout == parallel::CpLayout::interleaved
+                      ? str_cat("interleaved in runs of ", o.block, " tokens")
+                      : str_cat("contiguous, ", o.block, " positions a rank");
+  report.exchange = o.exchange == parallel::CpExchange::all_gather ? "all_gather" : "all_to_all";
+  report.checked.clear();
+  report.peak_slots.clear();
+  for (int r = 0; r < session.size(); ++r) {
+    const int64_t* f = all.data() + static_cast<size_t>(r) * kFields;
+    report.checked.push_back(f[0]);
+    report.peak_slots.push_back(f[4]);
+    if (r == me) continue;
+    stats.check_failures += f[1];
+    if (f[2] > 0 || f[3] > 0)
+      stats.invariant_failures.push_back(
+          str_cat("rank ", r, ": ", f[2], " invariants failed, ", f[3],
+                  " passes with NaN or Inf (that rank printed them)"));
+  }
+}
+
 }  // namespace
 
 int cmd_serve(int argc, char** argv) {
@@ -55,7 +125,21 @@ int cmd_serve(int argc, char** argv) {
                 {"--token-budget", "N",
                  "new prompt and encoder tokens per extend pass (auto: 512 / 8192)", "auto"},
                 {"--max-running", "N", "requests in flight (auto: 16 / 256)", "auto"},
-                {"--quiet", "", "no progress line", ""}});
+                {"--quiet", "", "no progress line", ""},
+                {"--cp", "N",
+                 "context parallelism: shard each request's KV across N ranks (run under "
+                 "mpirun -np N; CPU; N = 1 runs the sharded path on one rank without MPI)",
+                 "off"},
+                {"--cp-layout", "interleaved|contiguous", "--cp: how positions go to the ranks",
+                 "interleaved"},
+                {"--cp-interleave", "K",
+                 "--cp-layout interleaved: positions t with (t / K) % N == r live on rank r", "1"},
+                {"--cp-block", "N",
+                 "--cp-layout contiguous: positions per rank, the last takes the rest (auto: the "
+                 "longest request split evenly)",
+                 "auto"},
+                {"--cp-exchange", "all_gather|all_to_all",
+                 "--cp: how the ranks exchange partial attention states", "all_gather"}});
   Args args(
       argc, argv, 2, "serve",
       "Serves a workload through FlashKVBackend: requests arrive over time with shared prompt\n"
@@ -65,7 +149,15 @@ int cmd_serve(int argc, char** argv) {
       "CPU and a Llama-3-8B-shaped one on a GPU. Exit code 1 when a check or an end-of-run\n"
       "invariant fails.",
       std::move(flags));
-  const Device device = args.device();
+  const int cp_ranks = args.get("--cp") == "off" ? 0 : args.get_int("--cp", 1, 1 << 16, 0);
+  for (const char* f : {"--cp-layout", "--cp-interleave", "--cp-block", "--cp-exchange"})
+    if (cp_ranks == 0 && args.given(f)) args.fail(str_cat(f, " needs --cp N"));
+  // Context parallelism serves on the CPU: --device auto picks it.
+  const Device device = cp_ranks > 0 && !args.given("--device") ? Device::cpu() : args.device();
+  if (cp_ranks > 0 && device.is_cuda())
+    args.fail(
+        "--cp: context parallelism serves on the CPU only for now (--device cpu); the GPU "
+        "path (NCCL bootstrapped through MPI) is not done");
   const bool gpu = device.is_cuda();
   const uint64_t seed = static_cast<uint64_t>(args.get_int("--seed"));
   args.require_writable("--json");
@@ -85,6 +177,10 @@ int cmd_serve(int argc, char** argv) {
     // file)".
     args.fail(str_cat("--workload ", e.what()));
   }
+  if (cp_ranks > 0 && workload.spec.enabled)
+    args.fail(str_cat("--workload ", which, ": speculative decoding is not supported with --cp"));
+  if (cp_ranks > 0 && model.encoder_decoder)
+    args.fail("--cp: models with cross attention (encoder-decoder) are not supported");
   if (model.encoder_decoder) {
     if (workload.spec.enabled)
       args.fail(str_cat("--workload ", which, ": speculative decoding needs a decoder-only model; ",
@@ -92,8 +188,19 @@ int cmd_serve(int argc, char** argv) {
     draw_encoder_lens(workload, encoder_len, seed);
   }
 
+  parallel::CpOptions cp_options;
+  if (cp_ranks > 0) cp_options = cp_options_from_flags(args, workload, cp_ranks);
+  // Every rank runs the same workload with the same seed; rank 0 writes the files and the report.
+  std::unique_ptr<CpSession> session;
+  if (cp_ranks > 0) {
+    std::string error;
+    session = CpSession::start(cp_ranks, error);
+    if (!session) args.fail(error);
+  }
+  const bool rank0 = !session || session->rank() == 0;
+
   // Saved before the run, so that a run that fails can be replayed from it.
-  if (!args.get("--save-workload").empty())
+  if (rank0 && !args.get("--save-workload").empty())
     write_text_file(args.get("--save-workload"), workload_to_json(workload));
 
   SchedulerOptions so;
@@ -101,6 +208,10 @@ int cmd_serve(int argc, char** argv) {
   so.token_budget = args.get_int("--token-budget", 1, 1 << 24, gpu ? 8192 : 512);
   so.max_running = args.get_int("--max-running", 1, 1 << 16, gpu ? 256 : 16);
   so.check.enabled = args.flag("--check");
+  if (session) {
+    so.cp.comm = &session->comm();
+    so.cp.options = cp_options;
+  }
   // The pool may use half the GPU's memory, or 2 GiB of host memory.
   const int64_t slot_bytes = int64_t{model.num_layers + (workload.spec.enabled ? 1 : 0)} * 2 *
                              model.num_kv_heads * model.head_dim *
@@ -131,12 +242,24 @@ int cmd_serve(int argc, char** argv) {
   setup.encoder_tokens = workload.encoder_tokens();
   setup.num_prefixes = workload.num_prefixes;
 
-  Scheduler scheduler(workload, model, device, so);
-  ProgressLine progress(stderr, isatty(fileno(stderr)) != 0, !args.flag("--quiet"));
-  const ServeStats stats = scheduler.run([&](const Progress& p) { progress.update(p); });
-  progress.finish();
-  print_serve_report(std::cout, setup, stats);
-  if (!args.get("--json").empty()) write_text_file(args.get("--json"), serve_json(setup, stats));
+  ProgressLine progress(stderr, isatty(fileno(stderr)) != 0, rank0 && !args.flag("--quiet"));
+  ServeStats stats;
+  try {
+    Scheduler scheduler(workload, model, device, so);
+    stats = scheduler.run([&](const Progress& p) { progress.update(p); });
+    progress.finish();
+    if (session) gather_cp_results(*session, cp_options, scheduler, stats, setup.cp);
+  } catch (const std::exception& e) {
+    if (!session || session->size() == 1) throw;
+    // The other ranks would wait for this one in their next collective: stop them all.
+    std::fprintf(stderr, "flashkv serve: rank %d: %s\n", session->rank(), e.what());
+    std::fflush(stderr);
+    session->abort(1);
+  }
+  if (rank0) {
+    print_serve_report(std::cout, setup, stats);
+    if (!args.get("--json").empty()) write_text_file(args.get("--json"), serve_json(setup, stats));
+  }
   return stats.check_failures == 0 && stats.invariant_failures.empty() ? 0 : 1;
 }
 

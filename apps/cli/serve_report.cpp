@@ -90,6 +90,18 @@ void print_serve_report(std::ostream& os, const ServeSetup& s, const ServeStats&
      << (s.device == "cpu" ? " threads" : " SMs") << "); KV pool " << o.kv_slots
      << " slots, token budget " << o.token_budget << ", up to " << o.max_running
      << " running requests\n";
+  if (s.cp.ranks > 0) {
+    os << "context par  " << s.cp.ranks << " ranks, KV " << s.cp.layout << ", states by "
+       << s.cp.exchange << "; each rank's own KV pool peaked at";
+    for (size_t r = 0; r < s.cp.peak_slots.size(); ++r)
+      os << (r ? ", " : " ") << s.cp.peak_slots[r];
+    os << " slots";
+    if (o.check.enabled) {
+      os << "; layer outputs checked per rank:";
+      for (size_t r = 0; r < s.cp.checked.size(); ++r) os << (r ? ", " : " ") << s.cp.checked[r];
+    }
+    os << "\n";
+  }
   os << "requests     " << st.requests_done << " done in " << st.steps << " steps, "
      << fmt("%.2f", st.serve_s) << " s (checks " << fmt("%.2f", st.check_s) << " s more)\n";
   os << "throughput   " << fmt("%.1f", st.tokens_per_s()) << " generated tokens/s ("
@@ -167,9 +179,15 @@ std::string serve_json(const ServeSetup& s, const ServeStats& st) {
      << "  \"check_s\": " << json_number(st.check_s) << ",\n"
      << "  \"evicted_blocks\": " << st.evicted_blocks << ",\n"
      << "  \"accepted_tokens_per_step\": "
-     << json_number(st.spec_request_steps ? double(st.accepted_tokens) / st.spec_request_steps : 0)
-     << "\n"
-     << "}\n";
+     << json_number(st.spec_request_steps ? double(st.accepted_tokens) / st.spec_request_steps : 0);
+  if (s.cp.ranks > 0) {
+    os << ",\n  \"context_parallel\": {\"ranks\": " << s.cp.ranks
+       << ", \"layout\": " << json_string(s.cp.layout)
+       << ", \"exchange\": " << json_string(s.cp.exchange) << ", \"peak_kv_slots_per_rank\": [";
+    for (size_t r = 0; r < s.cp.peak_slots.size(); ++r) os << (r ? ", " : "") << s.cp.peak_slots[r];
+    os << "]}";
+  }
+  os << "\n}\n";
   return os.str();
 }
 

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "model.h"
 #include "scheduler.h"
@@ -41,6 +42,13 @@ struct ServeSetup {
   // Encoder-decoder models: the longest encoder input (--encoder-len) and their total.
   int32_t encoder_len = 0;
   int64_t encoder_tokens = 0;
+  // Context parallelism (--cp): ranks (0: off), how positions and states are placed, and each
+  // rank's checked outputs and peak use of its own KV pool.
+  struct CpReport {
+    int ranks = 0;
+    std::string layout, exchange;
+    std::vector<int64_t> checked, peak_slots;
+  } cp;
 };
 
 void print_serve_report(std::ostream& os, const ServeSetup& setup, const ServeStats& stats);

@@ -46,8 +46,9 @@ std::string ModelConfig::str() const {
   return s;
 }
 
-Model::Model(const ModelConfig& config, Device device, int64_t kv_slots, uint64_t seed)
-    : config_(config), device_(device), gen_(seed) {
+Model::Model(const ModelConfig& config, Device device, int64_t kv_slots, uint64_t seed,
+             const CpConfig& cp)
+    : config_(config), device_(device), cp_(cp), gen_(seed) {
   FLASHKV_CHECK(config.full_every >= 0, "full_every: expected >= 0, got ", config.full_every);
   KVPoolConfig pc;
   pc.num_slots = kv_slots;
@@ -67,6 +68,8 @@ Model::Model(const ModelConfig& config, Device device, int64_t kv_slots, uint64_
   o.head_dim_qk = config.head_dim;
   o.sliding_window_size = config.sliding_window;
   o.is_encoder_decoder = config.encoder_decoder;
+  o.cp_comm = cp.comm;
+  o.cp = cp.options;
   backend_ = std::make_unique<FlashKVBackend>(o);
   // Learned sink logits stand-ins: a few units around 0, as trained sinks are, drawn per layer.
   if (config.sinks)
@@ -138,10 +141,23 @@ PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
         std::min<size_t>(check_entries.size(), static_cast<size_t>(std::max(check.requests, 0))));
     std::sort(check_entries.begin(), check_entries.end());
   }
+  // Context parallelism: the rows this rank gives the backend (an extend's own rows), copied
+  // out of the activations each layer; R of them.
+  const bool cp_rows_only = cp_.enabled() && b.mode != ForwardMode::DECODE;
+  RowRuns own;
+  int64_t R = T;
+  if (cp_rows_only) {
+    own = cp_rows(step, cp_.comm->rank());
+    R = 0;
+    for (const auto& run : own) R += run.second;
+    cp_q_ = Tensor::empty({std::max<int64_t>(R, 1), c.num_qo_heads, c.head_dim}, c.dtype, device_);
+    cp_k_ = Tensor::empty({std::max<int64_t>(R, 1), c.num_kv_heads, c.head_dim}, c.dtype, device_);
+    cp_v_ = Tensor::empty({std::max<int64_t>(R, 1), c.num_kv_heads, c.head_dim}, c.dtype, device_);
+  }
   std::vector<Tensor> check_out;
   for (size_t k = 0; k < check_layers.size(); ++k) {
     // All-ones bytes are NaN in every float dtype: a row the layer does not write shows.
-    check_out.push_back(Tensor::empty({T, hd_out}, c.dtype, device_));
+    check_out.push_back(Tensor::empty({std::max<int64_t>(R, 1), hd_out}, c.dtype, device_));
     fill_bytes(check_out.back().data(), device_, 0xFF, check_out.back().view().nbytes());
   }
   std::vector<LayerInputs> check_in(check_layers.size());
@@ -163,12 +179,20 @@ PassResult Model::forward(StepBatch& step, const CheckOptions& check) {
     const auto at = std::find(check_layers.begin(), check_layers.end(), l);
     TensorView out;
     if (at != check_layers.end()) {
-      out = check_out[at - check_layers.begin()];
+      out = check_out[at - check_layers.begin()].view().rows(0, R);
       check_in[at - check_layers.begin()] = {q, k, v};
     }
-    last_out = backend_->forward(q, k, v, spec, b, /*save_kv_cache=*/true, out);
+    if (cp_rows_only) {
+      gather_runs(q, own, cp_q_);
+      gather_runs(k, own, cp_k_);
+      gather_runs(v, own, cp_v_);
+      last_out = backend_->forward(cp_q_.view().rows(0, R), cp_k_.view().rows(0, R),
+                                   cp_v_.view().rows(0, R), spec, b, /*save_kv_cache=*/true, out);
+    } else {
+      last_out = backend_->forward(q, k, v, spec, b, /*save_kv_cache=*/true, out);
+    }
     if (check.scan_every_layer && l + 1 < c.num_layers)
-      scan_between_layers(last_out, T, str_cat("layer ", l), r);
+      scan_between_layers(last_out, R, str_cat("layer ", l), r);
   }
   synchronize(device_);
   const auto t1 = std::chrono::steady_clock::now();
@@ -203,7 +227,8 @@ void Model::scan_between_layers(const TensorView& out, int64_t rows, const std::
 }
 
 void Model::compare_layer(const LayerSpec& layer, const CheckedRows& rows, const LayerInputs& in,
-                          const TensorView& out_all, const char* what, PassResult& r) {
+                          const TensorView& out_all, const char* what, PassResult& r,
+                          const KVPool* ref_pool) {
   const ModelConfig& c = config_;
   int64_t total = 0;
   for (const auto& range : rows.ranges) total += range.second;
@@ -231,9 +256,11 @@ void Model::compare_layer(const LayerSpec& layer, const CheckedRows& rows, const
       reqs[i].new_row = rows.encoder_rows[i];
     }
   const bool fresh = fresh_new || fresh_encoder;
+  LayerSpec ref_layer = layer;
+  if (ref_pool != nullptr) ref_layer.layer_id = 0;  // a one-layer pool of this layer's K/V
   const reference::Result ref =
-      layer_reference(layer, reqs, q, *pool_, nullptr, nullptr, fresh ? in.k : TensorView(),
-                      fresh ? in.v : TensorView());
+      layer_reference(ref_layer, reqs, q, ref_pool != nullptr ? *ref_pool : *pool_, nullptr,
+                      nullptr, fresh ? in.k : TensorView(), fresh ? in.v : TensorView());
   const Errors err = compare(out, TensorView(), ref);
   const Tolerance tol = tolerance_for(c.dtype, is_fp8(c.kv_dtype));
   ++r.checked;
@@ -255,9 +282,37 @@ void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
                         PassResult& r) {
   const ModelConfig& c = config_;
   const ForwardBatch& b = step.batch();
-  scan_for_nonfinite(last_out, step.num_tokens(), str_cat("layer ", c.num_layers - 1), r);
+  // Rows of the outputs: an extend with context parallelism returns this rank's own.
+  const int64_t rows_out = cp_.enabled() && b.mode != ForwardMode::DECODE
+                               ? backend_->cp_query_rows()
+                               : step.num_tokens();
+  scan_for_nonfinite(last_out, rows_out, str_cat("layer ", c.num_layers - 1), r);
   if (check_layers.empty() || check_entries.empty()) return;
+  CheckedRows rows = checked_rows(step, check, check_entries);
+  const std::string what = str_cat(mode_name(b.mode), " pass of ", b.batch_size, " requests");
+  if (!cp_.enabled()) {
+    for (size_t k = 0; k < check_layers.size(); ++k)
+      compare_layer(layer(check_layers[k]), rows, check_in[k], check_out[k], what.c_str(), r);
+    return;
+  }
+  // Context parallelism: the reference reads the checked requests' K/V gathered from every rank,
+  // and an extend's outputs are put together from every rank's rows, so that each rank checks
+  // every checked row (every rank takes part in the same gathers).
+  for (size_t k = 0; k < check_layers.size(); ++k) {
+    std::vector<std::vector<int32_t>> slots;
+    const std::unique_ptr<KVPool> gathered =
+        cp_gather_kv(check_layers[k], step, check_entries, slots);
+    for (size_t j = 0; j < rows.reqs.size(); ++j) rows.reqs[j].slots = slots[j].data();
+    const Tensor all_out =
+        b.mode == ForwardMode::DECODE ? check_out[k] : cp_all_outputs(step, check_out[k]);
+    compare_layer(layer(check_layers[k]), rows, check_in[k], all_out, what.c_str(), r,
+                  gathered.get());
+  }
+}
 
+Model::CheckedRows Model::checked_rows(const StepBatch& step, const CheckOptions& check,
+                                       const std::vector<size_t>& check_entries) const {
+  const ModelConfig& c = config_;
   // The checked rows: the last `rows` new tokens of each sampled request. The float64 reference
   // runs on one host thread: with check.rows > 0, rows are cut so that one layer's check costs
   // about 2^25 multiply-adds (a long GPU-sized context gets fewer rows).
@@ -287,9 +342,7 @@ void Model::verify_pass(const StepBatch& step, const CheckOptions& check,
     rows.ranges.emplace_back(step.qo_begin(i) + e.num_new - n, n);
     if (step.write_encoder_kv()) rows.encoder_rows.push_back(encoder_begin[i]);
   }
-  const std::string what = str_cat(mode_name(b.mode), " pass of ", b.batch_size, " requests");
-  for (size_t k = 0; k < check_layers.size(); ++k)
-    compare_layer(layer(check_layers[k]), rows, check_in[k], check_out[k], what.c_str(), r);
+  return rows;
 }
 
 void Model::enable_multi_step_draft(int topk, int num_steps) {

@@ -15,6 +15,7 @@
 #include "flashkv/backend/multi_step_draft.h"
 #include "flashkv/kvcache/kv_pool.h"
 #include "flashkv/reference/layer_reference.h"
+#include "rank_share.h"
 #include "step_batch.h"
 
 namespace flashkv::app {
@@ -70,7 +71,12 @@ struct PassResult {
 
 class Model {
  public:
-  Model(const ModelConfig& config, Device device, int64_t kv_slots, uint64_t seed);
+  // With context parallelism (cp.enabled()), the pool is this rank's and the backend shards each
+  // pass (ForwardBatch, "Context parallelism"): forward() takes batches a RankShare localized.
+  // Every rank draws the same activations (same seed, same passes); an extend pass gives the
+  // backend the rank's own rows of them, and checks gather what the reference needs.
+  Model(const ModelConfig& config, Device device, int64_t kv_slots, uint64_t seed,
+        const CpConfig& cp = {});
 
   const ModelConfig& config() const { return config_; }
   Device device() const { return device_; }
@@ -111,9 +117,28 @@ class Model {
   };
   // Compares one checked layer's output rows with the reference (which reads the new tokens'
   // K/V from `in` where the pass did, and a cross-attention layer's encoder K/V from `in` in the
-  // pass that writes them; everything else from the pool).
+  // pass that writes them; everything else from the pool, or from ref_pool's layer 0 when given).
   void compare_layer(const LayerSpec& layer, const CheckedRows& rows, const LayerInputs& in,
-                     const TensorView& out, const char* what, PassResult& r);
+                     const TensorView& out, const char* what, PassResult& r,
+                     const KVPool* ref_pool = nullptr);
+  // The checked rows of a pass: the last `check.rows` new tokens of each checked request.
+  CheckedRows checked_rows(const StepBatch& step, const CheckOptions& check,
+                           const std::vector<size_t>& check_entries) const;
+
+  // --- context parallelism (model_cp.cpp) ---
+  using RowRuns = std::vector<std::pair<int64_t, int64_t>>;  // (first row, rows)
+  // The pass's rows rank `rank` gives the backend, in its order: every row of a DECODE pass; of
+  // an extend, each request's zigzag_rows chunks.
+  RowRuns cp_rows(const StepBatch& step, int rank) const;
+  // Copies `runs` of src's rows into dst (contiguous), one after the other.
+  static void gather_runs(const TensorView& src, const RowRuns& runs, const Tensor& dst);
+  // Every rank's own output rows of a layer, put together in the pass's row order on every rank.
+  Tensor cp_all_outputs(const StepBatch& step, const TensorView& own_out);
+  // The checked requests' K/V of one layer gathered from every rank's pool into a one-layer pool
+  // on every rank; slots[j]: request j's tokens in it, in position order.
+  std::unique_ptr<KVPool> cp_gather_kv(int layer, const StepBatch& step,
+                                       const std::vector<size_t>& entries,
+                                       std::vector<std::vector<int32_t>>& slots);
   // Copies `rows` rows of a layer's output to the host and notes its first NaN or Inf in `r`.
   void scan_for_nonfinite(const TensorView& out, int64_t rows, const std::string& what,
                           PassResult& r);
@@ -128,6 +153,8 @@ class Model {
 
   ModelConfig config_;
   Device device_;
+  CpConfig cp_;
+  Tensor cp_q_, cp_k_, cp_v_;  // an extend's own rows of q / k / v (context parallelism)
   std::unique_ptr<KVPool> pool_;
   std::unique_ptr<FlashKVBackend> backend_;
   std::unique_ptr<MultiStepDraftBackend> multi_step_;

@@ -89,7 +89,15 @@ Scheduler::Scheduler(const Workload& workload, const ModelConfig& model, Device 
   }
   req_to_token_ = std::make_unique<ReqToTokenPool>(options.max_running, max_context, device);
   allocator_ = std::make_unique<TokenAllocator>(options.kv_slots);
-  model_ = std::make_unique<Model>(model, device, options.kv_slots, options.seed);
+  if (options.cp.enabled()) {
+    FLASHKV_CHECK(!workload.spec.enabled, "workload ", workload.name,
+                  ": speculative decoding is not supported with context parallelism");
+    FLASHKV_CHECK(!model.encoder_decoder,
+                  "context parallelism: models with cross attention are not supported");
+    share_ = std::make_unique<RankShare>(options.cp, options.kv_slots, options.max_running,
+                                         max_context, device);
+  }
+  model_ = std::make_unique<Model>(model, device, options.kv_slots, options.seed, options.cp);
   if (workload.spec.enabled) {
     draft_ =
         std::make_unique<Model>(draft_config(model), device, options.kv_slots, options.seed + 1);
@@ -118,8 +126,7 @@ void Scheduler::note_kv_use() {
 std::vector<int32_t> Scheduler::alloc_slots(int64_t n) {
   auto slots = allocator_->alloc(n);
   if (!slots) {
-    const std::vector<int32_t> freed = cache_.evict(n - allocator_->num_free());
-    allocator_->free(freed);
+    free_slots(cache_.evict(n - allocator_->num_free()));
     slots = allocator_->alloc(n);
   }
   // Admission reserved room for every running request, so this cannot fail.
@@ -127,6 +134,11 @@ std::vector<int32_t> Scheduler::alloc_slots(int64_t n) {
                 allocator_->num_free(), " free) despite the reservation");
   note_kv_use();
   return *slots;
+}
+
+void Scheduler::free_slots(const std::vector<int32_t>& slots) {
+  allocator_->free(slots);
+  if (share_) share_->release(slots);
 }
 
 void Scheduler::record(const char* what, const PassResult& r) {
@@ -177,6 +189,7 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
     auto row = req_to_token_->alloc(1);
     FLASHKV_CHECK(row.has_value(), "scheduler: no free req_to_token row");
     a->seq.row = (*row)[0];
+    if (share_) share_->add_request(a->seq.row);
     if (spec.encoder_len > 0)
       set_encoder_tokens(a->seq, alloc_slots(spec.encoder_len), *req_to_token_);
     std::vector<int32_t> prefix;
@@ -185,6 +198,7 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
     a->chain = std::move(chain);
     append_tokens(a->seq, prefix, *req_to_token_);
     append_tokens(a->seq, alloc_slots(new_tokens), *req_to_token_);
+    if (share_) share_->sync(a->seq);
     stats_.prompt_tokens += prompt_len;
     stats_.cached_prompt_tokens += matched;
     stats_.encoder_tokens += spec.encoder_len;
@@ -201,8 +215,9 @@ std::vector<Scheduler::Active*> Scheduler::admit() {
 
 void Scheduler::finish(Active* a) {
   cache_.release(a->chain);
-  allocator_->free(a->own_slots(cache_.block_size()));
+  free_slots(a->own_slots(cache_.block_size()));
   req_to_token_->free({a->seq.row});
+  if (share_) share_->remove_request(a->seq.row);
   running_.erase(std::find(running_.begin(), running_.end(), a));
   ++stats_.requests_done;
   // Last use of `a`: a long run keeps only the requests in flight.
@@ -223,6 +238,7 @@ void Scheduler::run_extend(const std::vector<Active*>& admitted) {
   // get them as their k / v); later passes read them from the pool.
   StepBatch step(ForwardMode::EXTEND, entries, *req_to_token_, device_,
                  /*write_encoder_kv=*/model_->config().encoder_decoder);
+  if (share_) share_->localize(step);
   record("EXTEND", model_->forward(step, step_check_));
   if (draft_) record("draft EXTEND", draft_->forward(step, step_check_));
   for (Active* a : admitted) {
@@ -234,7 +250,8 @@ void Scheduler::run_extend(const std::vector<Active*>& admitted) {
       cache_.insert(a->request.prompt, prompt_slots, a->chain, released);
       if (!released.empty()) {
         rewrite_tokens(a->seq, 0, prompt_slots, *req_to_token_);
-        allocator_->free(released);
+        if (share_) share_->resync(a->seq);
+        free_slots(released);
       }
     }
     a->generated = 1;
@@ -250,9 +267,11 @@ void Scheduler::run_decode() {
   for (size_t i = 0; i < running_.size(); ++i) {
     Active* a = running_[i];
     append_tokens(a->seq, {slots[i]}, *req_to_token_);
+    if (share_) share_->sync(a->seq);
     entries.push_back({&a->seq, a->seq.seq_len(), 1, {}});
   }
   StepBatch step(ForwardMode::DECODE, entries, *req_to_token_, device_);
+  if (share_) share_->localize(step);
   record("DECODE", model_->forward(step, step_check_));
   const std::vector<Active*> batch = running_;
   for (Active* a : batch) {
@@ -337,7 +356,7 @@ void Scheduler::run_speculative() {
     accepted_entries.push_back({&a->seq, a->seq.seq_len(), static_cast<int32_t>(kept.size()), {}});
     stats_.accepted_tokens += static_cast<int64_t>(kept.size());
   }
-  allocator_->free(freed);
+  free_slots(freed);
   {
     StepBatch extend(ForwardMode::DRAFT_EXTEND, accepted_entries, *req_to_token_, device_);
     record("DRAFT_EXTEND", draft_->forward(extend, step_check_));
@@ -412,7 +431,7 @@ bool Scheduler::step() {
 
 int64_t Scheduler::flush_prefix_cache() {
   const std::vector<int32_t> freed = cache_.evict(std::numeric_limits<int64_t>::max());
-  allocator_->free(freed);
+  free_slots(freed);
   stats_.evicted_blocks = cache_.evicted_nodes();
   return static_cast<int64_t>(freed.size());
 }
@@ -454,6 +473,10 @@ std::string Scheduler::check_step_invariants() const {
   } catch (const Error& e) {
     return std::string("prefix cache: ") + e.what();
   }
+  if (share_) {
+    bad = share_->check(*allocator_, rows);
+    if (!bad.empty()) return "rank share: " + bad;
+  }
   return "";
 }
 
@@ -469,6 +492,15 @@ void Scheduler::check_end_invariants() {
   if (stats_.nonfinite_passes > 0)
     fail(str_cat(stats_.nonfinite_passes,
                  " passes produced NaN or Inf outputs (first: ", stats_.first_nonfinite, ")"));
+  if (share_ && bad.empty() && idle()) {
+    // No slot leaked on this rank: with the prefix cache flushed, the rank's pool is empty too.
+    const int64_t evicted = stats_.evicted_blocks;
+    flush_prefix_cache();
+    stats_.evicted_blocks = evicted;
+    if (kv_in_use() != 0 || share_->slots_in_use() != 0)
+      fail(str_cat("rank ", share_->rank(), ": after the prefix cache was flushed, ", kv_in_use(),
+                   " KV slots are in use and ", share_->slots_in_use(), " of the rank's own"));
+  }
 }
 
 Progress Scheduler::progress() const {

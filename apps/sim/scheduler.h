@@ -22,6 +22,11 @@
 // layers' k / v) and every later pass reads them; they are freed with the request. Such requests
 // neither reuse nor cache prompt blocks, and speculative decoding is refused.
 //
+// Context parallelism (SchedulerOptions::cp): every rank runs the same scheduler, so its
+// decisions, global slot ids, prefix cache and req_to_token rows are the same everywhere; a
+// RankShare keeps the rank's own KV pool, allocator and req_to_token rows, each pass's batch
+// carries that share, and the invariants also check it on every rank.
+//
 // run() serves a whole workload. A long-running driver (the soak test) instead calls submit()
 // and step() itself and checks the per-step invariants (check_step_invariants) in between.
 #pragma once
@@ -38,6 +43,7 @@
 #include "flashkv/kvcache/req_to_token_pool.h"
 #include "model.h"
 #include "prefix_cache.h"
+#include "rank_share.h"
 #include "workload.h"
 
 namespace flashkv::app {
@@ -54,6 +60,9 @@ struct SchedulerOptions {
   CheckOptions check;
   int check_every = 1;  // with check.enabled: check the passes of every check_every-th step
   uint64_t seed = 1;
+  // Context parallelism (rank_share.h): every rank runs this scheduler with the same options and
+  // workload; each holds its share of the KV. Decoder-only models without speculative decoding.
+  CpConfig cp;
 };
 
 // Figures of a run (what the report and `serve --json` show).
@@ -144,8 +153,11 @@ class Scheduler {
   //                    (check_slot_ownership);
   //   request rows     each running request's req_to_token row lists its slots (its encoder
   //                    tokens', then its prefix blocks'), and no other row is in use;
-  //   prefix cache     the cache's own bookkeeping (PrefixCache::check_invariants).
+  //   prefix cache     the cache's own bookkeeping (PrefixCache::check_invariants);
+  //   rank share       with context parallelism, RankShare::check on this rank.
   std::string check_step_invariants() const;
+  // Context parallelism: this rank's share (null without).
+  const RankShare* rank_share() const { return share_.get(); }
   // Figures so far (run() returns the final ones).
   const ServeStats& stats() const { return stats_; }
   // The progress line's figures now (serve_s, step and steps are the caller's to fill).
@@ -167,7 +179,8 @@ class Scheduler {
   void run_decode();
   void run_speculative();
   void finish(Active* a);
-  std::vector<int32_t> alloc_slots(int64_t n);  // evicting cached prefixes when short
+  std::vector<int32_t> alloc_slots(int64_t n);         // evicting cached prefixes when short
+  void free_slots(const std::vector<int32_t>& slots);  // and their local slots (RankShare)
   int64_t reserve_of(const Active& a) const;
   void record(const char* what, const PassResult& r);
   void note_kv_use();
@@ -178,6 +191,7 @@ class Scheduler {
   Device device_;
   std::unique_ptr<ReqToTokenPool> req_to_token_;
   std::unique_ptr<TokenAllocator> allocator_;
+  std::unique_ptr<RankShare> share_;  // context parallelism
   std::unique_ptr<Model> model_, draft_;
   PrefixCache cache_;
   std::vector<std::unique_ptr<Active>> active_;  // admitted and not finished

@@ -14,6 +14,12 @@
 // SWA pool's slot translation when there is one) or is an encoder-decoder (self attention over
 // the decoder tokens after the encoder's, cross attention over the encoder tokens).
 //
+// Context parallelism (BackendOptions::cp_comm, docs/PARALLEL.md): each request's KV is sharded
+// across the ranks of a communicator. The backend learns the rank's share from the batch
+// (ForwardBatch, "Context parallelism"): its kv_indices gather only the rank's entries, decode runs
+// parallel::CpDecode over them, every extend mode parallel::CpExtend, and each new token's K/V is
+// written by the rank that holds its position.
+//
 // Errors: every call validates its arguments and throws flashkv::Error before it writes anything
 // (docs/ERRORS.md). A failed init_forward_metadata* leaves the pools and the plan in use as they
 // were (forward keeps running the previous batch); a failed forward leaves the pools unchanged
@@ -27,6 +33,7 @@
 #include "flashkv/backend/attention_backend.h"
 #include "flashkv/core/buffer.h"
 #include "flashkv/ops/attention.h"
+#include "flashkv/parallel/context_parallel.h"
 
 namespace flashkv {
 
@@ -60,6 +67,15 @@ struct BackendOptions {
   // The CUDA stream every launch and copy of the backend is ordered on (null: the default
   // stream). A CUDA graph is captured on a stream of its own: pass it here (or set_stream).
   Stream stream;
+
+  // Context parallelism: each request's KV is sharded across the ranks of cp_comm (not owned;
+  // it must outlive the backend) by cp's layout, and each batch carries this rank's share
+  // (ForwardBatch, "Context parallelism"). Null: no sharding, the backend's ordinary path. With a
+  // communicator (of any size, one rank included), the backend runs on the CPU, without CUDA
+  // graphs, a sliding-window pool, cross attention, multimodal or encoder-only layers, or
+  // precomputed decode indices (each is refused with one line).
+  parallel::Communicator* cp_comm = nullptr;
+  parallel::CpOptions cp;
 };
 
 class FlashKVBackend : public AttentionBackend {
@@ -84,6 +100,9 @@ class FlashKVBackend : public AttentionBackend {
   // extend path), not back from the pool. They differ where the pool rounds them (fp8 KV), so a
   // reference of the pass must read them where the pass did (layer_reference's new_k / new_v).
   bool reads_new_kv_from_input(const LayerSpec& layer) const;
+  // Context parallelism: the query rows forward() takes for the planned batch (decode: one per
+  // request; the extend modes: this rank's new tokens, CpExtend::num_own_rows()).
+  int64_t cp_query_rows() const;
 
  protected:
   TensorView forward_decode(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -107,12 +126,19 @@ class FlashKVBackend : public AttentionBackend {
   void prepare(const ForwardBatch& batch, bool graph, bool check_index_contents = true);
   void commit(const ForwardBatch& batch, bool graph);
   void plan_batch(const ForwardBatch& batch, bool graph);
+  // The context-parallel path (backend/context_parallel.cpp).
+  struct CpState;
+  void cp_plan(const ForwardBatch& batch);
+  TensorView cp_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const LayerSpec& layer, const ForwardBatch& batch, bool save_kv_cache,
+                        const TensorView& out);
 
   BackendOptions options_;
   // Eager batches and CUDA-graph batches keep separate buffers, so an eager batch never moves
   // memory a captured graph points at.
   std::unique_ptr<State> eager_, graph_;
-  State* active_ = nullptr;  // the state the last init_forward_metadata* planned
+  State* active_ = nullptr;      // the state the last init_forward_metadata* planned
+  std::unique_ptr<CpState> cp_;  // with BackendOptions::cp_comm
 };
 
 }  // namespace flashkv

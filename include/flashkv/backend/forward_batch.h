@@ -69,6 +69,19 @@ struct SpecInfo {
   std::vector<int32_t> kv_indptr_cpu;
 };
 
+// Context parallelism (a backend built with BackendOptions::cp_comm; docs/PARALLEL.md): every
+// rank gets the same batch shape and the same lengths (seq_lens_cpu, extend_*_cpu,
+// spec.draft_token_num, spec.accept_length_cpu and the tree mask are global), and its own share
+// of the KV:
+//   req_to_token_pool, token_to_kv_pool  the rank's own pools;
+//   req_pool_indices  rows of the rank's req_to_token pool; row r lists the slots of the positions
+//                     of the request the rank holds (parallel::CpShard), in increasing position,
+//                     CpShard::local_len(rank, seq_len) of them;
+//   out_cache_loc     [num_tokens()]: for each new token (global order), its slot in the rank's
+//                     pool when the rank holds its position, else 0 (the dummy slot).
+// forward() takes the queries (and new k / v) of DECODE for every request, on every rank; of the
+// extend modes only the rank's own new tokens, zigzag_rows(extend_len, P, rank) of each request
+// (FlashKVBackend::cp_query_rows()), and returns their rows.
 struct ForwardBatch {
   ForwardMode mode = ForwardMode::DECODE;
   int32_t batch_size = 0;

@@ -1,0 +1,227 @@
+// Context parallelism in the backend and the serving simulator, on one rank (every build): the
+// backend's sharded path (BackendOptions::cp_comm) against the float64 reference through the
+// scheduler, what it refuses, the batch it expects, and `flashkv serve --cp 1`. The same paths on
+// two and three ranks run under mpirun (CTest: flashkv_serve_cp_*, where MPI is found).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "flashkv/backend/multi_step_draft.h"
+#include "flashkv/kvcache/req_to_token_pool.h"
+#include "json.h"
+#include "scheduler.h"
+#include "test_util.h"
+#include "workload.h"
+
+namespace flashkv::app {
+namespace {
+
+using test::error_of;
+
+SchedulerOptions cp_options(parallel::Communicator& comm, parallel::CpLayout layout) {
+  SchedulerOptions o;
+  o.kv_slots = 1024;
+  o.max_running = 6;
+  o.token_budget = 256;
+  o.check.enabled = true;
+  o.check.layers = 2;
+  o.cp.comm = &comm;
+  o.cp.options.layout = layout;
+  o.cp.options.block = layout == parallel::CpLayout::interleaved ? 1 : 64;
+  return o;
+}
+
+// The sharded path on one rank: every pass matches the reference (sliding-window, soft-capped and
+// sink layers included), the invariants (the rank's share among them) hold after every step, and
+// the rank's pool is empty once the prefix cache is flushed.
+TEST(ServeCp, OneRankServesCleanOnBothLayouts) {
+  for (const parallel::CpLayout layout :
+       {parallel::CpLayout::interleaved, parallel::CpLayout::contiguous}) {
+    SCOPED_TRACE(layout == parallel::CpLayout::interleaved ? "interleaved" : "contiguous");
+    parallel::OneRankCommunicator comm;
+    const Workload w = builtin_workload("chat", 10, false, 5);
+    ModelConfig m;
+    m.num_layers = 2;
+    m.sliding_window = 24;
+    m.logit_cap = 30;
+    m.sinks = true;
+    Scheduler s(w, m, Device::cpu(), cp_options(comm, layout));
+    ASSERT_NE(s.rank_share(), nullptr);
+    int64_t steps = 0;
+    while (s.step()) {
+      ++steps;
+      ASSERT_EQ(s.check_step_invariants(), "") << "step " << steps;
+    }
+    const ServeStats& st = s.stats();
+    EXPECT_EQ(st.requests_done, 10);
+    EXPECT_GT(st.checked, 0);
+    EXPECT_EQ(st.check_failures, 0) << st.first_failure;
+    EXPECT_EQ(st.nonfinite_passes, 0) << st.first_nonfinite;
+    EXPECT_GT(st.cached_prompt_tokens, 0);  // prefix blocks shared, so shared local slots too
+    EXPECT_EQ(s.rank_share()->slots_in_use(), s.kv_in_use());
+    s.flush_prefix_cache();
+    EXPECT_EQ(s.kv_in_use(), 0);
+    EXPECT_EQ(s.rank_share()->slots_in_use(), 0);
+    EXPECT_EQ(s.check_step_invariants(), "");
+  }
+}
+
+// The end-of-run invariants of a run with context parallelism include the rank's pool.
+TEST(ServeCp, RunChecksTheRanksPoolAtTheEnd) {
+  parallel::OneRankCommunicator comm;
+  const Workload w = builtin_workload("chat", 6, false, 7);
+  ModelConfig m;
+  m.num_layers = 1;
+  Scheduler s(w, m, Device::cpu(), cp_options(comm, parallel::CpLayout::interleaved));
+  const ServeStats st = s.run();
+  EXPECT_TRUE(st.invariant_failures.empty()) << st.invariant_failures[0];
+  EXPECT_EQ(st.check_failures, 0) << st.first_failure;
+  EXPECT_GT(s.rank_share()->peak_slots(), 0);
+  EXPECT_EQ(s.rank_share()->slots_in_use(), 0);  // the run flushed the cache to check it
+}
+
+TEST(ServeCp, RefusesWhatItDoesNotSupport) {
+  parallel::OneRankCommunicator comm;
+  SchedulerOptions o = cp_options(comm, parallel::CpLayout::interleaved);
+  EXPECT_NE(error_of([&] {
+              Scheduler(builtin_workload("spec", 3, false, 4), ModelConfig(), Device::cpu(), o);
+            }).find("speculative decoding is not supported with context parallelism"),
+            std::string::npos);
+  BackendOptions b;
+  b.device = Device::cpu();
+  b.num_qo_heads = 4;
+  b.num_kv_heads = 2;
+  b.head_dim_qk = 64;
+  b.cp_comm = &comm;
+  {
+    BackendOptions e = b;
+    e.is_encoder_decoder = true;
+    EXPECT_NE(error_of([&] { FlashKVBackend x(e); }).find("does not support cross attention"),
+              std::string::npos);
+  }
+  FlashKVBackend backend(b);
+  EXPECT_NE(error_of([&] {
+              backend.init_cuda_graph_state(4, 4);
+            }).find("CUDA graphs are not supported with context parallelism"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              MultiStepDraftBackend x(b, 2, 2);
+            }).find("context parallelism (BackendOptions::cp_comm) is not supported"),
+            std::string::npos);
+}
+
+// The batch carries the rank's share: each new token this rank holds needs a slot of its pool
+// (with one rank, every token), and the rank's req_to_token rows must hold its positions.
+TEST(ServeCp, BatchSlotsAreTheRanks) {
+  parallel::OneRankCommunicator comm;
+  BackendOptions b;
+  b.device = Device::cpu();
+  b.num_qo_heads = 4;
+  b.num_kv_heads = 2;
+  b.head_dim_qk = 64;
+  b.cp_comm = &comm;
+  FlashKVBackend backend(b);
+  KVPoolConfig pc;
+  pc.num_slots = 64;
+  pc.num_kv_heads = 2;
+  pc.head_dim_qk = 64;
+  KVPool pool(pc);
+  ReqToTokenPool r2t(2, 8);
+  const int32_t row = (*r2t.alloc(1))[0];
+  r2t.write(row, 0, std::vector<int32_t>{1, 2, 3});
+  const Tensor rows = Tensor::from_i32({row});
+  Tensor loc = Tensor::from_i32({0});
+  ForwardBatch fb;
+  fb.mode = ForwardMode::DECODE;
+  fb.batch_size = 1;
+  fb.req_pool_indices = rows;
+  fb.seq_lens_cpu = {3};
+  fb.out_cache_loc = loc;
+  fb.req_to_token_pool = &r2t;
+  fb.token_to_kv_pool = &pool;
+  EXPECT_NE(error_of([&] {
+              backend.init_forward_metadata(fb);
+            }).find("batch.out_cache_loc[0] = 0: this rank holds position 2 of request 0"),
+            std::string::npos);
+  fb.seq_lens_cpu = {9};  // more positions than a row of the rank's req_to_token pool
+  loc = Tensor::from_i32({3});
+  fb.out_cache_loc = loc;
+  EXPECT_NE(error_of([&] {
+              backend.init_forward_metadata(fb);
+            }).find("more than a row of its req_to_token pool"),
+            std::string::npos);
+  fb.seq_lens_cpu = {3};
+  backend.init_forward_metadata(fb);
+  EXPECT_EQ(backend.cp_query_rows(), 1);
+}
+
+// ---- the command line ----------------------------------------------------------------------
+
+struct CliRun {
+  int code = -1;
+  std::string out, err;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+CliRun flashkv(const std::string& args) {
+  const std::string out = ::testing::TempDir() + "flashkv_cp_stdout";
+  const std::string err = ::testing::TempDir() + "flashkv_cp_stderr";
+  const std::string cmd =
+      std::string("'") + FLASHKV_CLI_PATH + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const int status = std::system(cmd.c_str());
+  CliRun r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+TEST(ServeCp, CommandLineOneRank) {
+  const std::string json = ::testing::TempDir() + "flashkv_cp_serve.json";
+  const CliRun r = flashkv(
+      "serve --cp 1 --cp-layout contiguous --requests 6 --layers 2 --check "
+      "--quiet --json " +
+      json);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("context par  1 ranks, KV contiguous"), std::string::npos) << r.out;
+  const JsonValue j = parse_json(slurp(json));
+  const JsonValue* cp = j.find("context_parallel");
+  ASSERT_TRUE(cp != nullptr && cp->find("ranks") != nullptr);
+  EXPECT_EQ(cp->find("ranks")->number(), 1);
+  EXPECT_EQ(j.find("check_failures")->number(), 0);
+  EXPECT_TRUE(j.find("invariants_ok")->boolean());
+}
+
+// Each mistake is one line and exit code 2.
+TEST(ServeCp, CommandLineRefusals) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"serve --cp-layout contiguous", "--cp-layout needs --cp N"},
+      {"serve --cp 1 --cp-layout rows", "--cp-layout rows: expected interleaved or contiguous"},
+      {"serve --cp 1 --cp-block 8", "--cp-block is for --cp-layout contiguous"},
+      {"serve --cp 1 --cp-exchange ring", "--cp-exchange ring: expected all_gather or all_to_all"},
+      {"serve --cp 1 --workload spec", "speculative decoding is not supported with --cp"},
+      {"serve --cp 1 --model t5-base", "models with cross attention"},
+      {"serve --cp 0", "--cp"},
+  };
+  for (const auto& [args, message] : cases) {
+    SCOPED_TRACE(args);
+    const CliRun r = flashkv(std::string(args) + " --quiet");
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace flashkv::app
