@@ -8,7 +8,7 @@ namespace flashkv::app {
 
 RankShare::RankShare(const CpConfig& cp, int64_t global_slots, int64_t max_reqs,
                      int64_t max_context, Device device)
-    : shard_(cp.options, cp.comm->size()), rank_(cp.comm->rank()) {
+    : comm_(*cp.comm), shard_(cp.options, cp.comm->size()), rank_(cp.comm->rank()) {
   // The longest local row: local_len grows with the length, so the longest request's share.
   const int64_t local_context = std::max<int64_t>(shard_.local_len(rank_, max_context), 1);
   req_to_token_ = std::make_unique<ReqToTokenPool>(max_reqs, local_context, device);
@@ -83,6 +83,24 @@ void RankShare::release(const std::vector<int32_t>& global_slots) {
 
 void RankShare::localize(StepBatch& step) {
   ForwardBatch& b = step.batch();
+  // A digest of the pass (FNV-1a over its mode and lengths), the same on every rank.
+  uint64_t digest = 0xcbf29ce484222325ull;
+  auto mix = [&digest](int64_t v) {
+    for (int i = 0; i < 8; ++i)
+      digest = (digest ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xFF)) * 0x100000001b3ull;
+  };
+  mix(static_cast<int64_t>(b.mode));
+  for (const BatchEntry& e : step.entries()) {
+    mix(e.seq_len);
+    mix(e.num_new);
+  }
+  std::vector<uint64_t> digests(static_cast<size_t>(comm_.size()));
+  comm_.all_gather(&digest, sizeof digest, digests.data(), Stream{});
+  for (int r = 0; r < comm_.size(); ++r)
+    FLASHKV_CHECK(digests[r] == digests[0], "context parallelism: rank ", r, "'s ",
+                  mode_name(b.mode),
+                  " pass differs from rank 0's (the ranks' schedules "
+                  "diverged: run every rank with the same options and workload)");
   std::vector<int32_t> loc;
   loc.reserve(static_cast<size_t>(step.num_tokens()));
   for (const BatchEntry& e : step.entries()) {

@@ -54,6 +54,9 @@ class RankShare {
   void release(const std::vector<int32_t>& global_slots);
   // Points a pass's batch at this rank's share: its req_to_token pool, and each new token's local
   // slot where the rank holds its position, else the dummy slot 0. The requests must be synced.
+  // It also checks, with one small all-gather, that every rank runs the same pass (mode and
+  // lengths), so that ranks whose schedules diverged stop with that error instead of running
+  // mismatched collectives.
   void localize(StepBatch& step);
 
   // "" when this rank's share is consistent, else the first violation: every local slot in use
@@ -65,6 +68,7 @@ class RankShare {
   int32_t local_slot(int32_t global_slot) const;
   void note_use();
 
+  parallel::Communicator& comm_;
   parallel::CpShard shard_;
   int rank_;
   std::unique_ptr<ReqToTokenPool> req_to_token_;
