@@ -46,10 +46,11 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
                               const AttentionOptions& opt, int64_t dv, const Workspace& ws) {
   const Device dev = q.device;
   Expect(q, "q").ndim(3).float_dtype().inner_contiguous();
+  // O in q's dtype, or f32 (FlashInfer's o_data_type: partial outputs kept unrounded).
   Expect(out, "out")
       .ndim(3)
       .device(dev)
-      .dtype(q.dtype)
+      .dtype_in({q.dtype, DType::f32})
       .inner_contiguous()
       .dim(0, q.shape[0], "num_qo_tokens")
       .dim(1, q.shape[1], "num_qo_heads")
@@ -70,6 +71,7 @@ AttentionParams common_params(const Plan& plan, const char* op, const TensorView
   p.q = q.data;
   p.o = out.data;
   p.q_dtype = q.dtype;
+  p.o_dtype = out.dtype;
   p.q_stride_n = q.stride[0];
   p.q_stride_h = q.stride[1];
   p.o_stride_n = out.stride[0];
@@ -134,7 +136,7 @@ void set_merge(AttentionParams& p, const AttentionOptions& opt, const TensorView
   Expect(opt.merge_o, "merge_o")
       .ndim(3)
       .device(q.device)
-      .dtype(q.dtype)
+      .dtype(out.dtype)
       .inner_contiguous()
       .dim(0, q.shape[0], "num_qo_tokens")
       .dim(1, q.shape[1], "num_qo_heads")

@@ -89,17 +89,18 @@ struct Case {
   // (nan_v), are NaN; the output is then checked for NaN where it must be and nowhere else,
   // instead of against the reference.
   bool nan_k = false, nan_v = false;
-  bool sinks = false;  // random per-query-head sinks (AttentionOptions::sinks)
+  bool sinks = false;    // random per-query-head sinks (AttentionOptions::sinks)
+  bool f32_out = false;  // out in f32 instead of q's dtype
 
   std::string str() const {
     std::string s = op == Op::ragged ? "ragged" : op == Op::decode ? "decode" : "paged_prefill";
-    s += str_cat(" B=", kv_lens.size(), " hq=", hq, " hkv=", hkv, " d=", dqk, "/", dv, " ",
-                 dtype_name(dtype), "/", dtype_name(kv_dtype), " page=", page_size,
-                 in_order_pages ? " in_order" : " shuffled", " causal=", causal,
-                 " window=", window_left, " cap=", soft_cap, " scale=", sm_scale,
-                 " mask=", custom_mask, " sinks=", sinks, " split=", fixed_split,
-                 " q_tile=", q_tile, " isa=", cpu::isa_name(cpu::active_isa()),
-                 " fp8_vbmi=", cpu::fp8_vbmi(), " kv_lens=");
+    s += str_cat(
+        " B=", kv_lens.size(), " hq=", hq, " hkv=", hkv, " d=", dqk, "/", dv, " ",
+        dtype_name(dtype), "/", dtype_name(kv_dtype), " page=", page_size,
+        in_order_pages ? " in_order" : " shuffled", " causal=", causal, " window=", window_left,
+        " cap=", soft_cap, " scale=", sm_scale, " mask=", custom_mask, " sinks=", sinks,
+        " f32_out=", f32_out, " split=", fixed_split, " q_tile=", q_tile,
+        " isa=", cpu::isa_name(cpu::active_isa()), " fp8_vbmi=", cpu::fp8_vbmi(), " kv_lens=");
     for (int32_t l : kv_lens) s += str_cat(l, ",");
     if (op != Op::decode) {
       s += " q_lens=";
@@ -149,7 +150,7 @@ Tensor run_case(const Case& c, Rng& rng) {
   const int64_t num_q = qo.back();
   const bool fp8 = is_fp8(c.kv_dtype);
   Tensor q = test::random_tensor(rng, {num_q, c.hq, c.dqk}, c.dtype);
-  Tensor out = Tensor::empty({num_q, c.hq, c.dv}, c.dtype);
+  Tensor out = Tensor::empty({num_q, c.hq, c.dv}, c.f32_out ? DType::f32 : c.dtype);
   Tensor lse = Tensor::empty({num_q, c.hq}, DType::f32);
   test::poison(out);
   test::poison(lse);
@@ -833,6 +834,43 @@ TEST(CpuAttention, SinksOnEveryPath) {
   }
 }
 
+// Outputs in f32 (FlashInfer's o_data_type) from 16-bit inputs, on every path: within the
+// tolerance, and the same values as the 16-bit output before its rounding.
+TEST(CpuAttention, F32OutputOnEveryPath) {
+  FLASHKV_SEEDED_RNG(rng, 134);
+  for (const KernelPath& path : kernel_paths()) {
+    PathScope scope(path);
+    for (int iter = 0; iter < 6; ++iter) {
+      const Op ops[] = {Op::ragged, Op::paged_prefill, Op::decode};
+      Case c;
+      c.op = ops[iter % 3];
+      const int batch = rng.uniform_int(1, 4);
+      // Rows that see a few keys at least: the check below wants most outputs off the 16-bit grid
+      // (a row that sees one key returns that V row exactly).
+      c.kv_lens.resize(batch);
+      c.q_lens.resize(batch);
+      for (int i = 0; i < batch; ++i) {
+        c.kv_lens[i] = rng.uniform_int(20, c.op == Op::decode ? 300 : 90);
+        c.q_lens[i] = rng.uniform_int(1, 20);
+      }
+      c.hkv = 2;
+      c.hq = iter < 3 ? 2 : 8;
+      c.dqk = c.dv = iter < 3 ? 64 : 128;
+      c.page_size = iter % 2 ? 16 : 1;
+      c.dtype = c.kv_dtype = iter % 2 ? DType::f16 : DType::bf16;
+      c.sinks = iter >= 3;
+      c.soft_cap = iter == 4 ? 5.0f : 0.0f;
+      c.fixed_split = iter % 3 == 2 || iter == 4 ? 32 : 0;  // split items merge into f32 too
+      Rng same = rng;                                       // both calls draw the same inputs
+      const Tensor out16 = run_case(c, rng);
+      c.f32_out = true;
+      const Tensor out32 = run_case(c, same);
+      SCOPED_TRACE(c.str());
+      test::expect_unrounded_f32(out32, out16);
+    }
+  }
+}
+
 // Sinks on an empty batch row and on a row that sees nothing causally: O = 0, LSE = the sink in
 // base 2 (split or not).
 TEST(CpuAttention, SinksOnEmptyRows) {
@@ -863,14 +901,15 @@ TEST(CpuAttention, SinksOnEmptyRows) {
 // Extend with a cached prefix as the backend runs it: the new tokens' causal ragged pass (no
 // sinks) writes out and its LSE; the prefix's paged pass merges into them (merge_o / merge_lse)
 // and adds the sinks once. The merged result equals the reference over the whole sequence with
-// the sinks. Unsplit and split prefix passes; LSE wanted or not.
+// the sinks. Unsplit and split prefix passes; LSE wanted or not; outputs in f32 from bf16 inputs.
 TEST(CpuAttention, SinksCountOnceInExtendMerge) {
   FLASHKV_SEEDED_RNG(rng, 133);
   for (const KernelPath& path : kernel_paths()) {
     PathScope scope(path);
-    for (int iter = 0; iter < 4; ++iter) {
-      const int hq = iter % 2 ? 8 : 4, hkv = iter % 2 ? 1 : 2, d = iter < 2 ? 64 : 128;
+    for (int iter = 0; iter < 6; ++iter) {
+      const int hq = iter % 2 ? 8 : 4, hkv = iter % 2 ? 1 : 2, d = iter % 4 < 2 ? 64 : 128;
       const DType dt = iter == 0 ? DType::f32 : DType::bf16;
+      const DType out_dt = iter >= 4 ? DType::f32 : dt;  // f32 partial and merged outputs
       const std::vector<int32_t> prefix = {0, 37, 5, 150}, news = {4, 9, 1, 12};
       const int32_t batch = 4;
       std::vector<int32_t> total(batch);
@@ -902,7 +941,7 @@ TEST(CpuAttention, SinksCountOnceInExtendMerge) {
         for (int t = 0; t < prefix[i]; ++t) slots.push_back(all[i] + t);
         prefix_indptr[i + 1] = prefix_indptr[i] + prefix[i];
       }
-      Tensor out = Tensor::empty({tq, hq, d}, dt), lse_a = Tensor::empty({tq, hq}, DType::f32);
+      Tensor out = Tensor::empty({tq, hq, d}, out_dt), lse_a = Tensor::empty({tq, hq}, DType::f32);
       Tensor lse = Tensor::empty({tq, hq}, DType::f32);
       test::poison(out);
       test::poison(lse_a);

@@ -34,6 +34,7 @@ struct DecodeCase {
   int fixed_split_size = 0;
   bool plan_sees_window = true;  // pass window_left to the planner (it then trims KV ranges)
   bool sinks = false;            // random per-query-head attention sinks
+  bool f32_out = false;          // out in f32 instead of q's dtype
 };
 
 // A batch on the host: q [B, Hq, D], pools [slots, Hkv, D] with the requests' pages shuffled
@@ -131,7 +132,7 @@ Tensor run_plan(const HostBatch& h, const DeviceBatch& dv, const DecodeCase& c,
   const int64_t batch = static_cast<int64_t>(c.kv_lens.size());
   Workspace ws(std::max<size_t>(plan.layout.total_bytes, 256), Device::cuda());
   ws.upload(plan);
-  Tensor out = Tensor::empty({batch, c.hq, c.d}, c.q_dtype);
+  Tensor out = Tensor::empty({batch, c.hq, c.d}, c.f32_out ? DType::f32 : c.q_dtype);
   Tensor lse = Tensor::empty({batch, c.hq}, DType::f32);
   test::poison(out);
   test::poison(lse);
@@ -343,6 +344,51 @@ TEST(CudaDecode, SinksOnEveryPath) {
     f.fixed_split_size = 64;
     run_case(rng, f);
   }
+}
+
+// Outputs in f32 (FlashInfer's o_data_type) on every store of the decode kernel: the warps'
+// merge of unsplit rows and the in-kernel merge of split ones (narrow and wide), with sinks and
+// fp8 KV too. Within the tolerance, and the same values as the 16-bit output before rounding.
+TEST(CudaDecode, F32OutputOnEveryPath) {
+  FLASHKV_REQUIRE_GPU();
+  FLASHKV_SEEDED_RNG(rng, 630);
+  auto check = [&](DecodeCase c) {
+    const HostBatch h = make_batch(rng, c);
+    const DeviceBatch dv = to_device(h);
+    const DecodePlan plan = plan_case(c);
+    const Tensor out16 = run_plan(h, dv, c, plan);
+    c.f32_out = true;
+    const Tensor out32 = run_plan(h, dv, c, plan);
+    test::expect_unrounded_f32(out32, out16);
+    return plan.merges.size();
+  };
+  for (int group : {1, 8})
+    for (int d : {64, 128, 256})
+      for (int split : {0, 64}) {
+        DecodeCase c;
+        c.hkv = 2;
+        c.hq = 2 * group;
+        c.d = d;
+        c.page_size = split ? 16 : 1;
+        c.fixed_split_size = split;
+        c.kv_lens = kAwkwardLens;
+        c.sinks = d == 128;
+        c.q_dtype = c.kv_dtype = d == 64 ? DType::f16 : DType::bf16;
+        SCOPED_TRACE(testing::Message() << "G=" << group << " D=" << d << " split=" << split);
+        EXPECT_EQ(check(c) > 0, split > 0);
+      }
+  DecodeCase m;  // many chunks per tile: the wide merge
+  m.hq = 32;
+  m.hkv = 8;
+  m.kv_lens = {20000, 3, 5000};
+  m.fixed_split_size = 16;
+  EXPECT_GT(check(m), 0u);
+  DecodeCase f;
+  f.kv_dtype = DType::fp8_e4m3;
+  f.k_scale = 0.75f;
+  f.v_scale = 1.5f;
+  f.kv_lens = kAwkwardLens;
+  check(f);
 }
 
 // Split requests are merged inside the decode kernel by the CTA whose chunk arrives last.

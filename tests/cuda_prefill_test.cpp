@@ -60,7 +60,8 @@ struct Problem {
   // NaN in request 0's first K row (element 0 of KV head 0) or V row (dims 0 and 1), which
   // every query row of the request sees (causal, no window, no mask).
   bool nan_k = false, nan_v = false;
-  bool sinks = false;  // random per-query-head attention sinks (AttentionOptions::sinks)
+  bool sinks = false;    // random per-query-head attention sinks (AttentionOptions::sinks)
+  bool f32_out = false;  // out in f32 instead of q's dtype
 };
 
 // Host inputs of a problem.
@@ -225,7 +226,7 @@ std::pair<Tensor, Tensor> run_on_gpu(const Problem& pr, const Inputs& in, Prefil
   ws.upload(plan);
 
   const int64_t tokens = in.qo_indptr.back();
-  Tensor out_h = Tensor::empty({tokens, pr.hq, pr.dv}, pr.dtype);
+  Tensor out_h = Tensor::empty({tokens, pr.hq, pr.dv}, pr.f32_out ? DType::f32 : pr.dtype);
   Tensor lse_h = Tensor::empty({tokens, pr.hq}, DType::f32);
   test::poison(out_h);
   test::poison(lse_h);
@@ -584,6 +585,7 @@ struct FusedExtendCase {
   bool graph = false;                 // graph-mode plans, both passes replayed from a CUDA graph
   bool nan_k = false, nan_v = false;  // as Problem's (request 0's first key: in its prefix)
   bool sinks = false;                 // sinks on the prefix pass, which must add them once
+  bool f32_out = false;               // both passes' outputs (the merge state too) in f32
 };
 
 // Runs ragged_prefill then paged_prefill merging with its state on `dev`; checks against one
@@ -622,7 +624,8 @@ void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
   ws_r.upload(plan_r);
   ws_p.upload(plan_p);
 
-  Tensor state_h = Tensor::empty({tokens, full.hq, full.dv}, full.dtype);
+  const DType out_dtype = c.f32_out ? DType::f32 : full.dtype;
+  Tensor state_h = Tensor::empty({tokens, full.hq, full.dv}, out_dtype);
   Tensor state_lse_h = Tensor::empty({tokens, full.hq}, DType::f32);
   test::poison(state_h);
   if (c.empty_state)
@@ -630,7 +633,7 @@ void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
       state_lse_h.ptr<float>()[i] = -std::numeric_limits<float>::infinity();
   else
     test::poison(state_lse_h);
-  Tensor out_h = Tensor::empty({tokens, full.hq, full.dv}, full.dtype);
+  Tensor out_h = Tensor::empty({tokens, full.hq, full.dv}, out_dtype);
   test::poison(out_h);
   Tensor q = in.q.to(dev), rk = e.rin.k.to(dev), rv = e.rin.v.to(dev);
   Tensor k = in.k.to(dev), v = in.v.to(dev);
@@ -1018,6 +1021,62 @@ TEST(CudaPrefill, SinksOnEveryKernelAndPath) {
     pr.paged = false;
     pr.window_left = 17;
     pr.kv_lens = {33, 150, 1};
+    check_problem(pr, rng);
+  }
+}
+
+// Outputs in f32 (FlashInfer's o_data_type) on every prefill kernel and store: the unsplit
+// epilogue, the split merge pass, and the extend's prefix pass merging an f32 state (in place and
+// into a separate output, whole and split). Within the tolerance; where no f32 state is read, the
+// same values as the 16-bit output before rounding.
+TEST(CudaPrefill, F32OutputOnEveryKernelAndPath) {
+  FLASHKV_REQUIRE_GPU();
+  const char* configs[][2] = {{"0", "0"}, {"1", "0"}, {"1", "1"}};
+  for (const auto& config : configs) {
+    SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << config[0]
+                                    << " FLASHKV_PREFILL_SM90_WS=" << config[1]);
+    test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
+    test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
+    FLASHKV_SEEDED_RNG(rng, 1870);
+    auto check = [&](Problem pr) {
+      const Inputs in = make_inputs(pr, rng);
+      const Tensor out16 = run_on_gpu(pr, in, nullptr).first;
+      pr.f32_out = true;
+      const Tensor out32 = run_on_gpu(pr, in, nullptr).first;
+      test::expect_unrounded_f32(out32, out16);
+      check_problem(pr, rng);  // against the reference, on other inputs
+    };
+    Problem pr = small_variant_problem();
+    check(pr);  // causal, paged
+    pr.paged = false;
+    pr.causal = false;
+    pr.sinks = true;
+    pr.dtype = pr.kv_dtype = DType::f16;
+    check(pr);
+    Problem split = small_variant_problem();
+    split.page_size = 1;
+    split.plan.fixed_split_size = 64;
+    split.expect_merges = true;
+    check(split);
+    for (int i : {2, 3}) {  // the prefix pass whole and split
+      FusedExtendCase c = fused_extend_cases()[i];
+      c.f32_out = true;
+      check_fused_extend(c, Device::cuda(), rng);
+    }
+    FusedExtendCase separate = fused_extend_cases()[1];
+    separate.f32_out = true;
+    separate.sinks = true;
+    separate.in_place = false;
+    check_fused_extend(separate, Device::cuda(), rng);
+  }
+  FLASHKV_SEEDED_RNG(rng, 1871);
+  Problem big;  // head dims 64 and 256 on the kernels they run
+  for (int d : {64, 256}) {
+    big.dqk = big.dv = d;
+    big.q_lens = {33, 150, 1};
+    big.kv_lens = {33 + 20, 150 + 300, 1 + 77};
+    Problem pr = big;
+    pr.f32_out = true;
     check_problem(pr, rng);
   }
 }

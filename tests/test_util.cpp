@@ -103,6 +103,29 @@ void expect_close(const TensorView& out, const TensorView& lse, const reference:
                              << ", max_abs " << tol.max_abs << ", lse " << tol.lse;
 }
 
+void expect_unrounded_f32(const TensorView& out_f32, const TensorView& out_16) {
+  ASSERT_EQ(out_f32.dtype, DType::f32);
+  ASSERT_EQ(out_f32.numel(), out_16.numel());
+  int64_t mismatched = 0, representable = 0, first = -1;
+  uint16_t rounded = 0;
+  for (int64_t i = 0; i < out_f32.numel(); ++i) {
+    const double x = load_as_double(out_f32.data, DType::f32, i);
+    store_from_double(&rounded, out_16.dtype, 0, x);
+    const double r = load_as_double(&rounded, out_16.dtype, 0);
+    const double y = load_as_double(out_16.data, out_16.dtype, i);
+    const bool same = std::isnan(r) ? std::isnan(y) : r == y;
+    if (!same && mismatched++ == 0) first = i;
+    if (r == x) ++representable;
+  }
+  EXPECT_EQ(mismatched, 0) << "element " << first << ": f32 "
+                           << load_as_double(out_f32.data, DType::f32, first) << " vs "
+                           << dtype_name(out_16.dtype) << " "
+                           << load_as_double(out_16.data, out_16.dtype, first);
+  EXPECT_LT(representable * 2, out_f32.numel() + 2)
+      << representable << " of " << out_f32.numel() << " f32 outputs are "
+      << dtype_name(out_16.dtype) << " values: rounded before the store?";
+}
+
 void put_nan_in_kv_row(const Tensor& k, const Tensor& v, int64_t row, bool nan_k) {
   const Tensor& t = nan_k ? k : v;
   for (int64_t e = 0; e < (nan_k ? 1 : 2); ++e)

@@ -61,6 +61,11 @@ bool has_nan(const TensorView& t);
 void expect_close(const TensorView& out, const TensorView& lse, const reference::Result& ref,
                   DType dtype, bool fp8_kv = false);
 
+// An output written in f32 (an out tensor of dtype f32) against the same call's output in the
+// inputs' 16-bit dtype: each f32 value rounds (to nearest even) to the 16-bit value, bit for bit,
+// and most f32 values are not 16-bit values themselves (the f32 output was not rounded).
+void expect_unrounded_f32(const TensorView& out_f32, const TensorView& out_16);
+
 // Puts that NaN into row `row` (a pool slot, or a ragged K/V row) of [rows, Hkv, D] k or v:
 // element 0 of K's KV head 0 (nan_k), or dims 0 and 1 of V's.
 void put_nan_in_kv_row(const Tensor& k, const Tensor& v, int64_t row, bool nan_k);

@@ -98,6 +98,7 @@ class ItemTask {
     causal_ = p.causal && !p.custom_mask;
     mask_base_ = p.custom_mask ? p.custom_mask + p.mask_indptr[req] : nullptr;
     q_esz_ = static_cast<int64_t>(dtype_size(p.q_dtype));
+    o_esz_ = static_cast<int64_t>(dtype_size(p.o_dtype));
     k_head0_ = static_cast<const char*>(p.k) + head0 * p.k_stride_h * kKvEsz;
     v_head0_ = static_cast<const char*>(p.v) + head0 * p.v_stride_h * kKvEsz;
     k_span_ = ((heads - 1) * p.k_stride_h + p.head_dim_qk) * kKvEsz;
@@ -435,8 +436,8 @@ class ItemTask {
           }
           if (p_.sinks) add_sink(p_.sinks[qo_head], scale, lse);
           store_row<T>(
-              p_.q_dtype, o, scale, dv,
-              static_cast<char*>(p_.o) + (row * p_.o_stride_n + qo_head * p_.o_stride_h) * q_esz_);
+              p_.o_dtype, o, scale, dv,
+              static_cast<char*>(p_.o) + (row * p_.o_stride_n + qo_head * p_.o_stride_h) * o_esz_);
           if (p_.lse) p_.lse[row * p_.num_qo_heads + qo_head] = lse;
         } else {
           const int64_t row = int64_t{item_.partial} + qi;
@@ -453,7 +454,7 @@ class ItemTask {
   const Fp8Tables& tables_;
   const int group_;
   const KvRows kv_rows_;
-  int64_t q_first_, q_len_, kv_len_, kv_begin_, kv_end_, q_esz_;
+  int64_t q_first_, q_len_, kv_len_, kv_begin_, kv_end_, q_esz_, o_esz_;
   int total_rows_, chunk_;
   bool few_, causal_;
   bool split_;        // few rows through the split path (attention_few_rows.h)

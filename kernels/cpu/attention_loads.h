@@ -298,7 +298,7 @@ void store_merged_row_impl(const AttentionParams& p, int64_t row, int head, cons
 template <class T>
 void store_merged_row(const AttentionParams& p, int64_t row, int head, const float* cur,
                       float cur_scale, float cur_lse) {
-  switch (p.q_dtype) {
+  switch (p.o_dtype) {  // merge_o has out's dtype
     case DType::f32:
       return store_merged_row_impl<T, float>(p, row, head, cur, cur_scale, cur_lse);
     case DType::f16:

@@ -51,7 +51,7 @@ template <class T>
 void merge_partials_impl(const AttentionParams& p, const MergeItem& m, int32_t i) {
   const int64_t heads = p.num_qo_heads, dv = p.head_dim_v;
   const int64_t out_row = int64_t{m.q_begin} + i;
-  const size_t esz = dtype_size(p.q_dtype);
+  const size_t esz = dtype_size(p.o_dtype);
   for (int h = 0; h < heads; ++h) {
     const int64_t first = (int64_t{m.partial} + i) * heads + h;
     PartialStates states{p.partial_o + first * dv, p.partial_lse + first, m.q_len * heads * dv,
@@ -67,13 +67,13 @@ void merge_partials_impl(const AttentionParams& p, const MergeItem& m, int32_t i
       }
       float scale = 1.0f;
       add_sink(p.sinks[h], scale, lse);
-      store_row<T>(p.q_dtype, buf, scale, static_cast<int>(dv),
+      store_row<T>(p.o_dtype, buf, scale, static_cast<int>(dv),
                    static_cast<char*>(p.o) +
                        (out_row * p.o_stride_n + h * p.o_stride_h) * static_cast<int64_t>(esz));
       if (p.lse) p.lse[out_row * heads + h] = lse;
       continue;
     }
-    merge_one<T, float>(states, m.num_chunks, static_cast<int>(dv), p.q_dtype,
+    merge_one<T, float>(states, m.num_chunks, static_cast<int>(dv), p.o_dtype,
                         static_cast<char*>(p.o) +
                             (out_row * p.o_stride_n + h * p.o_stride_h) * static_cast<int64_t>(esz),
                         p.lse ? p.lse + out_row * heads + h : nullptr);

@@ -116,13 +116,17 @@ LaunchFn select(const AttentionParams& p) {
                 "k/v: CUDA prefill needs 16-byte aligned pointers and row/head strides of a "
                 "multiple of 16 bytes, got k strides ",
                 p.k_stride_n, "/", p.k_stride_h, ", v strides ", p.v_stride_n, "/", p.v_stride_h);
-  FLASHKV_CHECK(aligned(p.o, 4) && p.o_stride_n % 2 == 0 && p.o_stride_h % 2 == 0,
-                "out: CUDA prefill needs a 4-byte aligned pointer and even strides, got ",
-                p.o_stride_n, "/", p.o_stride_h);
-  FLASHKV_CHECK(!p.merge_o || (aligned(p.merge_o, 4) && p.merge_stride_n % 2 == 0 &&
+  // O (and merge_o, which has O's dtype) is written in pairs of elements.
+  const size_t o_pair = 2 * dtype_size(p.o_dtype);
+  FLASHKV_CHECK(aligned(p.o, o_pair) && p.o_stride_n % 2 == 0 && p.o_stride_h % 2 == 0,
+                "out: CUDA prefill needs a ", o_pair,
+                "-byte aligned pointer and even strides, got strides ", p.o_stride_n, "/",
+                p.o_stride_h);
+  FLASHKV_CHECK(!p.merge_o || (aligned(p.merge_o, o_pair) && p.merge_stride_n % 2 == 0 &&
                                p.merge_stride_h % 2 == 0),
-                "merge_o: CUDA prefill needs a 4-byte aligned pointer and even strides, got ",
-                p.merge_stride_n, "/", p.merge_stride_h);
+                "merge_o: CUDA prefill needs a ", o_pair,
+                "-byte aligned pointer and even strides, got strides ", p.merge_stride_n, "/",
+                p.merge_stride_h);
   if (LaunchFn sm90 = pick_sm90(p)) return sm90;
   return fn;
 }

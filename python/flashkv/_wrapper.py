@@ -135,6 +135,22 @@ def as_tokens(split_size_in_pages: Optional[int], page_size: int) -> int:
     return int(split_size_in_pages) * page_size
 
 
+def plan_dtypes(q_data_type: Any, kv_data_type: Any, data_type: Any,
+                o_data_type: Any) -> Tuple[Optional[str], Optional[str], Optional[str]]:
+    """plan()'s dtypes as flashkv names: (q, kv, o). data_type sets q and kv where they are not
+    given. The output is q's dtype or float32 (unrounded partial outputs for merge_state); o None
+    or equal to q's becomes None (outputs in q's dtype)."""
+    if data_type is not None:
+        q_data_type = data_type if q_data_type is None else q_data_type
+        kv_data_type = data_type if kv_data_type is None else kv_data_type
+    q_dt, kv_dt, o_dt = (A.canonical_dtype(t) for t in (q_data_type, kv_data_type, o_data_type))
+    if o_dt is not None and o_dt not in (A.F32, q_dt):
+        raise Error(f"o_data_type: expected float32 or q's dtype ({q_dt}), got {o_dt}"
+                    if q_dt is not None else f"o_data_type: expected float32 when q_data_type is not given, "
+                    f"got {o_dt}")
+    return q_dt, kv_dt, (None if o_dt == q_dt else o_dt)
+
+
 class PlannedWrapper:
     """State every wrapper keeps: the workspace, CUDA-graph buffers, and its plans."""
 
@@ -153,6 +169,8 @@ class PlannedWrapper:
         self._pin_memory_int_workspace_buffer: Any = None
         self._plans: Dict[str, Any] = {}
         self._planned = False
+        # The planned output dtype (plan's o_data_type): None for q's, or A.F32.
+        self._o_data_type: Optional[str] = None
 
     def _set_workspace(self, float_workspace_buffer: Any) -> None:
         if float_workspace_buffer is None:
@@ -221,8 +239,12 @@ class PlannedWrapper:
         return scale * ks, 1.0, 1.0, vs
 
     def _outputs(self, q: Any, head_dim_v: int, out: Any, lse: Any, want_lse: bool) -> Tuple[Any, Any]:
+        o_dt = self._o_data_type
         if out is None:
-            out = A.empty(q, (q.shape[0], q.shape[1], head_dim_v))
+            out = A.empty(q, (q.shape[0], q.shape[1], head_dim_v), o_dt)
+        elif A.dtype_of(out) != (A.dtype_of(q) if o_dt is None else o_dt):
+            raise Error(f"out: dtype {A.dtype_of(out)} differs from the planned output dtype "
+                        f"{A.dtype_of(q) if o_dt is None else o_dt} (plan's o_data_type)")
         if lse is None and want_lse:
             lse = A.empty(q, (q.shape[0], q.shape[1]), A.F32)
         return out, lse

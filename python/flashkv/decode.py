@@ -13,7 +13,7 @@ import numpy as np
 from . import _arrays as A
 from . import _flashkv as _C
 from ._flashkv import Error
-from ._wrapper import PagedWrapper, as_tokens, check_pos_encoding, kv_lens_of
+from ._wrapper import PagedWrapper, as_tokens, check_pos_encoding, kv_lens_of, plan_dtypes
 
 
 class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
@@ -92,6 +92,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
             logits_soft_cap: > 0: logits become cap * tanh(logits / cap).
             q_data_type / kv_data_type / data_type: checked against the run's arrays when given
                 (data_type sets both); an fp8 kv_data_type lets a uint8 cache hold fp8 values.
+            o_data_type: the output's dtype: q's (default) or float32 (e.g. partial outputs that
+                merge_state then combines without rounding them first).
             sm_scale: softmax scale (default 1 / sqrt(head_dim)).
             seq_lens: [batch_size] KV tokens per request, instead of deriving them from the
                 page table.
@@ -117,13 +119,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
         if q_len_per_req != 1:
             raise Error(f"q_len_per_req: flashkv decode takes one query per request, got {q_len_per_req}; "
                         "use BatchPrefillWithPagedKVCacheWrapper for several")
-        if data_type is not None:
-            q_data_type = data_type if q_data_type is None else q_data_type
-            kv_data_type = data_type if kv_data_type is None else kv_data_type
-        q_dt, kv_dt, o_dt = (A.canonical_dtype(t) for t in (q_data_type, kv_data_type, o_data_type))
-        if o_dt is not None and q_dt is not None and o_dt != q_dt:
-            raise Error(f"o_data_type: flashkv writes the output in q's dtype ({q_dt}), got {o_dt}; other output "
-                        "dtypes (such as float32 partial outputs for merge_state) are not supported yet")
+        q_dt, kv_dt, o_dt = plan_dtypes(q_data_type, kv_data_type, data_type, o_data_type)
         page_size = int(page_size)
         if page_size < 1:
             raise Error(f"page_size: expected >= 1, got {page_size}")
@@ -147,7 +143,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
         self._pos_encoding_mode = pos_encoding_mode
         self._logits_soft_cap = logits_soft_cap
         self._sm_scale = sm_scale
-        self._q_data_type, self._kv_data_type = q_dt, kv_dt
+        self._q_data_type, self._kv_data_type, self._o_data_type = q_dt, kv_dt, o_dt
         self._planned = True
 
     def _make_plan(self, kv_len: np.ndarray, batch_size: int, num_qo_heads: int, num_kv_heads: int,

@@ -13,7 +13,7 @@ from . import _arrays as A
 from . import _flashkv as _C
 from ._flashkv import Error
 from ._wrapper import (PagedWrapper, PlannedWrapper, as_tokens, attention_options, check_pos_encoding,
-                       kv_lens_of, reject_multi_item_scoring)
+                       kv_lens_of, plan_dtypes, reject_multi_item_scoring)
 
 
 def _mask_plan(custom_mask: Any, packed_custom_mask: Any, qo_len: np.ndarray, kv_len: np.ndarray) -> Optional[np.ndarray]:
@@ -138,13 +138,13 @@ class _PrefillState:
                     "each query); plan with causal=False")
 
     def _set_common(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, window_left, logits_soft_cap,
-                    sm_scale, q_dt, kv_dt) -> None:
+                    sm_scale, q_dt, kv_dt, o_dt) -> None:
         self._num_qo_heads, self._num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self._head_dim_qk, self._head_dim_vo = int(head_dim_qk), int(head_dim_vo)
         self._window_left = int(window_left)
         self._logits_soft_cap = logits_soft_cap
         self._sm_scale = sm_scale
-        self._q_data_type, self._kv_data_type = q_dt, kv_dt
+        self._q_data_type, self._kv_data_type, self._o_data_type = q_dt, kv_dt, o_dt
         self._planned = True
 
     def _set_run_options(self, causal, window_left, logits_soft_cap, sm_scale) -> None:
@@ -156,23 +156,13 @@ class _PrefillState:
         self._sm_scale = sm_scale
 
 
-def _dtypes(q_data_type, kv_data_type, data_type, o_data_type):
-    if data_type is not None:
-        q_data_type = data_type if q_data_type is None else q_data_type
-        kv_data_type = data_type if kv_data_type is None else kv_data_type
-    q_dt, kv_dt, o_dt = (A.canonical_dtype(t) for t in (q_data_type, kv_data_type, o_data_type))
-    if o_dt is not None and q_dt is not None and o_dt != q_dt:
-        raise Error(f"o_data_type: flashkv writes the output in q's dtype ({q_dt}), got {o_dt}; other output "
-                        "dtypes (such as float32 partial outputs for merge_state) are not supported yet")
-    return q_dt, kv_dt
-
-
 class BatchPrefillWithPagedKVCacheWrapper(_PrefillState, PagedWrapper):
     """Prefill attention of new query rows against a paged KV cache.
 
     Shapes: q [qo_indptr[-1], num_qo_heads, head_dim_qk]; the KV cache as for the decode wrapper
     ((k, v) tuple of [num_slots, num_kv_heads, head_dim] arrays, NHD 4-D pages, or one 5-D
-    array); output [qo_indptr[-1], num_qo_heads, head_dim_vo] in q's dtype; LSE
+    array); output [qo_indptr[-1], num_qo_heads, head_dim_vo] in q's dtype (or float32, plan's
+    o_data_type); LSE
     [qo_indptr[-1], num_qo_heads] float32, base 2 (-inf for rows that see no KV).
 
     CUDA-graph mode: qo_indptr_buf [batch_size + 1], paged_kv_indptr_buf [batch_size + 1],
@@ -214,7 +204,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillState, PagedWrapper):
             custom_mask: bool/uint8, each request's [qo_len, kv_len] matrix flattened, back to
                 back; replaces causal (tree masks of speculative decoding).
             causal: causal mask (runs may also set it: forward(causal=...)).
-            window_left, logits_soft_cap, sm_scale, data types, fixed_split_size (pages),
+            window_left, logits_soft_cap, sm_scale, data types (o_data_type too), fixed_split_size (pages),
             disable_split_kv, seq_lens: as for decode. Multi-item scoring arguments
             (prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr)
             are rejected.
@@ -223,7 +213,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillState, PagedWrapper):
         reject_multi_item_scoring(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr)
         if block_tables is not None or seq_lens_q is not None:
             raise Error("block_tables / seq_lens_q: not supported by flashkv; pass qo_indptr and the page table")
-        q_dt, kv_dt = _dtypes(q_data_type, kv_data_type, data_type, o_data_type)
+        q_dt, kv_dt, o_dt = plan_dtypes(q_data_type, kv_data_type, data_type, o_data_type)
         head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
         page_size = int(page_size)
         if page_size < 1:
@@ -240,7 +230,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillState, PagedWrapper):
                         page_size, bool(causal), has_mask, int(window_left), as_tokens(fixed_split_size, page_size),
                         disable_split_kv, max_kv_len)
         self._set_common(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, window_left, logits_soft_cap,
-                         sm_scale, q_dt, kv_dt)
+                         sm_scale, q_dt, kv_dt, o_dt)
 
     begin_forward = plan
 
@@ -318,7 +308,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillState, PlannedWrapper):
         (fixed_split_size in tokens)."""
         check_pos_encoding(pos_encoding_mode)
         reject_multi_item_scoring(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr)
-        q_dt, kv_dt = _dtypes(q_data_type, kv_data_type, data_type, o_data_type)
+        q_dt, kv_dt, o_dt = plan_dtypes(q_data_type, kv_data_type, data_type, o_data_type)
         head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
         batch_size = len(qo_indptr) - 1
         qo_host = self._plan_queries(qo_indptr, batch_size, non_blocking)
@@ -344,7 +334,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillState, PlannedWrapper):
                         1, bool(causal), has_mask, int(window_left), as_tokens(fixed_split_size, 1),
                         disable_split_kv, max_kv_len)
         self._set_common(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, window_left, logits_soft_cap,
-                         sm_scale, q_dt, kv_dt)
+                         sm_scale, q_dt, kv_dt, o_dt)
 
     begin_forward = plan
 

@@ -116,8 +116,16 @@ def test_unsupported_layouts_say_what_was_passed_and_what_is_expected(rng):
                                       np.array([0], np.int32), np.array([0, 1], np.int32), np.array([1], np.int32))
 
 
-def test_o_data_type_other_than_q_is_refused_clearly():
+def test_o_data_type_other_than_q_or_float32_is_refused_clearly():
     w = flashkv.BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "NHD")
-    with pytest.raises(flashkv.Error, match=r"o_data_type: flashkv writes the output in q's dtype \(f16\), got f32"):
+    with pytest.raises(flashkv.Error, match=r"o_data_type: expected float32 or q's dtype \(f16\), got bf16"):
         w.plan(np.array([0, 1]), np.array([0]), np.array([1]), HQ, HKV, D, 1, q_data_type="float16",
-               o_data_type="float32")
+               o_data_type="bfloat16")
+    # An out array of another dtype than the planned one.
+    rng = np.random.default_rng(3)
+    batch = R.paged_batch(rng, [5], HKV, D, dtype=np.float16)
+    w.plan(batch.indptr, batch.indices, batch.last_page_len, HQ, HKV, D, 1, q_data_type="float16",
+           o_data_type="float32")
+    q = rng.standard_normal((1, HQ, D)).astype(np.float16)
+    with pytest.raises(flashkv.Error, match=r"out: dtype f16 differs from the planned output dtype f32"):
+        w.run(q, (batch.k_cache, batch.v_cache), out=np.zeros((1, HQ, D), np.float16))

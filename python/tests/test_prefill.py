@@ -169,6 +169,46 @@ def test_extend_ragged_plus_paged_prefix_merged(xp, rng, workspace):
     xp.assert_close(o, s, *R.attention(q, ks, vs, new, causal=True, sm_scale=0.2, logits_soft_cap=2.0))
 
 
+def test_extend_with_float32_partial_outputs(xp, rng, workspace):
+    """o_data_type=float32 on 16-bit inputs: the ragged and paged halves of an extend write fp32
+    outputs, merge_state combines them unrounded, and the result is closer to the reference than
+    the same extend with 16-bit partial outputs; decode writes fp32 too."""
+    prefix, new = [40, 3, 0, 77], [9, 5, 4, 1]
+    qo = qo_indptr_of(new)
+    f16 = np.float16
+    batch = R.paged_batch(rng, prefix, HKV, D, dtype=f16)
+    k_new = rng.standard_normal((qo[-1], HKV, D)).astype(f16)
+    v_new = rng.standard_normal((qo[-1], HKV, D)).astype(f16)
+    q = random_q(rng, qo[-1], f16)
+    ks_p, vs_p = batch.all_kv()
+    ks = [np.concatenate([ks_p[i], k_new[qo[i]:qo[i + 1]]]) for i in range(4)]
+    vs = [np.concatenate([vs_p[i], v_new[qo[i]:qo[i + 1]]]) for i in range(4)]
+    ref_o, ref_s = R.attention(q, ks, vs, new, causal=True)
+    qo_d, q_d = xp.put(qo), xp.put(q)
+    errors = {}
+    for o_dt in (None, "float32"):
+        ragged = BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        paged = BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        ragged.plan(qo_d, qo_d, HQ, HKV, D, q_data_type="float16", o_data_type=o_dt, causal=True)
+        paged.plan(qo_d, *page_table(xp, batch), HQ, HKV, D, 1, q_data_type="float16", o_data_type=o_dt)
+        o1, s1 = ragged.run(q_d, *xp.put((k_new, v_new)), return_lse=True)
+        o2, s2 = paged.run(q_d, xp.put((batch.k_cache, batch.v_cache)), return_lse=True)
+        want = np.float32 if o_dt else f16
+        assert xp.get(o1).dtype == want and xp.get(o2).dtype == want
+        o, s = flashkv.merge_state(o1, s1, o2, s2)
+        assert xp.get(o).dtype == want
+        R.assert_close(xp.get(o), xp.get(s), ref_o, ref_s, *R.bounds(f16))
+        errors[o_dt] = R.rel_error(xp.get(o), ref_o)
+    assert errors["float32"] < 0.8 * errors[None], errors
+
+    dec = flashkv.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    dec.plan(*page_table(xp, batch), HQ, HKV, D, 1, q_data_type="float16", o_data_type="float32")
+    q1 = random_q(rng, len(prefix), f16)
+    o, s = dec.run(xp.put(q1), xp.put((batch.k_cache, batch.v_cache)), return_lse=True)
+    assert xp.get(o).dtype == np.float32
+    R.assert_close(xp.get(o), xp.get(s), *R.attention(q1, ks_p, vs_p, [1] * len(prefix)), *R.bounds(f16))
+
+
 def test_ragged_cuda_graph_buffers(xp, rng, workspace):
     bs = 2
     qo_buf, kv_buf = xp.zeros(bs + 1, np.int32), xp.zeros(bs + 1, np.int32)

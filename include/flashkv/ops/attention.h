@@ -42,7 +42,7 @@ struct AttentionOptions {
   // result with the state (merge_o, merge_lse) over a disjoint KV set before writing it, as
   // SEMANTICS.md "Merging partial states" (a state with LSE -inf contributes nothing); out gets
   // the merged O and lse (when given) the merged LSE. Extend's prefix pass takes the new tokens'
-  // own causal state this way instead of a merge_state call. merge_o [Tq, Hq, D_v] in q's dtype,
+  // own causal state this way instead of a merge_state call. merge_o [Tq, Hq, D_v] in out's dtype,
   // merge_lse [Tq, Hq] f32 contiguous, both required together; they may be the same tensors as
   // out / lse (each row is read before it is written).
   TensorView merge_o, merge_lse;
@@ -104,6 +104,9 @@ class Workspace {
   uint64_t plan_id_ = 0;
 };
 
+// The three attention operators write out in q's dtype or in f32 (FlashInfer's o_data_type:
+// partial outputs that a later merge_state combines without rounding them first).
+//
 // Ragged prefill: q [Tq, Hq, D_qk] against contiguous k [Tk, Hkv, D_qk], v [Tk, Hkv, D_v];
 // request i owns q rows qo_indptr[i].. and k/v rows kv_indptr[i]..; out [Tq, Hq, D_v];
 // lse [Tq, Hq] f32 (optional, base 2).

@@ -40,11 +40,17 @@ __device__ void DecodeCta<Tr, QT, kKv>::store(const ItemView& v, const float* in
       x[4] = b.x * inv_h, x[5] = b.y * inv_h, x[6] = b.z * inv_h, x[7] = b.w * inv_h;
     }
     if (v.partial < 0) {
-      uint4 w;
-      w.x = pack2<QT>(x[0], x[1]), w.y = pack2<QT>(x[2], x[3]);
-      w.z = pack2<QT>(x[4], x[5]), w.w = pack2<QT>(x[6], x[7]);
-      *reinterpret_cast<uint4*>(static_cast<QT*>(p.o) + int64_t{v.row} * p.o_stride_n +
-                                int64_t{qh0 + h} * p.o_stride_h + d) = w;
+      const int64_t at = int64_t{v.row} * p.o_stride_n + int64_t{qh0 + h} * p.o_stride_h + d;
+      if (p.o_dtype == DType::f32) {
+        float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.o) + at);
+        dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+        dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+      } else {
+        uint4 w;
+        w.x = pack2<QT>(x[0], x[1]), w.y = pack2<QT>(x[2], x[3]);
+        w.z = pack2<QT>(x[4], x[5]), w.w = pack2<QT>(x[6], x[7]);
+        *reinterpret_cast<uint4*>(static_cast<QT*>(p.o) + at) = w;
+      }
     } else {
       float4* dst = reinterpret_cast<float4*>(
           p.partial_o + (int64_t{v.partial} * p.num_qo_heads + qh0 + h) * D + d);
@@ -54,8 +60,9 @@ __device__ void DecodeCta<Tr, QT, kKv>::store(const ItemView& v, const float* in
   }
   if (tid < heads) {
     // An empty final row is the sink's state alone (O = 0); an empty chunk weighs 0.
-    const float value =
-        !empty ? lse[tid] : v.partial < 0 ? sink_lse(p.sinks, qh0 + tid) : -INFINITY;
+    const float value = !empty          ? lse[tid]
+                        : v.partial < 0 ? sink_lse(p.sinks, qh0 + tid)
+                                        : -INFINITY;
     if (v.partial < 0) {
       if (p.lse) p.lse[int64_t{v.row} * p.num_qo_heads + qh0 + tid] = value;
     } else {
@@ -186,11 +193,17 @@ __device__ void DecodeCta<Tr, QT, kKv>::merge_units(const TileMerge* done, int n
     for (int j = 0; j < kUnits; ++j) {
       if (u0 + j * Tr::kThreads >= total) break;
       const float inv = st[j].inv_sum();
-      uint2 packed;
-      packed.x = pack2<QT>(acc[j].x * inv, acc[j].y * inv);
-      packed.y = pack2<QT>(acc[j].z * inv, acc[j].w * inv);
-      *reinterpret_cast<uint2*>(static_cast<QT*>(p.o) + int64_t{out_row[j]} * p.o_stride_n +
-                                int64_t{qh0 + h[j]} * p.o_stride_h + d[j]) = packed;
+      const int64_t at =
+          int64_t{out_row[j]} * p.o_stride_n + int64_t{qh0 + h[j]} * p.o_stride_h + d[j];
+      if (p.o_dtype == DType::f32) {
+        *reinterpret_cast<float4*>(static_cast<float*>(p.o) + at) =
+            make_float4(acc[j].x * inv, acc[j].y * inv, acc[j].z * inv, acc[j].w * inv);
+      } else {
+        uint2 packed;
+        packed.x = pack2<QT>(acc[j].x * inv, acc[j].y * inv);
+        packed.y = pack2<QT>(acc[j].z * inv, acc[j].w * inv);
+        *reinterpret_cast<uint2*>(static_cast<QT*>(p.o) + at) = packed;
+      }
       if (d[j] == 0 && p.lse)
         p.lse[int64_t{out_row[j]} * p.num_qo_heads + qh0 + h[j]] = st[j].lse();
     }

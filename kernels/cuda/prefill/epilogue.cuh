@@ -1,5 +1,6 @@
-// Stores of one finished row block: normalised O in Q's dtype plus LSE to the outputs, or (split
-// items) fp32 O and LSE to the partial buffers at rows item.partial + token (layout of plan.h).
+// Stores of one finished row block: normalised O (in Q's dtype, or f32 when p.o_dtype says so)
+// plus LSE to the outputs, or (split items) fp32 O and LSE to the partial buffers at rows
+// item.partial + token (layout of plan.h).
 // Output bytes are small next to the block's arithmetic, so each thread writes its fragment
 // pairs straight from registers.
 #pragma once
@@ -12,9 +13,80 @@
 
 namespace flashkv::cuda::prefill_detail {
 
+// Writes the pair (lo, hi) of O at dst (an element offset into p.o) in O's dtype.
+template <typename QT>
+__device__ __forceinline__ void store_o_pair(const AttentionParams& p, int64_t dst, float lo,
+                                             float hi) {
+  if (p.o_dtype == DType::f32)
+    *reinterpret_cast<float2*>(static_cast<float*>(p.o) + dst) = make_float2(lo, hi);
+  else
+    *reinterpret_cast<uint32_t*>(static_cast<QT*>(p.o) + dst) = pack2<QT>(lo, hi);
+}
+
+// The row's merge weights over p's merge state (prev_lse), the block's state (cur_lse) and p's
+// sink (if any, a third state with O = 0, counted here once): O = a * prev + c * cur, where c
+// includes the block's own normalisation `scale`. Returns the merged LSE.
+__device__ __forceinline__ float merged_weights(const AttentionParams& p, int head, float prev_lse,
+                                                float cur_lse, float scale, float& a, float& c) {
+  // common/merge.cuh: an empty state (LSE -inf) weighs 0, and its values (never written,
+  // maybe NaN) are unused; a NaN state weighs NaN, so O and LSE are NaN.
+  MergeState</*kFastExp2=*/false, /*kFastLog2=*/true> st;
+  const float sink = sink_lse(p.sinks, head);
+  st.see(prev_lse);
+  st.see(cur_lse);
+  st.see(sink);
+  const float w_prev = st.add(prev_lse);
+  const float w_cur = st.add(cur_lse);
+  st.add(sink);
+  const float inv = st.inv_sum();
+  a = w_prev * inv;
+  c = w_cur * inv * scale;
+  return st.lse();
+}
+
+// store_merged_block for an f32 merge state and output: its rows are twice the bytes of the
+// warp's Q rows, so instead of staging them each thread loads the pairs it writes straight from
+// global memory (each pair is read before the same thread writes it, so in place is fine).
+template <typename Cfg>
+__device__ __forceinline__ void store_merged_block_f32(
+    const AttentionParams& p, const RowBlock& b, int kv_head, int group, int warp_row0, int lane,
+    const float (&o)[Cfg::kMTiles][Cfg::kDv / 8][4], const float (&scale)[Cfg::kMTiles][2],
+    const float (&lse)[Cfg::kMTiles][2]) {
+  ptx::grid_dependency_wait();
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int x = warp_row0 + mt * 16 + (lane >> 2) + h * 8;
+      if (x >= b.rows) continue;
+      const int item_row = b.row0 + x;
+      const int tok = item_row / group;
+      const int head = kv_head * group + (item_row - tok * group);
+      const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
+      const float prev_lse = p.merge_lse[row * p.num_qo_heads + head];
+      float a, c;
+      const float row_lse = merged_weights(p, head, prev_lse, lse[mt][h], scale[mt][h], a, c);
+      const float* prev = static_cast<const float*>(p.merge_o) + row * p.merge_stride_n +
+                          head * p.merge_stride_h + (lane & 3) * 2;
+      float* dst =
+          static_cast<float*>(p.o) + row * p.o_stride_n + head * p.o_stride_h + (lane & 3) * 2;
+#pragma unroll
+      for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
+        const float2 pv =
+            a != 0.0f ? *reinterpret_cast<const float2*>(prev + dt * 8) : make_float2(0.0f, 0.0f);
+        const float lo = (a != 0.0f ? a * pv.x : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h] : 0.0f);
+        const float hi =
+            (a != 0.0f ? a * pv.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);
+        *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(lo, hi);
+      }
+      if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = row_lse;
+    }
+}
+
 // A final row block merged with p's merge state (p.merge_o / p.merge_lse, possibly the same
-// memory as the outputs) and p's sink (if any) as it is stored. Under programmatic dependent launch the state comes
-// from the preceding kernel: wait for it here, before the first read of it (and write of O).
+// memory as the outputs) and p's sink (if any) as it is stored. Under programmatic dependent launch
+// the state comes from the preceding kernel: wait for it here, before the first read of it (and
+// write of O).
 //
 // The warp's rows of the state are copied with cp.async into the warp's own Q rows of shared
 // memory (only this warp reads them, and its KV loop is over), all in flight together: one
@@ -79,19 +151,9 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
       const int item_row = b.row0 + x;
       const int tok = item_row / group;
       const int head = kv_head * group + (item_row - tok * group);
-      // common/merge.cuh: an empty state (LSE -inf) weighs 0, and its values (never written,
-      // maybe NaN) are unused; a NaN state weighs NaN, so O and LSE are NaN.
-      // The sink, when given, is a third state (O = 0): counted here, once.
-      MergeState</*kFastExp2=*/false, /*kFastLog2=*/true> st;
-      const float sink = sink_lse(p.sinks, head);
-      st.see(prev_lse[mt][h]);
-      st.see(lse[mt][h]);
-      st.see(sink);
-      const float w_prev = st.add(prev_lse[mt][h]);
-      const float w_cur = st.add(lse[mt][h]);
-      st.add(sink);
-      const float inv = st.inv_sum();
-      const float a = w_prev * inv, c = w_cur * inv * scale[mt][h];
+      float a, c;
+      const float row_lse =
+          merged_weights(p, head, prev_lse[mt][h], lse[mt][h], scale[mt][h], a, c);
       const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
       QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h + (lane & 3) * 2;
       const QT* prev = stage + r * Cfg::kDv + (lane & 3) * 2;
@@ -104,7 +166,7 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
             (a != 0.0f ? a * pv.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);
         *reinterpret_cast<uint32_t*>(dst + dt * 8) = pack2<QT>(lo, hi);
       }
-      if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = st.lse();
+      if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = row_lse;
     }
 }
 
@@ -117,7 +179,12 @@ __device__ __forceinline__ void store_block(const AttentionParams& p, const RowB
                                             const float (&lse)[Cfg::kMTiles][2]) {
   using QT = typename Cfg::Q;
   const bool merge = p.merge_o != nullptr && b.partial < 0;
-  if (merge) store_merged_block<Cfg>(p, b, kv_head, group, warp_row0, lane, smem, o, scale, lse);
+  if (merge) {
+    if (p.o_dtype == DType::f32)
+      store_merged_block_f32<Cfg>(p, b, kv_head, group, warp_row0, lane, o, scale, lse);
+    else
+      store_merged_block<Cfg>(p, b, kv_head, group, warp_row0, lane, smem, o, scale, lse);
+  }
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
@@ -139,11 +206,10 @@ __device__ __forceinline__ void store_block(const AttentionParams& p, const RowB
           row_lse = st.lse();
         }
         const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
-        QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h + col0;
+        const int64_t dst = row * p.o_stride_n + head * p.o_stride_h + col0;
 #pragma unroll
         for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
-          *reinterpret_cast<uint32_t*>(dst + dt * 8) =
-              pack2<QT>(o[mt][dt][2 * h] * sc, o[mt][dt][2 * h + 1] * sc);
+          store_o_pair<QT>(p, dst + dt * 8, o[mt][dt][2 * h] * sc, o[mt][dt][2 * h + 1] * sc);
         if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = row_lse;
       } else {
         const int64_t prow = static_cast<int64_t>(b.partial) + tok;

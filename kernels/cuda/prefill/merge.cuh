@@ -1,6 +1,6 @@
 // Merge pass of split prefill items: each MergeItem's num_chunks fp32 partial states (rows
-// partial + c * q_len + token, plan.h) fold, in chunk order c = 0, 1, ..., into the final O (Q's
-// dtype) and LSE. One warp per (token, query head); lanes stride over D_v.
+// partial + c * q_len + token, plan.h) fold, in chunk order c = 0, 1, ..., into the final O (in
+// O's dtype OT: Q's, or f32) and LSE. One warp per (token, query head); lanes stride over D_v.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,7 +13,7 @@ namespace flashkv::cuda::prefill_detail {
 
 constexpr int kMergeThreads = 256;
 
-template <typename QT>
+template <typename OT>
 __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int hq = p.num_qo_heads, dv = p.head_dim_v;
@@ -25,7 +25,7 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
     // p's merge state (merge_o / merge_lse) is one more state, folded after the chunks; it may
     // be the output row itself, so every lane reads it before any lane writes.
     const float prev_lse = p.merge_o ? p.merge_lse[row * hq + head] : neg_inf;
-    const QT* prev = p.merge_o ? static_cast<const QT*>(p.merge_o) + row * p.merge_stride_n +
+    const OT* prev = p.merge_o ? static_cast<const OT*>(p.merge_o) + row * p.merge_stride_n +
                                      head * p.merge_stride_h
                                : nullptr;
     // The weights, 1 / sum and the LSE: common/merge.cuh (the maximum first).
@@ -40,12 +40,12 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
       st.see(l);
       nan |= l != l;
     }
-    QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h;
+    OT* dst = static_cast<OT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h;
     __syncwarp();
     // No chunk saw a visible key (nor did the merge state). A NaN state (NaN in the KV) is not
     // empty: its weight is NaN, and so are O and LSE.
     if (st.max == neg_inf && !nan) {
-      for (int d = lane; d < dv; d += 32) dst[d] = QT(0.0f);
+      for (int d = lane; d < dv; d += 32) dst[d] = OT(0.0f);
       if (p.lse && lane == 0) p.lse[row * hq + head] = neg_inf;
       continue;
     }
@@ -60,7 +60,7 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
         acc += w * p.partial_o[(prow(c) * hq + head) * dv + d];
       }
       if (w_prev != 0.0f) acc += w_prev * static_cast<float>(prev[d]);
-      dst[d] = QT(acc * inv);
+      dst[d] = OT(acc * inv);
     }
     if (p.lse && lane == 0) p.lse[row * hq + head] = st.lse();
   }
@@ -71,7 +71,10 @@ __device__ void merge_one(const AttentionParams& p, const MergeItem& mi) {
 template <typename QT>
 __global__ void __launch_bounds__(kMergeThreads)
     merge_partials_kernel(const __grid_constant__ AttentionParams p) {
-  merge_one<QT>(p, p.merges[blockIdx.x]);
+  if (p.o_dtype == DType::f32)
+    merge_one<float>(p, p.merges[blockIdx.x]);
+  else
+    merge_one<QT>(p, p.merges[blockIdx.x]);
 }
 
 }  // namespace flashkv::cuda::prefill_detail

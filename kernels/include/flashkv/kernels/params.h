@@ -10,15 +10,17 @@
 namespace flashkv {
 
 struct AttentionParams {
-  // Q [num_qo_tokens, Hq, D_qk] and O [num_qo_tokens, Hq, D_v]; dtype f32/f16/bf16 (the same).
+  // Q [num_qo_tokens, Hq, D_qk] and O [num_qo_tokens, Hq, D_v]; Q f32/f16/bf16, O Q's dtype or
+  // f32 (fp32 outputs, e.g. partial states that a later merge_state combines without rounding).
   const void* q = nullptr;
   void* o = nullptr;
   DType q_dtype = DType::bf16;
+  DType o_dtype = DType::bf16;
   int64_t q_stride_n = 0, q_stride_h = 0;
   int64_t o_stride_n = 0, o_stride_h = 0;
   float* lse = nullptr;  // [num_qo_tokens, Hq] contiguous, base 2; null when not wanted
   // Prefill only: a state over a disjoint KV set that each final output row is merged with
-  // before it is written (AttentionOptions::merge_o). merge_o has q's dtype and O's shape;
+  // before it is written (AttentionOptions::merge_o). merge_o has O's dtype and shape;
   // merge_lse [num_qo_tokens, Hq] contiguous. Either may be the same memory as o / lse: a row is
   // read before it is written, by the same thread. Null: no merge.
   const void* merge_o = nullptr;
