@@ -6,13 +6,16 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
 
 #include "flashkv/backend/multi_step_draft.h"
 #include "flashkv/kvcache/req_to_token_pool.h"
+#include "flashkv/reference/compare.h"
 #include "json.h"
 #include "scheduler.h"
 #include "test_util.h"
@@ -158,6 +161,99 @@ TEST(ServeCp, BatchSlotsAreTheRanks) {
   fb.seq_lens_cpu = {3};
   backend.init_forward_metadata(fb);
   EXPECT_EQ(backend.cp_query_rows(), 1);
+}
+
+// Every forward mode through the backend's context-parallel path (one rank) against its ordinary
+// path over the same pool contents: the same outputs within the bf16 tolerance, and the same K/V
+// appended. Layer 0 is windowed, layer 1 full; the verify pass has a tree mask.
+TEST(ServeCp, BackendModesMatchTheOrdinaryPath) {
+  FLASHKV_SEEDED_RNG(rng, 2901);
+  constexpr int kHq = 4, kHkv = 2, kD = 64, kLayers = 2;
+  parallel::OneRankCommunicator comm;
+  BackendOptions o;
+  o.device = Device::cpu();
+  o.num_qo_heads = kHq;
+  o.num_kv_heads = kHkv;
+  o.head_dim_qk = kD;
+  o.sliding_window_size = 5;
+  FlashKVBackend plain(o);
+  o.cp_comm = &comm;
+  FlashKVBackend sharded(o);
+  KVPoolConfig pc;
+  pc.num_slots = 128;
+  pc.num_layers = kLayers;
+  pc.num_kv_heads = kHkv;
+  pc.head_dim_qk = kD;
+  KVPool pool_a(pc), pool_b(pc);
+  for (int l = 0; l < kLayers; ++l)
+    for (const KVPool* p : {&pool_a, &pool_b}) {
+      fill_normal(p->k(l), 11 + l);
+      fill_normal(p->v(l), 21 + l);
+    }
+  ReqToTokenPool r2t(4, 64);
+  std::vector<int32_t> free_slots;
+  for (int32_t s = 1; s <= 120; ++s) free_slots.push_back(s);
+  std::shuffle(free_slots.begin(), free_slots.end(), rng.gen());
+  Sequence seqs[2];
+  const int32_t lens[2] = {37, 20};
+  for (int i = 0; i < 2; ++i) {
+    seqs[i].row = (*r2t.alloc(1))[0];
+    append_tokens(
+        seqs[i],
+        std::vector<int32_t>(free_slots.begin() + 60 * i, free_slots.begin() + 60 * i + lens[i]),
+        r2t);
+  }
+  const std::vector<int32_t> tree = {-1, 0, 0, 1};
+  struct Case {
+    ForwardMode mode;
+    int32_t num_new[2];
+  };
+  for (const Case& c :
+       {Case{ForwardMode::EXTEND, {9, 20}}, Case{ForwardMode::DECODE, {1, 1}},
+        Case{ForwardMode::TARGET_VERIFY, {4, 4}}, Case{ForwardMode::DRAFT_EXTEND, {3, 2}}}) {
+    SCOPED_TRACE(mode_name(c.mode));
+    std::vector<BatchEntry> entries;
+    for (int i = 0; i < 2; ++i)
+      entries.push_back({&seqs[i], lens[i], c.num_new[i],
+                         c.mode == ForwardMode::TARGET_VERIFY ? tree : std::vector<int32_t>()});
+    StepBatch step(c.mode, entries, r2t, Device::cpu());
+    ForwardBatch& b = step.batch();
+    const int64_t T = step.num_tokens();
+    b.token_to_kv_pool = &pool_a;
+    plain.init_forward_metadata(b);
+    b.token_to_kv_pool = &pool_b;
+    sharded.init_forward_metadata(b);
+    ASSERT_EQ(sharded.cp_query_rows(), T);
+    for (int l = 0; l < kLayers; ++l) {
+      LayerSpec layer;
+      layer.layer_id = l;
+      layer.num_qo_heads = kHq;
+      layer.num_kv_heads = kHkv;
+      layer.head_dim_qk = kD;
+      if (l == 0) layer.sliding_window_size = 5;
+      const Tensor q = test::random_tensor(rng, {T, kHq, kD}, DType::bf16);
+      const Tensor k = test::random_tensor(rng, {T, kHkv, kD}, DType::bf16);
+      const Tensor v = test::random_tensor(rng, {T, kHkv, kD}, DType::bf16);
+      Tensor out_a = Tensor::empty({T, kHq * kD}, DType::bf16);
+      Tensor out_b = Tensor::empty({T, kHq * kD}, DType::bf16);
+      b.token_to_kv_pool = &pool_a;
+      plain.forward(q, k, v, layer, b, true, out_a);
+      b.token_to_kv_pool = &pool_b;
+      sharded.forward(q, k, v, layer, b, true, out_b);
+      double diff = 0, norm = 0;
+      for (int64_t e = 0; e < out_a.numel(); ++e) {
+        const double x = load_as_double(out_a.data(), DType::bf16, e);
+        const double y = load_as_double(out_b.data(), DType::bf16, e);
+        diff += (x - y) * (x - y);
+        norm += x * x;
+      }
+      EXPECT_LT(std::sqrt(diff / std::max(norm, 1e-30)), 1e-2) << "layer " << l;
+      EXPECT_EQ(std::memcmp(pool_a.k(l).data, pool_b.k(l).data, pool_a.k(l).nbytes()), 0)
+          << "layer " << l;
+      EXPECT_EQ(std::memcmp(pool_a.v(l).data, pool_b.v(l).data, pool_a.v(l).nbytes()), 0)
+          << "layer " << l;
+    }
+  }
 }
 
 // ---- the command line ----------------------------------------------------------------------
