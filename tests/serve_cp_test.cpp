@@ -299,6 +299,15 @@ TEST(ServeCp, CommandLineOneRank) {
   EXPECT_TRUE(j.find("invariants_ok")->boolean());
 }
 
+// soak --cp 1: the invariants after every step, the rank's share among them; speculative
+// decoding is off by default with --cp.
+TEST(ServeCp, SoakOneRank) {
+  const CliRun r = flashkv("soak --cp 1 --steps 150 --quiet");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("context par  1 ranks"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("speculative"), std::string::npos) << r.out;
+}
+
 // Each mistake is one line and exit code 2.
 TEST(ServeCp, CommandLineRefusals) {
   const std::pair<const char*, const char*> cases[] = {
@@ -309,6 +318,8 @@ TEST(ServeCp, CommandLineRefusals) {
       {"serve --cp 1 --workload spec", "speculative decoding is not supported with --cp"},
       {"serve --cp 1 --model t5-base", "models with cross attention"},
       {"serve --cp 0", "--cp"},
+      {"soak --cp 1 --speculative on", "speculative decoding is not supported with --cp"},
+      {"soak --cp-exchange all_to_all", "--cp-exchange needs --cp N"},
   };
   for (const auto& [args, message] : cases) {
     SCOPED_TRACE(args);

@@ -40,34 +40,6 @@ int64_t auto_kv_slots(const Workload& w, int max_running, int64_t max_slots) {
   return std::min(slots, std::max(max_slots, longest));
 }
 
-parallel::CpOptions cp_options_from_flags(const Args& args, const Workload& w, int ranks) {
-  parallel::CpOptions o;
-  const std::string& layout = args.get("--cp-layout");
-  if (layout == "interleaved") {
-    o.layout = parallel::CpLayout::interleaved;
-    o.block = args.get_int("--cp-interleave", 1, 1 << 30, 1);
-    if (args.given("--cp-block")) args.fail("--cp-block is for --cp-layout contiguous");
-  } else if (layout == "contiguous") {
-    o.layout = parallel::CpLayout::contiguous;
-    if (args.given("--cp-interleave")) args.fail("--cp-interleave is for --cp-layout interleaved");
-    int64_t longest = 1;
-    for (const RequestSpec& r : w.requests)
-      longest = std::max(longest, Scheduler::slots_needed(r, w.spec));
-    o.block =
-        args.get_int("--cp-block", 1, 1 << 30, static_cast<int>((longest + ranks - 1) / ranks));
-  } else {
-    args.fail(str_cat("--cp-layout ", layout, ": expected interleaved or contiguous"));
-  }
-  const std::string& exchange = args.get("--cp-exchange");
-  if (exchange == "all_gather")
-    o.exchange = parallel::CpExchange::all_gather;
-  else if (exchange == "all_to_all")
-    o.exchange = parallel::CpExchange::all_to_all;
-  else
-    args.fail(str_cat("--cp-exchange ", exchange, ": expected all_gather or all_to_all"));
-  return o;
-}
-
 // After a run with --cp: every rank's figures to every rank (each rank checked its own share and
 // its own outputs). A rank other than 0 prints its failures itself; rank 0's report counts them,
 // and every rank exits with the same status.
@@ -88,10 +60,8 @@ void gather_cp_results(CpSession& session, const parallel::CpOptions& o, const S
       std::fprintf(stderr, "flashkv serve: rank %d: invariant failed: %s\n", me, f.c_str());
   }
   report.ranks = session.size();
-  report.layout = o.layout == parallel::CpLayout::interleaved
-                      ? str_cat("interleaved in runs of ", o.block, " tokens")
-                      : str_cat("contiguous, ", o.block, " positions a rank");
-  report.exchange = o.exchange == parallel::CpExchange::all_gather ? "all_gather" : "all_to_all";
+  report.layout = cp_layout_str(o);
+  report.exchange = cp_exchange_str(o);
   report.checked.clear();
   report.peak_slots.clear();
   for (int r = 0; r < session.size(); ++r) {
@@ -125,21 +95,8 @@ int cmd_serve(int argc, char** argv) {
                 {"--token-budget", "N",
                  "new prompt and encoder tokens per extend pass (auto: 512 / 8192)", "auto"},
                 {"--max-running", "N", "requests in flight (auto: 16 / 256)", "auto"},
-                {"--quiet", "", "no progress line", ""},
-                {"--cp", "N",
-                 "context parallelism: shard each request's KV across N ranks (run under "
-                 "mpirun -np N; CPU; N = 1 runs the sharded path on one rank without MPI)",
-                 "off"},
-                {"--cp-layout", "interleaved|contiguous", "--cp: how positions go to the ranks",
-                 "interleaved"},
-                {"--cp-interleave", "K",
-                 "--cp-layout interleaved: positions t with (t / K) % N == r live on rank r", "1"},
-                {"--cp-block", "N",
-                 "--cp-layout contiguous: positions per rank, the last takes the rest (auto: the "
-                 "longest request split evenly)",
-                 "auto"},
-                {"--cp-exchange", "all_gather|all_to_all",
-                 "--cp: how the ranks exchange partial attention states", "all_gather"}});
+                {"--quiet", "", "no progress line", ""}});
+  for (FlagSpec& f : cp_flags()) flags.push_back(std::move(f));
   Args args(
       argc, argv, 2, "serve",
       "Serves a workload through FlashKVBackend: requests arrive over time with shared prompt\n"
@@ -149,15 +106,8 @@ int cmd_serve(int argc, char** argv) {
       "CPU and a Llama-3-8B-shaped one on a GPU. Exit code 1 when a check or an end-of-run\n"
       "invariant fails.",
       std::move(flags));
-  const int cp_ranks = args.get("--cp") == "off" ? 0 : args.get_int("--cp", 1, 1 << 16, 0);
-  for (const char* f : {"--cp-layout", "--cp-interleave", "--cp-block", "--cp-exchange"})
-    if (cp_ranks == 0 && args.given(f)) args.fail(str_cat(f, " needs --cp N"));
-  // Context parallelism serves on the CPU: --device auto picks it.
-  const Device device = cp_ranks > 0 && !args.given("--device") ? Device::cpu() : args.device();
-  if (cp_ranks > 0 && device.is_cuda())
-    args.fail(
-        "--cp: context parallelism serves on the CPU only for now (--device cpu); the GPU "
-        "path (NCCL bootstrapped through MPI) is not done");
+  const int cp_ranks = cp_ranks_from_flags(args);
+  const Device device = cp_ranks > 0 ? cp_device_from_flags(args) : args.device();
   const bool gpu = device.is_cuda();
   const uint64_t seed = static_cast<uint64_t>(args.get_int("--seed"));
   args.require_writable("--json");
@@ -189,7 +139,12 @@ int cmd_serve(int argc, char** argv) {
   }
 
   parallel::CpOptions cp_options;
-  if (cp_ranks > 0) cp_options = cp_options_from_flags(args, workload, cp_ranks);
+  if (cp_ranks > 0) {
+    int64_t longest = 1;
+    for (const RequestSpec& r : workload.requests)
+      longest = std::max(longest, Scheduler::slots_needed(r, workload.spec));
+    cp_options = cp_options_from_flags(args, cp_ranks, longest);
+  }
   // Every rank runs the same workload with the same seed; rank 0 writes the files and the report.
   std::unique_ptr<CpSession> session;
   if (cp_ranks > 0) {

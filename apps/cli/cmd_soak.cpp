@@ -4,9 +4,12 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <memory>
+#include <string>
 
 #include "args.h"
 #include "commands.h"
+#include "cp_session.h"
 #include "flashkv/core/error.h"
 #include "model_flags.h"
 #include "serve_report.h"
@@ -51,6 +54,11 @@ void print_summary(const SoakOptions& o, const SoakResult& r) {
   std::printf("reference    %lld layer outputs checked, worst rel error %.2e, %lld failures\n",
               static_cast<long long>(st.checked), st.worst_rel_error,
               static_cast<long long>(st.check_failures));
+  const CpConfig& cp = o.scheduler.cp;
+  if (cp.enabled())
+    std::printf("context par  %d ranks, KV %s, states by %s; every rank checks its share\n",
+                cp.comm->size(), cp_layout_str(cp.options).c_str(),
+                cp_exchange_str(cp.options).c_str());
   if (r.failure.empty())
     std::printf(
         "invariants   ok after every step: slot ownership, request rows, prefix cache, "
@@ -79,6 +87,7 @@ int cmd_soak(int argc, char** argv) {
                 {"--token-budget", "N", "new prompt and encoder tokens per extend pass", "256"},
                 {"--max-running", "N", "requests in flight", "16"},
                 {"--quiet", "", "no progress line", ""}});
+  for (FlagSpec& f : cp_flags()) flags.push_back(std::move(f));
   Args args(
       argc, argv, 2, "soak",
       "Runs a long random serving workload (bursts of arrivals and quiet spells, shared and\n"
@@ -91,7 +100,8 @@ int cmd_soak(int argc, char** argv) {
       "must end empty. Exit code 1 at the first violation, named with its step.",
       std::move(flags));
   SoakOptions o;
-  o.device = args.device();
+  const int cp_ranks = cp_ranks_from_flags(args);
+  o.device = cp_ranks > 0 ? cp_device_from_flags(args) : args.device();
   o.steps = args.get_int("--steps", 0, 1 << 30, 0);
   o.seed = static_cast<uint64_t>(args.get_int("--seed"));
   o.model = model_from_flags(args, o.device.is_cuda(), small, small);
@@ -101,11 +111,17 @@ int cmd_soak(int argc, char** argv) {
     args.fail("--speculative expects on or off, got '" + spec + "'");
   // The draft model is decoder-only: a model with cross attention runs without it unless
   // --speculative on asks for it, which is refused.
-  o.speculative = spec == "on" && !(o.model.encoder_decoder && !args.given("--speculative"));
+  // So is one with --cp.
+  o.speculative =
+      spec == "on" && !((o.model.encoder_decoder || cp_ranks > 0) && !args.given("--speculative"));
   if (o.speculative && o.model.encoder_decoder)
     args.fail(
         "--speculative on: speculative decoding needs a decoder-only model; this one has "
         "cross attention");
+  if (o.speculative && cp_ranks > 0)
+    args.fail("--speculative on: speculative decoding is not supported with --cp");
+  if (cp_ranks > 0 && o.model.encoder_decoder)
+    args.fail("--cp: models with cross attention (encoder-decoder) are not supported");
   o.check_every = args.get_int("--check-every", 0, 1 << 30, 0);
   o.flush_every = args.get_int("--flush-every", 1, 1 << 30, 0);
   o.scheduler.kv_slots = args.get_int("--kv-slots", 1, 1 << 30, 0);
@@ -118,12 +134,40 @@ int cmd_soak(int argc, char** argv) {
     args.fail(str_cat("--kv-slots ", o.scheduler.kv_slots, ": the soak's longest request needs ",
                       longest));
 
-  ProgressLine progress(stderr, isatty(fileno(stderr)) != 0, !args.flag("--quiet"));
-  const SoakResult r = run_soak(o, [&](const Progress& p) { progress.update(p); });
+  // With --cp every rank runs the same soak; rank 0 prints, a rank that fails stops them all.
+  std::unique_ptr<CpSession> session;
+  if (cp_ranks > 0) {
+    o.scheduler.cp.options = cp_options_from_flags(args, cp_ranks, longest);
+    std::string error;
+    session = CpSession::start(cp_ranks, error);
+    if (!session) args.fail(error);
+    o.scheduler.cp.comm = &session->comm();
+  }
+  const bool rank0 = !session || session->rank() == 0;
+  const bool group = session && session->size() > 1;
+  ProgressLine progress(stderr, isatty(fileno(stderr)) != 0, rank0 && !args.flag("--quiet"));
+  SoakResult r;
+  try {
+    r = run_soak(o, [&](const Progress& p) { progress.update(p); });
+  } catch (const std::exception& e) {
+    if (!group) throw;
+    std::fprintf(stderr, "flashkv soak: rank %d: %s\n", session->rank(), e.what());
+    std::fflush(stderr);
+    session->abort(1);
+  }
   progress.finish();
-  print_summary(o, r);
+  if (rank0) print_summary(o, r);
   if (!r.failure.empty()) {
-    std::fprintf(stderr, "flashkv soak: %s\n", r.failure.c_str());
+    if (session)
+      std::fprintf(stderr, "flashkv soak: rank %d: %s\n", session->rank(), r.failure.c_str());
+    else
+      std::fprintf(stderr, "flashkv soak: %s\n", r.failure.c_str());
+    // The other ranks may be waiting for this one in a collective.
+    if (group) {
+      std::fflush(stdout);
+      std::fflush(stderr);
+      session->abort(1);
+    }
     return 1;
   }
   return 0;

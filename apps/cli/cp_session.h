@@ -1,15 +1,34 @@
-// The process group of `flashkv serve --cp N`: with N > 1, MPI's world (the build must have found
-// MPI; the run is started by mpirun -np N), initialised here and finalized when the session ends;
-// with N = 1, one rank without MPI. Every rank then serves the same workload with its share of
-// the KV (docs/PARALLEL.md, "Serving").
+// The process group of `flashkv serve --cp N` (and soak): with N > 1, MPI's world (the build must
+// have found MPI; the run is started by mpirun -np N), initialised here and finalized when the
+// session ends; with N = 1, one rank without MPI. Every rank then serves the same workload with its
+// share of the KV (docs/PARALLEL.md, "Serving").
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
-#include "flashkv/parallel/communicator.h"
+#include "args.h"
+#include "flashkv/core/device.h"
+#include "flashkv/parallel/context_parallel.h"
 
 namespace flashkv::app {
+
+// The --cp flags of serve and soak: --cp N, --cp-layout, --cp-interleave, --cp-block,
+// --cp-exchange.
+std::vector<FlagSpec> cp_flags();
+// --cp N, or 0 when off (then any other --cp-* flag is refused, exit 2).
+int cp_ranks_from_flags(const Args& args);
+// The device with --cp: the CPU (--device auto picks it; --device cuda is refused, exit 2).
+Device cp_device_from_flags(const Args& args);
+// The layout and exchange; `longest`: the longest request in tokens (--cp-block auto splits it
+// evenly across the ranks).
+parallel::CpOptions cp_options_from_flags(const Args& args, int ranks, int64_t longest);
+// For reports: "interleaved in runs of 1 tokens" / "contiguous, 512 positions a rank", and
+// "all_gather" / "all_to_all".
+std::string cp_layout_str(const parallel::CpOptions& o);
+std::string cp_exchange_str(const parallel::CpOptions& o);
 
 class CpSession {
  public:
