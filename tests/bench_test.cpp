@@ -1,11 +1,16 @@
 // The benchmark harness: a tiny CPU run produces every field of the JSON contract with sane
-// values (no timing assertions), and the roofline loops run on every ISA this CPU has.
+// values (no timing assertions), the roofline loops run on every ISA this CPU has, the work
+// counts follow the masks, and the full grids hold the rows the performance issues ask for.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
+#include <set>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "attention_bench.h"
 #include "flashkv/core/error.h"
@@ -152,6 +157,170 @@ TEST(Bench, InOrderDecodeRunsAndReportsItsLayout) {
   EXPECT_NE(csv.find(",in_order,"), std::string::npos) << csv;
 }
 
+TEST(Bench, MaskedWorkCountsOnlyTheAllowedPairs) {
+  // Non-causal prefill 4 x 4096: every row sees all 4096 keys.
+  BenchCase p = prefill_case(4, 4096, Device::cpu());
+  p.causal = false;
+  EXPECT_DOUBLE_EQ(case_flops(p), 4.0 * 4 * 32 * 128 * 4096.0 * 4096);
+  EXPECT_DOUBLE_EQ(case_flops(p), 2 * case_flops(prefill_case(4, 4096, Device::cpu())) -
+                                      4.0 * 4 * 32 * 128 * 4096);  // causal + the diagonal
+  // A non-causal extend: the prefix plus all new tokens.
+  BenchCase e = extend_case(2, 100, 10, Device::cpu(), 4, 2, 64);
+  e.causal = false;
+  EXPECT_DOUBLE_EQ(case_flops(e), 2 * 4.0 * 4 * 64 * (10.0 * 100 + 10.0 * 10));
+  // Verify 64 x 8 drafts over 4096: each draft sees the prefix, itself and its ancestors in the
+  // binary tree 0 <- {1, 2}, 1 <- {3, 4}, 2 <- {5, 6}, 3 <- {7}: depths 1 2 2 3 3 3 3 4 (21).
+  const BenchCase v = verify_case(64, 4096, 8, Device::cpu());
+  EXPECT_EQ(v.op, BenchOp::verify);
+  EXPECT_EQ(v.qo_len, 8);
+  EXPECT_EQ(v.kv_len, 4104);
+  EXPECT_EQ(v.prefix_len(), 4096);
+  EXPECT_EQ(verify_tree_parent(0), -1);
+  EXPECT_EQ(verify_tree_parent(7), 3);
+  EXPECT_DOUBLE_EQ(case_flops(v), 64.0 * 4 * 32 * 128 * (8.0 * 4096 + 21));
+  const std::vector<uint8_t> m = verify_tree_mask(v);
+  ASSERT_EQ(m.size(), 8u * 4104);
+  for (int t = 0; t < 8; ++t) {
+    const uint8_t* row = m.data() + size_t(t) * 4104;
+    EXPECT_EQ(std::count(row, row + 4096, uint8_t{1}), 4096) << t;  // the whole prefix
+    EXPECT_EQ(row[4096 + t], 1) << t;                               // itself
+    EXPECT_EQ(row[4096], 1) << t;                                   // the root
+    for (int u = t + 1; u < 8; ++u) EXPECT_EQ(row[4096 + u], 0) << t << " " << u;  // no later
+  }
+  EXPECT_EQ(m[7 * 4104 + 4096 + 3], 1);  // 7's parent
+  EXPECT_EQ(m[7 * 4104 + 4096 + 2], 0);  // not its ancestor
+  // Bytes: the pool holds prefix + drafts; Q, O and the u8 mask once.
+  EXPECT_DOUBLE_EQ(case_bytes(v),
+                   64.0 * 4104 * 2 * 8 * 128 * 2 + 2.0 * 64 * 8 * 32 * 128 * 2 + 64.0 * 8 * 4104);
+  EXPECT_STREQ(v.layout_name(), "shuffled");
+  EXPECT_STREQ(v.mask_name(), "tree");
+  EXPECT_STREQ(p.mask_name(), "non-causal");
+  EXPECT_STREQ(prefill_case(1, 8, Device::cpu()).mask_name(), "causal");
+  EXPECT_STREQ(decode_case(1, 8, Device::cpu()).mask_name(), "none");
+  EXPECT_NE(p.str().find(" non-causal"), std::string::npos) << p.str();
+  EXPECT_NE(v.str().find("verify B=64 qo=8 kv=4104 "), std::string::npos) << v.str();
+  EXPECT_NE(v.str().find(" tree-mask"), std::string::npos) << v.str();
+}
+
+TEST(Bench, FullCudaGridHasTheIssue28Rows) {
+  // Built on any machine: the grid is a list of shapes, nothing runs.
+  const std::vector<BenchCase> grid = bench_grid("full", Device::cuda(0));
+  std::set<std::string> labels;
+  for (const BenchCase& c : grid) {
+    EXPECT_NO_THROW(validate_case(c)) << c.str();
+    EXPECT_TRUE(labels.insert(c.str()).second) << "two rows read " << c.str();
+    EXPECT_EQ(c.device, Device::cuda(0));
+    EXPECT_EQ(c.dtype, DType::bf16);
+  }
+  const auto count = [&](const std::function<bool(const BenchCase&)>& f) {
+    return std::count_if(grid.begin(), grid.end(), f);
+  };
+  const auto prefill_4x4096 = [](const BenchCase& c, int hq, int hkv, int d, bool causal) {
+    return c.op == BenchOp::prefill && c.batch == 4 && c.qo_len == 4096 && c.kv_len == 4096 &&
+           c.num_qo_heads == hq && c.num_kv_heads == hkv && c.head_dim == d && c.causal == causal;
+  };
+  EXPECT_EQ(count([&](const BenchCase& c) { return prefill_4x4096(c, 32, 8, 128, true); }), 1);
+  EXPECT_EQ(count([&](const BenchCase& c) { return prefill_4x4096(c, 32, 8, 128, false); }), 1);
+  EXPECT_EQ(count([&](const BenchCase& c) { return prefill_4x4096(c, 32, 32, 64, true); }), 1);
+  EXPECT_EQ(count([&](const BenchCase& c) { return prefill_4x4096(c, 16, 16, 256, true); }), 1);
+  for (const int page : {1, 16}) {
+    const auto extend = [page](const BenchCase& c, int b, int prefix, int n) {
+      return c.op == BenchOp::extend && c.batch == b && c.prefix_len() == prefix && c.qo_len == n &&
+             c.page_size == page && c.causal && c.kv_layout == KvLayout::shuffled &&
+             c.num_qo_heads == 32 && c.num_kv_heads == 8 && c.head_dim == 128;
+    };
+    EXPECT_EQ(count([&](const BenchCase& c) { return extend(c, 4, 3072, 1024); }), 1) << page;
+    EXPECT_EQ(count([&](const BenchCase& c) { return extend(c, 16, 4096, 256); }), 1) << page;
+  }
+  EXPECT_EQ(count([](const BenchCase& c) {
+              return c.op == BenchOp::verify && c.batch == 64 && c.qo_len == 8 &&
+                     c.prefix_len() == 4096 && c.page_size == 1 &&
+                     c.kv_layout == KvLayout::shuffled && c.num_qo_heads == 32 &&
+                     c.num_kv_heads == 8 && c.head_dim == 128;
+            }),
+            1);
+  // The CPU grids stay as they were: no verify, nothing non-causal.
+  for (const char* name : {"quick", "full"})
+    for (const BenchCase& c : bench_grid(name, Device::cpu())) {
+      EXPECT_NO_THROW(validate_case(c)) << c.str();
+      EXPECT_NE(c.op, BenchOp::verify) << name;
+      EXPECT_TRUE(c.causal) << name;
+    }
+  EXPECT_EQ(bench_grid("full", Device::cpu()).size(), 4u);
+}
+
+TEST(Bench, NewCaseKindsRunOnCpu) {
+  // Tiny versions of the issue-28 rows: non-causal prefill, head dims 64 and 256 (Hq == Hkv),
+  // extend on 16-token pages with a prefix that ends mid-page, verify with a tree mask.
+  const Roofline machine = measure_roofline(Device::cpu(), quick_roofline());
+  BenchCase full = prefill_case(1, 70, Device::cpu(), 4, 2, 64);
+  full.causal = false;
+  BenchCase paged = extend_case(2, 37, 21, Device::cpu(), 4, 2, 64);
+  paged.page_size = 16;
+  const std::vector<BenchCase> cases = {full, prefill_case(1, 40, Device::cpu(), 2, 2, 64),
+                                        prefill_case(1, 40, Device::cpu(), 2, 2, 256), paged,
+                                        verify_case(3, 45, 8, Device::cpu(), 4, 2, 64)};
+  const BenchReport report = run_cases(cases, machine, quick_timing());
+  ASSERT_EQ(report.cases.size(), cases.size());
+  for (const CaseResult& r : report.cases) {
+    EXPECT_GT(r.us, 0) << r.c.str();
+    EXPECT_GT(r.gbps, 0) << r.c.str();
+    EXPECT_GT(r.tflops, 0) << r.c.str();
+    EXPECT_GT(r.roofline_fraction, 0) << r.c.str();
+  }
+  const CaseResult& v = report.cases.back();
+  EXPECT_DOUBLE_EQ(v.roofline_fraction,
+                   std::max(v.gbps / machine.read_gbps, v.tflops * 1e3 / machine.matmul_gflops));
+  const std::string json = to_json(report), csv = to_csv(report);
+  EXPECT_NE(json.find("\"op\": \"verify\""), std::string::npos);
+  EXPECT_NE(json.find("\"mask\": \"tree\""), std::string::npos);
+  EXPECT_NE(json.find("\"mask\": \"non-causal\""), std::string::npos);
+  EXPECT_NE(json.find("\"page_size\": 16"), std::string::npos);
+  EXPECT_NE(json.find("\"plans\": []"), std::string::npos) << json;
+  EXPECT_NE(csv.find(",sinks,mask\n"), std::string::npos);
+  EXPECT_NE(csv.find(",tree\n"), std::string::npos) << csv;
+  std::ostringstream table;
+  print_table(table, report);
+  EXPECT_NE(table.str().find(" non-causal\n"), std::string::npos) << table.str();
+  EXPECT_NE(table.str().find(" tree-mask\n"), std::string::npos) << table.str();
+  EXPECT_NE(table.str().find("verify "), std::string::npos) << table.str();
+  // A verify case needs a prefix, and a masked case takes no window.
+  BenchCase bad = verify_case(1, 0, 4, Device::cpu());
+  EXPECT_THROW(validate_case(bad), Error);
+  bad = full;
+  bad.window_left = 8;
+  EXPECT_THROW(validate_case(bad), Error);
+}
+
+TEST(Bench, PlanGridTimesPrefillAndExtendPlansOf256Requests) {
+  const std::vector<PlanCase> grid = bench_plan_grid(device_info(Device::cpu()));
+  ASSERT_EQ(grid.size(), 2u);
+  EXPECT_EQ(grid[0].kind, PlanKind::prefill);
+  EXPECT_EQ(grid[1].kind, PlanKind::extend);
+  for (const PlanCase& c : grid) EXPECT_EQ(c.batch, 256);
+  std::vector<std::string> seen;
+  const std::vector<PlanResult> r =
+      run_plan_grid("quick", Device::cpu(), {PlanKind::extend},
+                    [&](const PlanResult& p) { seen.push_back(plan_kind_name(p.c.kind)); });
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(seen, std::vector<std::string>{"extend"});
+  EXPECT_GT(r[0].t.median_us, 0);
+  EXPECT_LE(r[0].t.min_us, r[0].t.median_us);
+  EXPECT_EQ(r[0].t.plans, 2);  // the ragged plan and the prefix plan
+  EXPECT_GE(r[0].t.items, 256);
+  BenchReport report;
+  report.plans = r;
+  const std::string json = to_json(report);
+  EXPECT_NE(json.find("{\"kind\": \"extend\", \"device\": \"cpu\", \"batch\": 256, "
+                      "\"max_new\": 64, \"max_prefix\": 4096"),
+            std::string::npos)
+      << json;
+  std::ostringstream line;
+  print_plan_row(line, r[0]);
+  EXPECT_EQ(line.str().rfind("plan (host) extend B=256 new=1..64 prefix=0..4096 on cpu: ", 0), 0u)
+      << line.str();
+}
+
 TEST(Bench, RejectsBadCasesAndNames) {
   const Roofline machine = measure_roofline(Device::cpu(), quick_roofline());
   BenchCase c = decode_case(1, 64, Device::cpu(), 4, 2, 64);
@@ -162,7 +331,8 @@ TEST(Bench, RejectsBadCasesAndNames) {
   c = decode_case(1, 64, Device::cuda(0), 4, 2, 64);
   EXPECT_THROW(run_case(c, machine, quick_timing()), Error);  // roofline is the CPU's
   EXPECT_THROW(bench_grid("huge", Device::cpu()), Error);
-  EXPECT_THROW(parse_op("verify"), Error);
+  EXPECT_THROW(parse_op("mixed"), Error);
+  EXPECT_THROW(run_plan_grid("huge", Device::cpu()), Error);
   EXPECT_THROW(app::write_text_file("/nonexistent-dir/x.json", "{}"), Error);
 }
 

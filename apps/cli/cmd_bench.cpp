@@ -18,9 +18,11 @@ int cmd_bench(int argc, char** argv) {
       argc, argv, 2, "bench",
       "Measures the machine's memory bandwidth and matrix rate, then times each attention case\n"
       "of a grid and reports its time, GB/s, TFLOP/s and fraction of the bound that applies\n"
-      "(bandwidth for decode, matrix rate for prefill and extend).",
+      "(bandwidth for decode, matrix rate for prefill and extend, the roofline at its\n"
+      "intensity for verify), then the planner's host time for prefill and extend batches of\n"
+      "256 requests.",
       {{"--device", "auto|cpu|cuda[:N]", "device to benchmark", "auto"},
-       {"--op", "all|decode|prefill|extend", "operators to time", "all"},
+       {"--op", "all|decode|prefill|extend|verify", "operators to time", "all"},
        {"--grid", "quick|full",
         "case grid: quick (seconds on a CPU) or full (the performance targets)", "quick"},
        {"--model", "NAME|list",
@@ -36,8 +38,8 @@ int cmd_bench(int argc, char** argv) {
         "auto"}});
   const Device device = args.device();
   const std::string& op = args.get("--op");
-  if (op != "all" && op != "decode" && op != "prefill" && op != "extend")
-    args.fail("--op expects all, decode, prefill or extend, got '" + op + "'");
+  if (op != "all" && op != "decode" && op != "prefill" && op != "extend" && op != "verify")
+    args.fail("--op expects all, decode, prefill, extend or verify, got '" + op + "'");
   const std::string& grid = args.get("--grid");
   if (grid != "quick" && grid != "full")
     args.fail("--grid expects quick or full, got '" + grid + "'");
@@ -85,6 +87,16 @@ int cmd_bench(int argc, char** argv) {
       bench::print_table_row(std::cout, r);
       std::cout.flush();
     });
+    // The grid's planner lines (not with --model: they are Llama-3-8B batches), for the ops
+    // that plan with plan_prefill on the host per batch.
+    std::vector<bench::PlanKind> kinds;
+    if (op == "all" || op == "prefill") kinds.push_back(bench::PlanKind::prefill);
+    if (op == "all" || op == "extend") kinds.push_back(bench::PlanKind::extend);
+    if (!preset && !kinds.empty())
+      report.plans = bench::run_plan_grid(grid, device, kinds, [](const bench::PlanResult& r) {
+        bench::print_plan_row(std::cout, r);
+        std::cout.flush();
+      });
   }
   if (!args.get("--json").empty()) write_text_file(args.get("--json"), bench::to_json(report));
   if (!args.get("--csv").empty()) write_text_file(args.get("--csv"), bench::to_csv(report));

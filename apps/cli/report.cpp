@@ -50,13 +50,27 @@ void print_table_row(std::ostream& os, const CaseResult& r) {
   if (c.window_left >= 0) os << " win=" << c.window_left;
   if (c.logit_cap > 0) os << " cap=" << c.logit_cap;
   if (c.sinks) os << " sinks";
+  // Masks other than the op's usual one: non-causal new tokens, verify's tree.
+  const std::string mask = c.mask_name();
+  if (mask == "non-causal") os << " non-causal";
+  if (mask == "tree") os << " tree-mask";
   os << "\n";
+}
+
+void print_plan_row(std::ostream& os, const PlanResult& r) {
+  const PlanCase& c = r.c;
+  os << "plan (host) " << plan_kind_name(c.kind) << " B=" << c.batch << " new=1.." << c.q_max
+     << (c.max_kv > 0 ? str_cat(" prefix=0..", c.max_kv) : std::string(" no prefix")) << " on "
+     << c.device.device.str() << ": " << fixed(r.t.median_us, 2) << " us median, "
+     << fixed(r.t.min_us, 2) << " us min (" << r.t.plans
+     << (r.t.plans == 1 ? " plan: " : " plans: ") << r.t.summary() << ")\n";
 }
 
 void print_table(std::ostream& os, const BenchReport& report) {
   print_machine(os, report.machine);
   print_table_header(os);
   for (const CaseResult& r : report.cases) print_table_row(os, r);
+  for (const PlanResult& r : report.plans) print_plan_row(os, r);
 }
 
 std::string to_json(const BenchReport& report) {
@@ -87,9 +101,21 @@ std::string to_json(const BenchReport& report) {
        << ", \"roofline_fraction\": " << json_number(r.roofline_fraction)
        << ", \"runs\": " << r.runs << ", \"cuda_graph\": " << (r.cuda_graph ? "true" : "false")
        << ", \"window_left\": " << c.window_left << ", \"logit_cap\": " << json_number(c.logit_cap)
-       << ", \"sinks\": " << (c.sinks ? "true" : "false") << "}";
+       << ", \"sinks\": " << (c.sinks ? "true" : "false")
+       << ", \"mask\": " << json_string(c.mask_name()) << "}";
   }
-  os << (report.cases.empty() ? "]\n}\n" : "\n  ]\n}\n");
+  os << (report.cases.empty() ? "]" : "\n  ]") << ",\n  \"plans\": [";
+  for (size_t i = 0; i < report.plans.size(); ++i) {
+    const PlanResult& r = report.plans[i];
+    os << (i ? ",\n" : "\n") << "    {\"kind\": " << json_string(plan_kind_name(r.c.kind))
+       << ", \"device\": " << json_string(r.c.device.device.str()) << ", \"batch\": " << r.c.batch
+       << ", \"max_new\": " << r.c.q_max << ", \"max_prefix\": " << r.c.max_kv
+       << ", \"median_us\": " << json_number(r.t.median_us)
+       << ", \"min_us\": " << json_number(r.t.min_us) << ", \"plans\": " << r.t.plans
+       << ", \"items\": " << r.t.items << ", \"merges\": " << r.t.merges
+       << ", \"workers\": " << r.t.workers << "}";
+  }
+  os << (report.plans.empty() ? "]\n}\n" : "\n  ]\n}\n");
   return os.str();
 }
 
@@ -97,7 +123,7 @@ std::string to_csv(const BenchReport& report) {
   std::ostringstream os;
   os << "op,device,batch,qo_len,kv_len,prefix_len,num_qo_heads,num_kv_heads,head_dim,page_size,"
         "kv_layout,dtype,kv_dtype,us,gbps,tflops,roofline_fraction,runs,cuda_graph,window_left,"
-        "logit_cap,sinks\n";
+        "logit_cap,sinks,mask\n";
   for (const CaseResult& r : report.cases) {
     const BenchCase& c = r.c;
     os << op_name(c.op) << ',' << c.device.str() << ',' << c.batch << ',' << c.qo_len << ','
@@ -106,7 +132,7 @@ std::string to_csv(const BenchReport& report) {
        << ',' << dtype_name(c.kv_dtype) << ',' << json_number(r.us) << ',' << json_number(r.gbps)
        << ',' << json_number(r.tflops) << ',' << json_number(r.roofline_fraction) << ',' << r.runs
        << ',' << (r.cuda_graph ? 1 : 0) << ',' << c.window_left << ',' << json_number(c.logit_cap)
-       << ',' << (c.sinks ? 1 : 0) << '\n';
+       << ',' << (c.sinks ? 1 : 0) << ',' << c.mask_name() << '\n';
   }
   return os.str();
 }

@@ -45,6 +45,8 @@ const char* op_colour(bench::BenchOp op) {
       return "#d62728";
     case bench::BenchOp::extend:
       return "#2ca02c";
+    case bench::BenchOp::verify:
+      return "#9467bd";
   }
   return "#000000";
 }
@@ -141,8 +143,8 @@ std::string roofline_svg(const bench::BenchReport& report) {
   }
   // Legend.
   double ly = f.top + 10;
-  for (bench::BenchOp op :
-       {bench::BenchOp::decode, bench::BenchOp::prefill, bench::BenchOp::extend}) {
+  for (bench::BenchOp op : {bench::BenchOp::decode, bench::BenchOp::prefill, bench::BenchOp::extend,
+                            bench::BenchOp::verify}) {
     os << "<circle cx=\"" << f.right + 24 << "\" cy=\"" << ly << "\" r=\"5\" fill=\""
        << op_colour(op) << "\"/><text x=\"" << f.right + 36 << "\" y=\"" << ly + 4 << "\">"
        << bench::op_name(op) << "</text>\n";

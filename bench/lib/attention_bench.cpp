@@ -75,6 +75,8 @@ struct CaseState {
   Tensor new_k, new_v, qo_indptr, new_kv_indptr;
   // extend: the ragged pass's LSE (its output is `out`, which the paged pass merges into).
   Tensor lse_new;
+  // verify: the tree mask of every request (u8, request after request) and its offsets.
+  Tensor mask, mask_indptr;
   Tensor sinks;  // f32 [num_qo_heads] (BenchCase::sinks)
   DecodePlan decode_plan;
   PrefillPlan ragged_plan, paged_plan;
@@ -124,26 +126,6 @@ BatchShape batch_shape(const BenchCase& c, const std::vector<int32_t>* qo_indptr
   return bs;
 }
 
-void validate(const BenchCase& c) {
-  FLASHKV_CHECK(c.batch >= 1, "batch: expected >= 1, got ", c.batch);
-  FLASHKV_CHECK(c.qo_len >= 1, "qo_len: expected >= 1, got ", c.qo_len);
-  FLASHKV_CHECK(c.kv_len >= c.qo_len, "kv_len: expected >= qo_len (", c.qo_len, "), got ",
-                c.kv_len);
-  FLASHKV_CHECK(c.op != BenchOp::decode || c.qo_len == 1, "qo_len: decode expects 1, got ",
-                c.qo_len);
-  FLASHKV_CHECK(c.op != BenchOp::prefill || c.qo_len == c.kv_len,
-                "kv_len: prefill expects kv_len == qo_len (", c.qo_len, "), got ", c.kv_len);
-  FLASHKV_CHECK(c.num_kv_heads >= 1 && c.num_qo_heads >= 1 && c.num_qo_heads % c.num_kv_heads == 0,
-                "num_qo_heads/num_kv_heads: expected a positive multiple, got ", c.num_qo_heads,
-                "/", c.num_kv_heads);
-  FLASHKV_CHECK(c.head_dim >= 1, "head_dim: expected >= 1, got ", c.head_dim);
-  FLASHKV_CHECK(c.page_size >= 1, "page_size: expected >= 1, got ", c.page_size);
-  FLASHKV_CHECK(is_float(c.dtype) && !is_fp8(c.dtype), "dtype: expected f32/f16/bf16, got ",
-                dtype_name(c.dtype));
-  FLASHKV_CHECK(c.kv_dtype == c.dtype || is_fp8(c.kv_dtype), "kv_dtype: expected ",
-                dtype_name(c.dtype), " or fp8, got ", dtype_name(c.kv_dtype));
-}
-
 // Builds the inputs, plans and uploads; returns the function one timed run calls.
 std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, CaseState& s) {
   s.device = c.device;
@@ -154,7 +136,8 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
   s.q = s.random({rows, c.num_qo_heads, c.head_dim}, c.dtype);
   s.out = s.empty({rows, c.num_qo_heads, c.head_dim}, c.dtype);
   const PlanOptions po;
-  AttentionOptions causal;  // causal, the case's window and soft cap
+  AttentionOptions causal;  // the new tokens' own pass: causal (unless the case is not), window
+  causal.causal = c.causal;
   causal.window_left = c.window_left;
   causal.logits_soft_cap = c.logit_cap;
   AttentionOptions non_causal;
@@ -164,6 +147,41 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
   // The pass that writes a row's final result takes the sinks (once per row).
   AttentionOptions final_causal = causal;
   if (c.sinks) final_causal.sinks = s.sinks;
+
+  if (c.op == BenchOp::verify) {
+    // As the backend runs TARGET_VERIFY: the draft tokens' K/V are already in the pool (appended
+    // before attention), and one non-causal paged pass over prefix + drafts applies the tree mask
+    // (planned non-causal: a custom mask replaces causal).
+    s.make_pool(c, c.kv_len);
+    const int64_t mask_size = int64_t{c.qo_len} * c.kv_len;
+    FLASHKV_CHECK(mask_size * c.batch <= INT32_MAX, "verify: the tree mask has more than 2^31 - 1 ",
+                  "entries (batch ", c.batch, " x ", c.qo_len, " x ", c.kv_len, ")");
+    std::vector<int32_t> qo(c.batch + 1), mask_offsets(c.batch + 1);
+    for (int i = 0; i <= c.batch; ++i) {
+      qo[i] = i * c.qo_len;
+      mask_offsets[i] = static_cast<int32_t>(i * mask_size);
+    }
+    const std::vector<uint8_t> one = verify_tree_mask(c);
+    Tensor mask = Tensor::empty({int64_t{c.batch} * c.qo_len * c.kv_len}, DType::u8);
+    for (int i = 0; i < c.batch; ++i)
+      std::copy(one.begin(), one.end(), mask.ptr<uint8_t>() + mask_offsets[i]);
+    s.mask = c.device.is_cpu() ? mask : mask.to(c.device);
+    s.mask_indptr = s.ints(mask_offsets);
+    s.qo_indptr = s.ints(qo);
+    const std::vector<int32_t> lens(c.batch, c.kv_len);
+    s.paged_plan = plan_prefill(batch_shape(c, &qo, lens, false, c.page_size), info, po);
+    s.paged_ws.reserve(s.paged_plan.layout.total_bytes, c.device);
+    s.paged_ws.upload(s.paged_plan);
+    synchronize(c.device);
+    AttentionOptions tree = final_causal;
+    tree.causal = false;
+    tree.custom_mask = s.mask;
+    tree.mask_indptr = s.mask_indptr;
+    return [&s, tree](Stream st) {
+      paged_prefill(s.paged_plan, s.q, s.qo_indptr, s.paged, tree, s.out, TensorView(), s.paged_ws,
+                    st);
+    };
+  }
 
   if (c.op == BenchOp::decode) {
     s.make_pool(c, c.kv_len);
@@ -177,7 +195,7 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
     };
   }
 
-  // prefill and extend: the new tokens attend causally to themselves.
+  // prefill and extend: the new tokens attend to themselves (causally unless c.causal is false).
   std::vector<int32_t> qo(c.batch + 1);
   for (int i = 0; i <= c.batch; ++i) qo[i] = i * c.qo_len;
   const std::vector<int32_t> new_lens(c.batch, c.qo_len);
@@ -185,7 +203,7 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
   s.new_kv_indptr = s.qo_indptr;
   s.new_k = s.random({rows, c.num_kv_heads, c.head_dim}, c.dtype);
   s.new_v = s.random({rows, c.num_kv_heads, c.head_dim}, c.dtype);
-  s.ragged_plan = plan_prefill(batch_shape(c, &qo, new_lens, true, 1), info, po);
+  s.ragged_plan = plan_prefill(batch_shape(c, &qo, new_lens, c.causal, 1), info, po);
   s.ragged_ws.reserve(s.ragged_plan.layout.total_bytes, c.device);
   s.ragged_ws.upload(s.ragged_plan);
   if (c.op == BenchOp::prefill || c.prefix_len() == 0) {
@@ -252,6 +270,8 @@ const char* op_name(BenchOp op) {
       return "prefill";
     case BenchOp::extend:
       return "extend";
+    case BenchOp::verify:
+      return "verify";
   }
   return "?";
 }
@@ -260,7 +280,8 @@ BenchOp parse_op(const std::string& name) {
   if (name == "decode") return BenchOp::decode;
   if (name == "prefill") return BenchOp::prefill;
   if (name == "extend") return BenchOp::extend;
-  throw_error(str_cat("op: expected decode, prefill or extend, got '", name, "'"));
+  if (name == "verify") return BenchOp::verify;
+  throw_error(str_cat("op: expected decode, prefill, extend or verify, got '", name, "'"));
 }
 
 const char* kv_layout_name(KvLayout layout) {
@@ -271,13 +292,28 @@ const char* BenchCase::layout_name() const {
   return reads_pool() ? kv_layout_name(kv_layout) : "none";
 }
 
+const char* BenchCase::mask_name() const {
+  switch (op) {
+    case BenchOp::decode:
+      return "none";
+    case BenchOp::verify:
+      return "tree";
+    case BenchOp::prefill:
+    case BenchOp::extend:
+      break;
+  }
+  return causal ? "causal" : "non-causal";
+}
+
 std::string BenchCase::str() const {
   return str_cat(op_name(op), " B=", batch, " qo=", qo_len, " kv=", kv_len, " ", num_qo_heads, "/",
                  num_kv_heads, "/", head_dim, " P=", page_size, " ", layout_name(), " ",
                  dtype_name(dtype), "/", dtype_name(kv_dtype), " ", device.str(),
                  window_left >= 0 ? str_cat(" win=", window_left) : std::string(),
-                 logit_cap > 0 ? str_cat(" cap=", logit_cap) : std::string(),
-                 sinks ? " sinks" : "");
+                 logit_cap > 0 ? str_cat(" cap=", logit_cap) : std::string(), sinks ? " sinks" : "",
+                 op == BenchOp::verify              ? " tree-mask"
+                 : !causal && op != BenchOp::decode ? " non-causal"
+                                                    : "");
 }
 
 BenchCase decode_case(int batch, int kv_len, Device device, int hq, int hkv, int d, DType kv_dtype,
@@ -311,31 +347,92 @@ BenchCase extend_case(int batch, int prefix_len, int new_len, Device device, int
   return c;
 }
 
-double case_flops(const BenchCase& c) {
-  const double n = c.qo_len, prefix = c.prefix_len();
-  // The new rows' causal part: row q sees q + 1 new tokens, at most w + 1 with a window.
-  double causal = n * (n + 1) / 2;
-  if (c.window_left >= 0 && n > c.window_left + 1) {
-    const double w1 = c.window_left + 1.0;
-    causal = w1 * (w1 + 1) / 2 + (n - w1) * w1;
+BenchCase verify_case(int batch, int prefix_len, int drafts, Device device, int hq, int hkv,
+                      int d) {
+  BenchCase c = extend_case(batch, prefix_len, drafts, device, hq, hkv, d);
+  c.op = BenchOp::verify;
+  return c;
+}
+
+int verify_tree_parent(int t) { return t <= 0 ? -1 : (t - 1) / 2; }
+
+std::vector<uint8_t> verify_tree_mask(const BenchCase& c) {
+  const int n = c.qo_len, kv = c.kv_len, prefix = c.prefix_len();
+  std::vector<uint8_t> m(size_t(n) * size_t(kv), 0);
+  for (int t = 0; t < n; ++t) {
+    uint8_t* row = m.data() + size_t(t) * size_t(kv);
+    std::fill(row, row + prefix, uint8_t{1});
+    for (int a = t; a >= 0; a = verify_tree_parent(a)) row[prefix + a] = 1;
   }
-  return double(c.batch) * 4.0 * c.num_qo_heads * c.head_dim * (n * prefix + causal);
+  return m;
+}
+
+double case_flops(const BenchCase& c) {
+  // Each allowed (query row, key) pair costs 2 * D FLOPs in QK^T and 2 * D in PV, per query
+  // head. Pairs a mask hides are not counted, whether or not a kernel computes them: they are
+  // not useful work, so the rate says how fast the case's own work was done.
+  const double per_pair = 4.0 * c.num_qo_heads * c.head_dim;
+  const double n = c.qo_len, prefix = c.prefix_len();
+  if (c.op == BenchOp::verify) {
+    // The ones of the tree mask: the whole prefix for each draft, plus its ancestors and itself.
+    const std::vector<uint8_t> m = verify_tree_mask(c);
+    const double pairs = double(std::count(m.begin(), m.end(), uint8_t{1}));
+    return double(c.batch) * per_pair * pairs;
+  }
+  if (c.op == BenchOp::decode) return double(c.batch) * per_pair * c.kv_len;
+  // prefill and extend: every new row sees the whole prefix; among the new tokens, non-causal
+  // rows see all n, causal row q sees q + 1 (sum n (n + 1) / 2), at most w + 1 with a window.
+  double own = c.causal ? n * (n + 1) / 2 : n * n;
+  if (c.causal && c.window_left >= 0 && n > c.window_left + 1) {
+    const double w1 = c.window_left + 1.0;
+    own = w1 * (w1 + 1) / 2 + (n - w1) * w1;
+  }
+  return double(c.batch) * per_pair * (n * prefix + own);
 }
 
 double case_bytes(const BenchCase& c) {
   const double row = double(c.batch) * c.qo_len;
   const double qo_bytes = 2.0 * row * c.num_qo_heads * c.head_dim * dtype_size(c.dtype);
   const double kv_row = 2.0 * c.num_kv_heads * c.head_dim;  // K and V of one token
-  const double paged_tokens = c.op == BenchOp::decode   ? double(c.batch) * c.kv_len
+  // Verify's drafts are in the pool (kv_len tokens a request, all paged), and it reads its u8
+  // tree mask, [qo_len, kv_len] a request.
+  const bool all_paged = c.op == BenchOp::decode || c.op == BenchOp::verify;
+  const double paged_tokens = all_paged                 ? double(c.batch) * c.kv_len
                               : c.op == BenchOp::extend ? double(c.batch) * c.prefix_len()
                                                         : 0.0;
-  const double new_tokens = c.op == BenchOp::decode ? 0.0 : row;
-  return qo_bytes +
+  const double new_tokens = all_paged ? 0.0 : row;
+  const double mask_bytes = c.op == BenchOp::verify ? row * c.kv_len : 0.0;
+  return qo_bytes + mask_bytes +
          kv_row * (paged_tokens * dtype_size(c.kv_dtype) + new_tokens * dtype_size(c.dtype));
 }
 
+void validate_case(const BenchCase& c) {
+  FLASHKV_CHECK(c.batch >= 1, "batch: expected >= 1, got ", c.batch);
+  FLASHKV_CHECK(c.qo_len >= 1, "qo_len: expected >= 1, got ", c.qo_len);
+  FLASHKV_CHECK(c.kv_len >= c.qo_len, "kv_len: expected >= qo_len (", c.qo_len, "), got ",
+                c.kv_len);
+  FLASHKV_CHECK(c.op != BenchOp::decode || c.qo_len == 1, "qo_len: decode expects 1, got ",
+                c.qo_len);
+  FLASHKV_CHECK(c.op != BenchOp::prefill || c.qo_len == c.kv_len,
+                "kv_len: prefill expects kv_len == qo_len (", c.qo_len, "), got ", c.kv_len);
+  FLASHKV_CHECK(c.op != BenchOp::verify || c.prefix_len() >= 1,
+                "kv_len: verify expects a prefix (kv_len > qo_len ", c.qo_len, "), got ", c.kv_len);
+  // The FLOP count of a non-causal case has no window term; a verify case's mask is its tree.
+  FLASHKV_CHECK(c.window_left < 0 || (c.causal && c.op != BenchOp::verify),
+                "window_left: a non-causal or verify case takes no window, got ", c.window_left);
+  FLASHKV_CHECK(c.num_kv_heads >= 1 && c.num_qo_heads >= 1 && c.num_qo_heads % c.num_kv_heads == 0,
+                "num_qo_heads/num_kv_heads: expected a positive multiple, got ", c.num_qo_heads,
+                "/", c.num_kv_heads);
+  FLASHKV_CHECK(c.head_dim >= 1, "head_dim: expected >= 1, got ", c.head_dim);
+  FLASHKV_CHECK(c.page_size >= 1, "page_size: expected >= 1, got ", c.page_size);
+  FLASHKV_CHECK(is_float(c.dtype) && !is_fp8(c.dtype), "dtype: expected f32/f16/bf16, got ",
+                dtype_name(c.dtype));
+  FLASHKV_CHECK(c.kv_dtype == c.dtype || is_fp8(c.kv_dtype), "kv_dtype: expected ",
+                dtype_name(c.dtype), " or fp8, got ", dtype_name(c.kv_dtype));
+}
+
 CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOptions& o) {
-  validate(c);
+  validate_case(c);
   FLASHKV_CHECK(c.device == machine.device, "device: case on ", c.device.str(),
                 ", roofline measured on ", machine.device.str());
   FLASHKV_CHECK(o.min_runs >= 1 && o.max_runs >= o.min_runs && o.warmup >= 0,
@@ -360,10 +457,11 @@ CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOpti
   r.cuda_graph = t.cuda_graph;
   r.gbps = case_bytes(c) / (r.us * 1e-6) / 1e9;
   r.tflops = case_flops(c) / (r.us * 1e-6) / 1e12;
-  r.roofline_fraction =
-      c.op == BenchOp::decode
-          ? (machine.read_gbps > 0 ? r.gbps / machine.read_gbps : 0)
-          : (machine.matmul_gflops > 0 ? r.tflops * 1e3 / machine.matmul_gflops : 0);
+  const double of_bandwidth = machine.read_gbps > 0 ? r.gbps / machine.read_gbps : 0;
+  const double of_matmul = machine.matmul_gflops > 0 ? r.tflops * 1e3 / machine.matmul_gflops : 0;
+  r.roofline_fraction = c.op == BenchOp::decode   ? of_bandwidth
+                        : c.op == BenchOp::verify ? std::max(of_bandwidth, of_matmul)
+                                                  : of_matmul;
   return r;
 }
 
@@ -444,9 +542,37 @@ std::vector<BenchCase> bench_grid(const std::string& name, Device device) {
   g.push_back(prefill_case(1, 8192, device));
   g.push_back(prefill_case(4, 4096, device));
   g.push_back(prefill_case(1, 16384, device));
+  // Issue 28: prefill 4 x 4096 non-causal, and causal at head dims 64 (32/32) and 256 (16/16).
+  BenchCase full = prefill_case(4, 4096, device);
+  full.causal = false;
+  g.push_back(full);
+  g.push_back(prefill_case(4, 4096, device, 32, 32, 64));
+  g.push_back(prefill_case(4, 4096, device, 16, 16, 256));
   g.push_back(extend_case(4, 3072, 1024, device));
   g.push_back(extend_case(16, 4096, 256, device));
+  // Issue 28: the same extends on a pool of 16-token pages, then a TARGET_VERIFY: 64 requests of
+  // 8 draft tokens in a tree over a 4096-token prefix.
+  for (BenchCase e : {extend_case(4, 3072, 1024, device), extend_case(16, 4096, 256, device)}) {
+    e.page_size = 16;
+    g.push_back(e);
+  }
+  g.push_back(verify_case(64, 4096, 8, device));
   return g;
+}
+
+std::vector<PlanResult> run_plan_grid(const std::string& name, Device device,
+                                      const std::vector<PlanKind>& kinds,
+                                      const std::function<void(const PlanResult&)>& on_result) {
+  FLASHKV_CHECK(name == "quick" || name == "full", "grid: expected quick or full, got '", name,
+                "'");
+  const bool quick = name == "quick";
+  std::vector<PlanResult> out;
+  for (const PlanCase& c : bench_plan_grid(device_info(device))) {
+    if (!kinds.empty() && std::find(kinds.begin(), kinds.end(), c.kind) == kinds.end()) continue;
+    out.push_back({c, time_plan(c, quick ? 200 : 2000, quick ? 5 : 15)});
+    if (on_result) on_result(out.back());
+  }
+  return out;
 }
 
 }  // namespace flashkv::bench

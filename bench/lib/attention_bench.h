@@ -11,17 +11,23 @@
 
 #include "flashkv/core/device.h"
 #include "flashkv/core/dtype.h"
+#include "plan_timing.h"
 #include "roofline.h"
 
 namespace flashkv::bench {
 
 // decode: paged_decode, one query per request over its paged KV.
-// prefill: ragged_prefill, causal, new tokens only (no cached prefix).
+// prefill: ragged_prefill, new tokens only (no cached prefix); causal unless BenchCase::causal
+//   is false.
 // extend: ragged causal prefill over the new tokens + non-causal paged_prefill over the cached
 //   prefix + merge_state (docs/SEMANTICS.md); with no prefix, the ragged kernel alone.
-enum class BenchOp { decode, prefill, extend };
+// verify: SGLang's TARGET_VERIFY (EAGLE) as the backend runs it: one paged_prefill over each
+//   request's prefix and its qo_len draft tokens (whose K/V are already in the pool) with a tree
+//   custom mask: every draft token sees the whole prefix and, among the drafts, itself and its
+//   ancestors in the draft tree (verify_tree_parent).
+enum class BenchOp { decode, prefill, extend, verify };
 const char* op_name(BenchOp op);
-BenchOp parse_op(const std::string& name);  // "decode" | "prefill" | "extend"
+BenchOp parse_op(const std::string& name);  // "decode" | "prefill" | "extend" | "verify"
 
 // Where a request's pages lie in the paged pool. in_order: request r holds pages
 // [r * pages_per_request, (r + 1) * pages_per_request) in order, as an allocator hands out a fresh
@@ -51,15 +57,23 @@ struct BenchCase {
   // Attention sinks (random f32 [num_qo_heads] logits), added where the backend adds them: the
   // decode, the prefill, or an extend's prefix pass (the one that writes the merged rows).
   bool sinks = false;
+  // prefill and extend: whether the new tokens attend to each other causally (false: each new
+  // token sees all of them, as an encoder's prefill). Decode and verify ignore it.
+  bool causal = true;
 
   int prefix_len() const { return kv_len - qo_len; }
-  // Decode, and extend with a cached prefix, read a paged pool; prefill does not.
+  // Decode, verify, and extend with a cached prefix, read a paged pool; prefill does not.
   bool reads_pool() const {
-    return op == BenchOp::decode || (op == BenchOp::extend && prefix_len() > 0);
+    return op == BenchOp::decode || op == BenchOp::verify ||
+           (op == BenchOp::extend && prefix_len() > 0);
   }
   // kv_layout_name(kv_layout), or "none" when the case reads no paged pool.
   const char* layout_name() const;
-  // e.g. "decode B=16 qo=1 kv=4096 32/8/128 P=1 shuffled bf16/bf16 cpu"
+  // The mask among the query rows' own tokens: "causal", "non-causal" (prefill / extend with
+  // causal false), "tree" (verify) or "none" (decode: one row, the last position).
+  const char* mask_name() const;
+  // e.g. "decode B=16 qo=1 kv=4096 32/8/128 P=1 shuffled bf16/bf16 cpu"; a non-causal case ends
+  // in " non-causal", a verify case in " tree-mask".
   std::string str() const;
 };
 
@@ -69,12 +83,26 @@ BenchCase decode_case(int batch, int kv_len, Device device, int hq = 32, int hkv
 BenchCase prefill_case(int batch, int len, Device device, int hq = 32, int hkv = 8, int d = 128);
 BenchCase extend_case(int batch, int prefix_len, int new_len, Device device, int hq = 32,
                       int hkv = 8, int d = 128);
+// `batch` requests of `drafts` draft tokens over a `prefix_len`-token prefix (op verify).
+BenchCase verify_case(int batch, int prefix_len, int drafts, Device device, int hq = 32,
+                      int hkv = 8, int d = 128);
 
-// Work of a case: FLOPs are 4 * Hq * D * (new * prefix + new * (new + 1) / 2) per request (QK^T
-// and PV over the causally visible entries; decode: 4 * Hq * D * kv_len); bytes are the minimum
-// traffic: Q and O once, every K/V entry once (at its dtype).
+// The verify case's draft tree: a complete binary tree in breadth-first order (EAGLE's tree
+// with top-k 2), draft t's parent is (t - 1) / 2, draft 0 (the root) has none (-1).
+int verify_tree_parent(int t);
+// One request's tree mask of a verify case: u8 [qo_len, kv_len] row-major (the layout of
+// AttentionOptions::custom_mask), every request of the case has the same one.
+std::vector<uint8_t> verify_tree_mask(const BenchCase& c);
+
+// Work of a case. FLOPs are 4 * Hq * D per (query row, visible key) pair (QK^T and PV), summed
+// over the pairs the case's mask allows: decode kv_len per request; prefill and extend
+// new * prefix + new * (new + 1) / 2 (causal; a window caps each row at window_left + 1 new
+// keys) or new * prefix + new * new (non-causal); verify the ones of its tree mask. Bytes are
+// the minimum traffic: Q and O once, every K/V entry once (at its dtype), verify's mask once.
 double case_flops(const BenchCase& c);
 double case_bytes(const BenchCase& c);
+// Throws flashkv::Error naming the first field a case gets wrong (run_case checks this first).
+void validate_case(const BenchCase& c);
 
 struct CaseResult {
   BenchCase c;
@@ -82,15 +110,24 @@ struct CaseResult {
   double gbps = 0;    // case_bytes / time
   double tflops = 0;  // case_flops / time
   // Against the bound that applies: decode gbps / read_gbps; prefill and extend
-  // matmul rate / matmul_gflops.
+  // matmul rate / matmul_gflops; verify (a few query rows per request over a long paged KV,
+  // which may sit on either side of the ridge) the roofline at its arithmetic intensity, i.e.
+  // the larger of the two fractions.
   double roofline_fraction = 0;
   int runs = 0;             // timed runs (CUDA: total runs over all graph replays)
   bool cuda_graph = false;  // CUDA: timed as CUDA-graph replays
 };
 
+// The planner's host time for one PlanCase (run_plan_grid).
+struct PlanResult {
+  PlanCase c;
+  PlanTiming t;
+};
+
 struct BenchReport {
   Roofline machine;
   std::vector<CaseResult> cases;
+  std::vector<PlanResult> plans;  // run_plan_grid's, when the run timed the planner
 };
 
 struct BenchOptions {
@@ -123,7 +160,16 @@ struct ModelShape {
 std::vector<BenchCase> model_grid(const std::string& name, Device device, const ModelShape& m);
 
 // Named grids: "quick" (tiny shapes, seconds on a 2-core CPU: for CI and smoke runs) and "full"
-// (the shapes of the performance issues for the device's kind: CPU issue 5; CUDA issues 6, 7).
+// (the shapes of the performance issues for the device's kind: CPU issue 5; CUDA issues 6, 7,
+// 28).
 std::vector<BenchCase> bench_grid(const std::string& name, Device device);
+
+// The planner's host time next to a grid: bench_plan_grid (prefill and extend batches of 256
+// requests) with the device's own DeviceInfo, its median and minimum over 15 rounds of 2000
+// planning steps ("full") or 5 rounds of 200 ("quick"). `kinds` (when not empty) keeps the cases
+// of those kinds only; on_result (if set) sees each result as it is made.
+std::vector<PlanResult> run_plan_grid(const std::string& name, Device device,
+                                      const std::vector<PlanKind>& kinds = {},
+                                      const std::function<void(const PlanResult&)>& on_result = {});
 
 }  // namespace flashkv::bench
