@@ -375,7 +375,8 @@ TEST(CudaDecode, F32OutputOnEveryPath) {
         c.sinks = d == 128;
         c.q_dtype = c.kv_dtype = d == 64 ? DType::f16 : DType::bf16;
         SCOPED_TRACE(testing::Message() << "G=" << group << " D=" << d << " split=" << split);
-        EXPECT_EQ(check(c) > 0, split > 0);
+        const size_t merges = check(c);  // without a forced split the planner may split too
+        if (split) EXPECT_GT(merges, 0u);
       }
   DecodeCase m;  // many chunks per tile: the wide merge
   m.hq = 32;
