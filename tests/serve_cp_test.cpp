@@ -290,7 +290,7 @@ TEST(ServeCp, CommandLineOneRank) {
       "--quiet --json " +
       json);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("context par  1 ranks, KV contiguous"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("context par  1 rank, KV contiguous"), std::string::npos) << r.out;
   const JsonValue j = parse_json(slurp(json));
   const JsonValue* cp = j.find("context_parallel");
   ASSERT_TRUE(cp != nullptr && cp->find("ranks") != nullptr);
@@ -304,7 +304,7 @@ TEST(ServeCp, CommandLineOneRank) {
 TEST(ServeCp, SoakOneRank) {
   const CliRun r = flashkv("soak --cp 1 --steps 150 --quiet");
   ASSERT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("context par  1 ranks"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("context par  1 rank, KV interleaved"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("speculative"), std::string::npos) << r.out;
 }
 

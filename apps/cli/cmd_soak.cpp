@@ -56,8 +56,8 @@ void print_summary(const SoakOptions& o, const SoakResult& r) {
               static_cast<long long>(st.check_failures));
   const CpConfig& cp = o.scheduler.cp;
   if (cp.enabled())
-    std::printf("context par  %d ranks, KV %s, states by %s; every rank checks its share\n",
-                cp.comm->size(), cp_layout_str(cp.options).c_str(),
+    std::printf("context par  %d rank%s, KV %s, states by %s; every rank checks its share\n",
+                cp.comm->size(), cp.comm->size() == 1 ? "" : "s", cp_layout_str(cp.options).c_str(),
                 cp_exchange_str(cp.options).c_str());
   if (r.failure.empty())
     std::printf(

@@ -91,8 +91,8 @@ void print_serve_report(std::ostream& os, const ServeSetup& s, const ServeStats&
      << " slots, token budget " << o.token_budget << ", up to " << o.max_running
      << " running requests\n";
   if (s.cp.ranks > 0) {
-    os << "context par  " << s.cp.ranks << " ranks, KV " << s.cp.layout << ", states by "
-       << s.cp.exchange << "; each rank's own KV pool peaked at";
+    os << "context par  " << s.cp.ranks << (s.cp.ranks == 1 ? " rank" : " ranks") << ", KV "
+       << s.cp.layout << ", states by " << s.cp.exchange << "; each rank's own KV pool peaked at";
     for (size_t r = 0; r < s.cp.peak_slots.size(); ++r)
       os << (r ? ", " : " ") << s.cp.peak_slots[r];
     os << " slots";
