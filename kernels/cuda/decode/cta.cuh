@@ -106,6 +106,9 @@ struct DecodeCta {
   uint32_t q_frag[Tr::kKSteps][NT][2];
   float m[NT][2], l[NT][2];
   float o[Tr::kMTiles][NT][4];
+  // Warp 0: the sinks (base 2; -inf: none) of this lane's heads 8n + 2c + j, which finalize folds
+  // in. Loaded once at the start, so that their latency is not paid at the end of each item.
+  float sink[NT][2];
 
   __device__ unsigned char* stage_ptr(int s) const { return smem + s * Tr::kStageBytes; }
   __device__ float* out_buf() const {
@@ -161,6 +164,7 @@ struct DecodeCta {
   template <int kUnits, int kBatch>
   __device__ void merge_units(const TileMerge* done, int n);
   __device__ void finalize(const ItemView& v, unsigned char* stage);
+  __device__ void load_sinks();
 
   // ---- the whole CTA (decode_kernel.cuh) -------------------------------------------------
 

@@ -159,6 +159,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     __syncthreads();
   }
   ptx::grid_dependency_wait();
+  cta.load_sinks();
   FLASHKV_TRACE(timeline.mark(1);)
   if (!p.layout_ready) {
     if (has_item) cta.item_views()[threadIdx.x] = view_of(p, it);

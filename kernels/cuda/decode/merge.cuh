@@ -210,6 +210,18 @@ __device__ void DecodeCta<Tr, QT, kKv>::merge_units(const TileMerge* done, int n
   }
 }
 
+template <class Tr, typename QT, KvFormat kKv>
+__device__ void DecodeCta<Tr, QT, kKv>::load_sinks() {
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int h = 8 * n + 2 * c + j;
+      sink[n][j] =
+          p.sinks != nullptr && warp == 0 && h < heads ? sink_lse(p.sinks, qh0 + h) : -INFINITY;
+    }
+}
+
 // Merges the warps' states of the finished item (in warp order: deterministic) and stores it.
 // `stage` held the item's last tile; it is free once every warp is past its blocks (its next
 // refill follows the loop's next barrier). When the warps' scaled outputs fit there, each warp
@@ -258,7 +270,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::finalize(const ItemView& v, unsigned cha
           // A final row: the sink (O = 0) is one more state, folded after the warps'.
           MergeState</*kFastExp2=*/true> st{mx, sum};
           float rescale, weight;
-          st.fold(sink_lse(p.sinks, qh0 + h), rescale, weight);
+          st.fold(sink[n][j], rescale, weight);
           fin_inv[h] = p.v_scale * rescale * st.inv_sum();
           fin_lse[h] = st.lse();
         } else {  // != 0, not > 0: a NaN sum stays NaN
