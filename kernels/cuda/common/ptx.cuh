@@ -113,6 +113,14 @@ __device__ __forceinline__ float tanh_fast(float x) {
 // Prefetches the 128-byte line holding addr into L2 (a hint: no register, no completion). The
 // L2 is the point of coherence of every SM's global accesses, so a line prefetched before
 // another kernel writes it is updated in place: a prefetch may be issued at any time.
+// A read-only global load issued where it is written: volatile, so the compiler cannot sink it
+// to its first use, and its latency overlaps whatever runs in between.
+__device__ __forceinline__ float ld_global_now(const float* addr) {
+  float x;
+  asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(x) : "l"(addr));
+  return x;
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* addr) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(addr));
 }

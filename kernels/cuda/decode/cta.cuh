@@ -107,7 +107,8 @@ struct DecodeCta {
   float m[NT][2], l[NT][2];
   float o[Tr::kMTiles][NT][4];
   // Warp 0: the sinks (base 2; -inf: none) of this lane's heads 8n + 2c + j, which finalize folds
-  // in. Loaded once at the start, so that their latency is not paid at the end of each item.
+  // in. Loaded once at the start, with a load the compiler cannot move to its use, so that its
+  // latency overlaps the first item instead of delaying the end of every item.
   float sink[NT][2];
 
   __device__ unsigned char* stage_ptr(int s) const { return smem + s * Tr::kStageBytes; }

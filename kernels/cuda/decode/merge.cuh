@@ -217,8 +217,9 @@ __device__ void DecodeCta<Tr, QT, kKv>::load_sinks() {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int h = 8 * n + 2 * c + j;
-      sink[n][j] =
-          p.sinks != nullptr && warp == 0 && h < heads ? sink_lse(p.sinks, qh0 + h) : -INFINITY;
+      sink[n][j] = -INFINITY;
+      if (p.sinks != nullptr && warp == 0 && h < heads)
+        sink[n][j] = ptx::ld_global_now(p.sinks + qh0 + h) * kLog2e;
     }
 }
 
