@@ -239,6 +239,9 @@ void set_paged(AttentionParams& p, const PagedKV& kv, const TensorView& q, int64
   p.kv_indices = static_cast<const int32_t*>(kv.indices.data);
   p.last_page_len = kv.page_size > 1 ? static_cast<const int32_t*>(kv.last_page_len.data) : nullptr;
   p.page_size = kv.page_size;
+  p.page_shift = -1;
+  for (int32_t s = 0; s < 31; ++s)
+    if (kv.page_size == (int64_t{1} << s)) p.page_shift = s;
   p.k_scale = kv.k_scale;
   p.v_scale = kv.v_scale;
 }

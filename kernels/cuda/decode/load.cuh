@@ -3,6 +3,7 @@
 // a pipeline stage.
 #pragma once
 
+#include "common/paging.cuh"
 #include "decode/cta.cuh"
 
 namespace flashkv::cuda::decode_detail {
@@ -43,7 +44,7 @@ __device__ const int32_t* DecodeCta<Tr, QT, kKv>::index_entry(const Cursor& w, i
                                                               bool& valid) const {
   const int32_t j = w.pos + row;
   valid = j < w.v.hi;
-  const int32_t e = p.page_size == 1 ? j : j / p.page_size;
+  const int32_t e = page_index(p, j);
   return p.kv_indices + (valid ? w.v.entry_base + e : 0);
 }
 
@@ -52,7 +53,7 @@ __device__ const int32_t* DecodeCta<Tr, QT, kKv>::index_entry(const Cursor& w, i
 template <class Tr, typename QT, KvFormat kKv>
 __device__ uint32_t DecodeCta<Tr, QT, kKv>::pool_row(int32_t entry, int32_t j) const {
   uint32_t slot = static_cast<uint32_t>(entry);
-  if (p.page_size > 1) slot = slot * p.page_size + j % p.page_size;
+  if (p.page_size > 1) slot = slot * p.page_size + page_offset(p, j);
   const uint32_t last_row = static_cast<uint32_t>(min(p.num_kv_rows - 1, int64_t{UINT32_MAX}));
   return min(slot, last_row);
 }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "common/paging.cuh"
 #include "flashkv/kernels/params.h"
 #include "prefill/mask.cuh"
 #include "prefill/tile_config.cuh"
@@ -112,7 +113,7 @@ struct KvTileRows {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int j = j0 + first_row(tid) + i * kRowsPerPass;
-      const int e = p.page_size == 1 ? j : j / p.page_size;
+      const int e = page_index(p, j);
       entry[i] = j < b.kv_hi ? p.kv_indices[b.kv_base + e] : 0;
     }
   }
@@ -131,7 +132,7 @@ struct KvTileRows {
       else if (p.page_size == 1)
         row = entry[i];
       else
-        row = static_cast<int64_t>(entry[i]) * p.page_size + j % p.page_size;
+        row = static_cast<int64_t>(entry[i]) * p.page_size + page_offset(p, j);
       row = min(max(row, int64_t{0}), p.num_kv_rows - 1);
       out[i] = j < b.kv_hi ? row * stride_n + head_off : -1;
     }

@@ -54,6 +54,7 @@ struct AttentionParams {
   const int32_t* kv_indices = nullptr;
   const int32_t* last_page_len = nullptr;
   int32_t page_size = 1;
+  int32_t page_shift = 0;  // log2(page_size) when it is a power of two (the usual case), else -1
 
   int32_t batch_size = 0;
   int64_t num_qo_tokens = 0;

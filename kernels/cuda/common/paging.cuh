@@ -1,0 +1,21 @@
+// Token j of a request's KV in a paged cache: its page (the kv_indices entry, counted from the
+// request's first) and its row within the page. With a power-of-two page size (the usual one)
+// these are a shift and a mask; a division by a run-time value costs a long instruction sequence,
+// and the KV loads compute them for every row of every tile.
+#pragma once
+
+#include <cstdint>
+
+#include "flashkv/kernels/params.h"
+
+namespace flashkv::cuda {
+
+__device__ __forceinline__ int32_t page_index(const AttentionParams& p, int32_t j) {
+  return p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
+}
+
+__device__ __forceinline__ int32_t page_offset(const AttentionParams& p, int32_t j) {
+  return p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size;
+}
+
+}  // namespace flashkv::cuda
