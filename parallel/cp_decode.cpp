@@ -141,6 +141,7 @@ void CpDecode::plan(const CpDecodeShape& shape, const PlanOptions& plan_options,
 void CpDecode::run(const TensorView& q, const PagedKV& kv, const AttentionOptions& opt,
                    const TensorView& out, const TensorView& lse, Stream stream) {
   FLASHKV_CHECK(planned_, "CpDecode::run: call plan first");
+  detail::PhaseClock clock(timing_, comm_, stream);
   const Device dev = comm_.device();
   const int world = comm_.size(), rank = comm_.rank();
   const int64_t b = static_cast<int64_t>(shape_.kv_len.size()), hq = shape_.num_qo_heads,
@@ -171,6 +172,7 @@ void CpDecode::run(const TensorView& q, const PagedKV& kv, const AttentionOption
   }
   if (world == 1) {  // the one-rank path: the plain decode
     prepare_paged_decode(plan_, q, kv, opt, out, lse, ws_).run(stream);
+    clock.local();
     return;
   }
   const size_t es = dtype_size(shape_.dtype);
@@ -195,6 +197,7 @@ void CpDecode::run(const TensorView& q, const PagedKV& kv, const AttentionOption
   }
   if (b == 0) return;
   local->run(stream);
+  clock.local();
 
   const size_t row_o = static_cast<size_t>(hq * dv) * es, row_lse = hq * sizeof(float);
   if (options_.exchange == CpExchange::all_gather) {
@@ -203,6 +206,7 @@ void CpDecode::run(const TensorView& q, const PagedKV& kv, const AttentionOption
     char* lt = static_cast<char*>(bufs_[kLseByRow].data());
     comm_.all_gather(lo, b * row_o, ro, stream);
     comm_.all_gather(ll, b * row_lse, rl, stream);
+    clock.comm();
     for (int s = 0; s < world; ++s)  // [P, B, H] -> [B, P, H]
       detail::copy_2d(lt + s * row_lse, world * row_lse, rl + s * b * row_lse, row_lse, row_lse, b,
                       dev, stream);
@@ -210,6 +214,7 @@ void CpDecode::run(const TensorView& q, const PagedKV& kv, const AttentionOption
     states.stride[0] = hq * dv;
     states.stride[1] = b * hq * dv;
     merge_states(states, detail::view(lt, DType::f32, {b, world, hq}, dev), out, lse, stream);
+    clock.merge();
     return;
   }
 
@@ -236,11 +241,13 @@ void CpDecode::run(const TensorView& q, const PagedKV& kv, const AttentionOption
     detail::copy_2d(sl + lse_displs[s], hs * sizeof(float), ll + h0, row_lse, hs * sizeof(float), b,
                     dev, stream);
   }
+  clock.merge();
   char* ro = static_cast<char*>(bufs_[kRecvO].data());
   char* rl = static_cast<char*>(bufs_[kRecvLse].data());
   char* lt = static_cast<char*>(bufs_[kLseByRow].data());
   comm_.all_to_all_v(so, send_counts, send_displs, ro, recv_counts, recv_displs, stream);
   comm_.all_to_all_v(sl, lse_counts, lse_displs, rl, lse_recv_counts, lse_recv_displs, stream);
+  clock.comm();
   void* mo = bufs_[kMergedO].data();
   void* ml = bufs_[kMergedLse].data();
   if (hr > 0) {
@@ -255,16 +262,20 @@ void CpDecode::run(const TensorView& q, const PagedKV& kv, const AttentionOption
                  detail::view(mo, shape_.dtype, {b, hr, dv}, dev),
                  detail::view(ml, DType::f32, {b, hr}, dev), stream);
   }
+  clock.merge();
   char* go = static_cast<char*>(bufs_[kGatheredO].data());
   comm_.all_gather_v(mo, go, send_counts, send_displs, stream);
+  clock.comm();
   for (int s = 0; s < world; ++s) {  // [P][B, H_s, D] -> [B, H, D]
     const int64_t h0 = head_begin_[s], hs = head_begin_[s + 1] - h0;
     detail::copy_2d(static_cast<char*>(out.data) + h0 * dv * es, row_o, go + send_displs[s],
                     hs * dv * es, hs * dv * es, b, dev, stream);
   }
   // Gathered whether or not this rank wants the LSE: every rank must run the same collectives.
+  clock.merge();
   char* gl = static_cast<char*>(bufs_[kGatheredLse].data());
   comm_.all_gather_v(ml, gl, lse_counts, lse_displs, stream);
+  clock.comm();
   if (lse.defined()) {
     for (int s = 0; s < world; ++s) {
       const int64_t h0 = head_begin_[s], hs = head_begin_[s + 1] - h0;
@@ -272,6 +283,7 @@ void CpDecode::run(const TensorView& q, const PagedKV& kv, const AttentionOption
                       hs * sizeof(float), hs * sizeof(float), b, dev, stream);
     }
   }
+  clock.merge();
 }
 
 }  // namespace flashkv::parallel

@@ -304,6 +304,7 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
                    const PagedKV& prefix, const AttentionOptions& opt, const TensorView& out,
                    const TensorView& lse, Stream stream) {
   FLASHKV_CHECK(planned_, "CpExtend::run: call plan first");
+  detail::PhaseClock clock(timing_, comm_, stream);
   const Device dev = comm_.device();
   const int world = comm_.size(), rank = comm_.rank();
   const int64_t b = static_cast<int64_t>(shape_.prefix_len.size());
@@ -405,6 +406,7 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
   if (own > 0)
     new_pass =
         prepare_paged_prefill(new_plan_, q, own_qo_indptr_, new_kv, new_opt, out, lse, new_ws_);
+  clock.local();  // the checks and the passes' preparation
 
   if (world > 1) {
     std::vector<size_t> counts(world), displs(world);
@@ -418,10 +420,13 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
         displs[s] = rank_row_begin_[s] * row[t];
       }
       comm_.all_gather_v(mine[t], gathered[t], counts, displs, stream);
+      clock.comm();
       copy_segments(all[t], 0, gathered[t], 0, to_global_, row[t], stream);
+      clock.merge();
     }
   }
   prefix_pass.run(stream);
+  clock.local();
 
   if (world > 1) {
     char* recv_o;
@@ -431,6 +436,7 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
       char* send_l = static_cast<char*>(bufs_[kSendLse].data());
       copy_segments(send_o, 0, pre_o, 0, to_owner_, row_o, stream);
       copy_segments(send_l, 0, pre_l, 0, to_owner_, row_l, stream);
+      clock.merge();
       recv_o = static_cast<char*>(bufs_[kRecvO].data());
       recv_l = static_cast<char*>(bufs_[kRecvLse].data());
       for (const auto& [dst, src, row] :
@@ -444,11 +450,13 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
         }
         comm_.all_to_all_v(src, sc, sd, dst, rc, rd, stream);
       }
+      clock.comm();
     } else {
       char* all_o = static_cast<char*>(bufs_[kRecvO].data());
       char* all_l = static_cast<char*>(bufs_[kRecvLse].data());
       comm_.all_gather(pre_o, total * row_o, all_o, stream);
       comm_.all_gather(pre_l, total * row_l, all_l, stream);
+      clock.comm();
       recv_o = static_cast<char*>(bufs_[kPickO].data());
       recv_l = static_cast<char*>(bufs_[kPickLse].data());
       for (int s = 0; s < world; ++s) {
@@ -467,8 +475,10 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
       merge_states(states, detail::view(by_row, DType::f32, {own, world, hq}, dev), new_opt.merge_o,
                    new_opt.merge_lse, stream);
     }
+    clock.merge();
   }
   if (new_pass) new_pass->run(stream);
+  clock.local();
 }
 
 void CpExtend::append_local_kv(const TensorView& k, const TensorView& v,

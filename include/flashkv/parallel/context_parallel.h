@@ -41,6 +41,18 @@ struct CpOptions {
   CpExchange exchange = CpExchange::all_gather;
 };
 
+// Where a sharded run()'s time goes, for benchmarks (flashkv bench --cp): given to set_timing(),
+// every later run() adds its phases' wall-clock time to it. Each phase ends with
+// comm.synchronize(stream), so the split is exact where the operators and collectives complete
+// inside their calls (the CPU, MPI) and costs one wait on the stream per phase on a GPU; without a
+// CpTiming, run() reads no clock and waits for nothing.
+struct CpTiming {
+  double local_us = 0;  // the local attention passes over this rank's shard (with run()'s checks)
+  double comm_us = 0;   // the collectives, the wait for the other ranks to join them included
+  double merge_us = 0;  // merge_states and the copies that reorder rows and states around them
+  double total_us() const { return local_us + comm_us + merge_us; }
+};
+
 // Where a request's positions live. Each rank stores its positions in increasing order, so local
 // entry k of a request on rank r is position global_pos(r, k).
 class CpShard {
@@ -95,10 +107,13 @@ class CpDecode {
   // once); its window_left must be the plan's; custom masks are refused.
   void run(const TensorView& q, const PagedKV& kv, const AttentionOptions& opt,
            const TensorView& out, const TensorView& lse, Stream stream = {});
+  // Every later run() adds its phases to *timing (null: none); the caller keeps it alive.
+  void set_timing(CpTiming* timing) { timing_ = timing; }
 
  private:
   Communicator& comm_;
   CpOptions options_;
+  CpTiming* timing_ = nullptr;
   CpDecodeShape shape_;
   std::vector<int32_t> local_kv_len_;
   DecodePlan plan_;
@@ -161,6 +176,8 @@ class CpExtend {
   void append_local_kv(const TensorView& k, const TensorView& v, const TensorView& out_cache_loc,
                        const TensorView& k_pool, const TensorView& v_pool, float k_scale = 1.0f,
                        float v_scale = 1.0f, Stream stream = {});
+  // Every later run() adds its phases to *timing (null: none); the caller keeps it alive.
+  void set_timing(CpTiming* timing) { timing_ = timing; }
 
  private:
   struct Segment {  // a copy of `rows` rows
@@ -170,6 +187,7 @@ class CpExtend {
                      const std::vector<Segment>& segments, size_t row_bytes, Stream stream);
   Communicator& comm_;
   CpOptions options_;
+  CpTiming* timing_ = nullptr;
   CpExtendShape shape_;
   bool planned_ = false;
   std::vector<int32_t> local_prefix_len_;
