@@ -15,6 +15,8 @@
 #include "attention_bench.h"
 #include "flashkv/core/error.h"
 #include "flashkv/core/thread_pool.h"
+#include "flashkv/parallel/communicator.h"
+#include "flashkv/parallel/context_parallel.h"
 #include "json.h"
 #include "report.h"
 #include "roofline.h"
@@ -319,6 +321,74 @@ TEST(Bench, PlanGridTimesPrefillAndExtendPlansOf256Requests) {
   print_plan_row(line, r[0]);
   EXPECT_EQ(line.str().rfind("plan (host) extend B=256 new=1..64 prefix=0..4096 on cpu: ", 0), 0u)
       << line.str();
+}
+
+// bench --cp's cases on one rank: the one-rank and the sharded runs both time the case, all of
+// a call's time is local attention (no collective, no merge), the table and the JSON carry the
+// breakdown, and the grids hold issue 29's sizes.
+TEST(Bench, CpCasesOnOneRankReportTheirPhases) {
+  const Roofline machine = measure_roofline(Device::cpu(), quick_roofline());
+  parallel::OneRankCommunicator comm;
+  BenchReport report;
+  report.machine = machine;
+  EXPECT_EQ(to_json(report).find("\"cp\""), std::string::npos);  // only with --cp
+  report.cp.ranks = 1;
+  report.cp.communicator = comm.name();
+  std::ostringstream table;
+  print_cp_header(table, 1, comm.name());
+  for (const BenchCase& c : {decode_case(2, 300, Device::cpu(), 4, 2, 64),
+                             extend_case(1, 64, 33, Device::cpu(), 4, 2, 64)}) {
+    SCOPED_TRACE(c.str());
+    const CpCaseResult r = run_cp_case(c, comm, parallel::CpOptions{}, machine, quick_timing());
+    EXPECT_GT(r.one_rank.us, 0);
+    EXPECT_GT(r.sharded.us, 0);
+    EXPECT_GT(r.sharded.roofline_fraction, 0);
+    EXPECT_DOUBLE_EQ(r.speedup, r.one_rank.us / r.sharded.us);
+    EXPECT_EQ(r.one_rank.runs, 2);
+    EXPECT_EQ(r.sharded.runs, 2);
+    ASSERT_EQ(r.one_rank_phases.size(), 1u);
+    ASSERT_EQ(r.sharded_phases.size(), 1u);
+    for (const parallel::CpTiming& t : {r.one_rank_phases[0], r.sharded_phases[0]}) {
+      EXPECT_GT(t.local_us, 0);
+      EXPECT_EQ(t.comm_us, 0);
+      EXPECT_EQ(t.merge_us, 0);
+    }
+    print_cp_case(table, r);
+    report.cp.cases.push_back(r);
+  }
+  EXPECT_NE(table.str().find("context parallelism: 1 rank (one rank)"), std::string::npos)
+      << table.str();
+  EXPECT_NE(table.str().find("    sharded: rank 0: local "), std::string::npos) << table.str();
+  const app::JsonValue j = app::parse_json(to_json(report));
+  const app::JsonValue* cp = j.find("cp");
+  ASSERT_TRUE(cp != nullptr);
+  EXPECT_EQ(cp->find("ranks")->number(), 1);
+  ASSERT_EQ(cp->find("cases")->items().size(), 2u);
+  const app::JsonValue& e = cp->find("cases")->items()[1];
+  EXPECT_EQ(e.find("op")->string(), "extend");
+  EXPECT_EQ(e.find("prefix_len")->number(), 64);
+  EXPECT_EQ(e.find("exchange")->string(), "all_gather");
+  const app::JsonValue* phases = e.find("sharded")->find("phases");
+  ASSERT_EQ(phases->items().size(), 1u);
+  EXPECT_GT(phases->items()[0].find("local_us")->number(), 0);
+  EXPECT_EQ(phases->items()[0].find("comm_us")->number(), 0);
+
+  const std::vector<BenchCase> quick = cp_grid("quick", Device::cpu());
+  ASSERT_EQ(quick.size(), 2u);
+  EXPECT_EQ(quick[0].kv_len, 16384);
+  EXPECT_EQ(quick[1].prefix_len(), 16384);
+  const std::vector<BenchCase> full = cp_grid("full", Device::cpu());
+  ASSERT_EQ(full.size(), 3u);
+  EXPECT_EQ(full[0].kv_len, 262144);
+  EXPECT_EQ(full[1].kv_len, 1048576);
+  EXPECT_EQ(full[2].op, BenchOp::extend);
+  EXPECT_EQ(full[2].prefix_len(), 262144);
+  EXPECT_THROW(cp_grid("huge", Device::cpu()), Error);
+  BenchCase bad = prefill_case(1, 64, Device::cpu(), 4, 2, 64);
+  EXPECT_THROW(run_cp_case(bad, comm, {}, machine, quick_timing()), Error);
+  bad = decode_case(1, 64, Device::cpu(), 4, 2, 64);
+  bad.window_left = 8;
+  EXPECT_THROW(run_cp_case(bad, comm, {}, machine, quick_timing()), Error);
 }
 
 TEST(Bench, RejectsBadCasesAndNames) {

@@ -330,5 +330,49 @@ TEST(ServeCp, CommandLineRefusals) {
   }
 }
 
+// bench --cp 1: the context-parallel grid on one rank (no MPI), its breakdown in the table and
+// in the JSON.
+TEST(ServeCp, BenchOneRank) {
+  const std::string json = ::testing::TempDir() + "flashkv_cp_bench.json";
+  const CliRun r = flashkv(
+      "bench --cp 1 --grid quick --op decode --min-seconds 0 --roofline-mb 8 --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("context parallelism: 1 rank (one rank)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("    sharded: rank 0: local "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("extend "), std::string::npos) << r.out;
+  const JsonValue j = parse_json(slurp(json));
+  const JsonValue* cp = j.find("cp");
+  ASSERT_TRUE(cp != nullptr && cp->find("cases") != nullptr);
+  ASSERT_EQ(cp->find("cases")->items().size(), 1u);
+  const JsonValue& c = cp->find("cases")->items()[0];
+  EXPECT_EQ(c.find("kv_len")->number(), 16384);
+  EXPECT_GT(c.find("speedup")->number(), 0);
+  EXPECT_EQ(c.find("sharded")->find("phases")->items().size(), 1u);
+}
+
+// bench --cp's mistakes: one line each, exit code 2.
+TEST(ServeCp, BenchCommandLineRefusals) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"bench --cp-layout contiguous", "--cp-layout needs --cp N"},
+      {"bench --cp 1 --op prefill", "--cp times decode and extend"},
+      {"bench --cp 1 --op verify", "--cp times decode and extend"},
+      {"bench --cp 1 --model llama-3.1-8b", "--model is not supported with --cp"},
+      {"bench --cp 1 --csv x.csv", "--csv is not supported with --cp"},
+      {"bench --cp 1 --plot x.svg", "--plot is not supported with --cp"},
+      {"bench --cp 1 --cp-exchange ring", "--cp-exchange ring: expected all_gather or all_to_all"},
+      {"bench --cp 1 --cp-interleave 4 --cp-layout contiguous",
+       "--cp-interleave is for --cp-layout interleaved"},
+      {"bench --cp 1 --device cuda", "cuda"},
+      {"bench --cp 0", "--cp"},
+  };
+  for (const auto& [args, message] : cases) {
+    SCOPED_TRACE(args);
+    const CliRun r = flashkv(args);
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
 }  // namespace
 }  // namespace flashkv::app

@@ -1,10 +1,15 @@
 // flashkv bench: measures the machine's roofline, then times a grid of attention cases against
-// it, printing a table (and writing JSON / CSV / a roofline chart on request).
+// it, printing a table (and writing JSON / CSV / a roofline chart on request). With --cp N, under
+// mpirun -np N: the long-context cases on rank 0 alone and sharded across the N ranks.
+#include <cstdio>
+#include <exception>
 #include <iostream>
+#include <memory>
 
 #include "args.h"
 #include "attention_bench.h"
 #include "commands.h"
+#include "cp_session.h"
 #include "json.h"
 #include "model_flags.h"
 #include "model_presets.h"
@@ -12,43 +17,115 @@
 #include "roofline_svg.h"
 
 namespace flashkv::app {
+namespace {
+
+// bench --cp N: the context-parallel grid on every rank of the group (rank 0 prints and writes).
+int bench_cp(const Args& args, int ranks, const std::string& op, const std::string& grid,
+             const bench::BenchOptions& timing, const bench::RooflineOptions& roof) {
+  const Device device = cp_device_from_flags(args);
+  if (op != "all" && op != "decode" && op != "extend")
+    args.fail(str_cat("--op ", op, ": --cp times decode and extend (--op all, decode or extend)"));
+  for (const char* flag : {"--model", "--csv", "--plot"})
+    if (args.given(flag)) args.fail(str_cat(flag, " is not supported with --cp (--json is)"));
+  args.require_writable("--json");
+  std::vector<bench::BenchCase> cases;
+  for (const bench::BenchCase& c : bench::cp_grid(grid, device))
+    if (op == "all" || bench::parse_op(op) == c.op) cases.push_back(c);
+  cp_options_from_flags(args, ranks, 1);  // refuses bad --cp-* flags before the group starts
+  // Rank 0 measures the roofline and times each one-rank case alone while the others wait, which
+  // takes minutes at the full sizes: no timeout on the collectives. A rank that fails stops the
+  // group itself (abort below).
+  parallel::CommOptions comm_options;
+  comm_options.timeout_s = 0;
+  std::string error;
+  std::unique_ptr<CpSession> session = CpSession::start(ranks, error, comm_options);
+  if (!session) args.fail(error);
+  const bool rank0 = session->rank() == 0;
+  bench::BenchReport report;
+  report.cp.ranks = session->size();
+  report.cp.communicator = session->comm().name();
+  try {
+    if (rank0) {
+      report.machine = bench::measure_roofline(device, roof);
+      bench::print_machine(std::cout, report.machine);
+    } else {
+      report.machine.device = device;  // the figures are rank 0's, which alone reports
+    }
+    session->comm().barrier();
+    if (!args.flag("--roofline-only")) {
+      if (rank0) bench::print_cp_header(std::cout, session->size(), session->comm().name());
+      for (const bench::BenchCase& c : cases) {
+        // --cp-block auto splits this case's sharded KV (the whole KV of decode, the prefix of
+        // extend) evenly.
+        const int64_t sharded = c.op == bench::BenchOp::decode ? c.kv_len : c.prefix_len();
+        const parallel::CpOptions options = cp_options_from_flags(args, ranks, sharded);
+        report.cp.cases.push_back(
+            bench::run_cp_case(c, session->comm(), options, report.machine, timing));
+        if (rank0) {
+          bench::print_cp_case(std::cout, report.cp.cases.back());
+          std::cout.flush();
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    if (session->size() == 1) throw;
+    // The other ranks would wait for this one in their next collective: stop them all.
+    std::fprintf(stderr, "flashkv bench: rank %d: %s\n", session->rank(), e.what());
+    std::fflush(stderr);
+    session->abort(1);
+  }
+  if (rank0 && !args.get("--json").empty())
+    write_text_file(args.get("--json"), bench::to_json(report));
+  return 0;
+}
+
+}  // namespace
 
 int cmd_bench(int argc, char** argv) {
+  std::vector<FlagSpec> flags = {
+      {"--device", "auto|cpu|cuda[:N]", "device to benchmark", "auto"},
+      {"--op", "all|decode|prefill|extend|verify", "operators to time", "all"},
+      {"--grid", "quick|full",
+       "case grid: quick (seconds on a CPU) or full (the performance targets)", "quick"},
+      {"--model", "NAME|list",
+       "time a published model's decode and extend cases (its heads, head dim, window, soft "
+       "cap) at --grid's sizes instead of the grid (list: the presets and their sources)",
+       ""},
+      {"--json", "FILE", "write the machine and every case as JSON", ""},
+      {"--csv", "FILE", "write every case as CSV", ""},
+      {"--plot", "FILE.svg", "write a roofline chart (SVG)", ""},
+      {"--roofline-only", "", "measure the machine only", ""},
+      {"--min-seconds", "S", "time each case for at least this long (at least 5 runs)", "0.25"},
+      {"--roofline-mb", "N", "MiB the bandwidth loops stream (auto: CPU 8x LLC, GPU 2 GiB)",
+       "auto"}};
+  for (FlagSpec& f : cp_flags()) flags.push_back(std::move(f));
   Args args(
       argc, argv, 2, "bench",
       "Measures the machine's memory bandwidth and matrix rate, then times each attention case\n"
       "of a grid and reports its time, GB/s, TFLOP/s and fraction of the bound that applies\n"
       "(bandwidth for decode, matrix rate for prefill and extend, the roofline at its\n"
       "intensity for verify), then the planner's host time for prefill and extend batches of\n"
-      "256 requests.",
-      {{"--device", "auto|cpu|cuda[:N]", "device to benchmark", "auto"},
-       {"--op", "all|decode|prefill|extend|verify", "operators to time", "all"},
-       {"--grid", "quick|full",
-        "case grid: quick (seconds on a CPU) or full (the performance targets)", "quick"},
-       {"--model", "NAME|list",
-        "time a published model's decode and extend cases (its heads, head dim, window, soft "
-        "cap) at --grid's sizes instead of the grid (list: the presets and their sources)",
-        ""},
-       {"--json", "FILE", "write the machine and every case as JSON", ""},
-       {"--csv", "FILE", "write every case as CSV", ""},
-       {"--plot", "FILE.svg", "write a roofline chart (SVG)", ""},
-       {"--roofline-only", "", "measure the machine only", ""},
-       {"--min-seconds", "S", "time each case for at least this long (at least 5 runs)", "0.25"},
-       {"--roofline-mb", "N", "MiB the bandwidth loops stream (auto: CPU 8x LLC, GPU 2 GiB)",
-        "auto"}});
-  const Device device = args.device();
+      "256 requests.\n"
+      "With --cp N (under mpirun -np N, on the CPU): one long request's decode and extend on\n"
+      "rank 0 alone, then sharded across the N ranks, with the speed-up and where each rank's\n"
+      "time goes (local attention, communication, merge); --grid quick: 1 x 16384 tokens,\n"
+      "full: 1 x 262144 and 1 x 1048576 decode, extend on a 262144-token prefix.",
+      std::move(flags));
+  const int cp_ranks = cp_ranks_from_flags(args);
   const std::string& op = args.get("--op");
   if (op != "all" && op != "decode" && op != "prefill" && op != "extend" && op != "verify")
     args.fail("--op expects all, decode, prefill, extend or verify, got '" + op + "'");
   const std::string& grid = args.get("--grid");
   if (grid != "quick" && grid != "full")
     args.fail("--grid expects quick or full, got '" + grid + "'");
-  for (const char* flag : {"--json", "--csv", "--plot"}) args.require_writable(flag);
   bench::BenchOptions timing;
   timing.min_seconds = args.get_double("--min-seconds", 0, 3600);
   bench::RooflineOptions roof;
   roof.buffer_bytes = size_t(args.get_int("--roofline-mb", 1, 1 << 16, 0)) << 20;
+  if (cp_ranks > 0) return bench_cp(args, cp_ranks, op, grid, timing, roof);
+  for (const char* flag : {"--json", "--csv", "--plot"}) args.require_writable(flag);
 
+  const Device device = args.device();
   const ModelPreset* preset = preset_from_flags(args);
   std::vector<bench::BenchCase> grid_cases;
   if (preset) {

@@ -83,7 +83,8 @@ std::string cp_exchange_str(const parallel::CpOptions& o) {
   return o.exchange == parallel::CpExchange::all_gather ? "all_gather" : "all_to_all";
 }
 
-std::unique_ptr<CpSession> CpSession::start(int ranks, std::string& error) {
+std::unique_ptr<CpSession> CpSession::start(int ranks, std::string& error,
+                                            const parallel::CommOptions& options) {
   std::unique_ptr<CpSession> s(new CpSession());
   if (ranks == 1) {
     s->comm_ = std::make_unique<parallel::OneRankCommunicator>();
@@ -104,7 +105,7 @@ std::unique_ptr<CpSession> CpSession::start(int ranks, std::string& error) {
                     rank, " of ", size, ")");
     return nullptr;  // the destructor of `s` finalizes MPI on every rank
   }
-  s->comm_ = parallel::make_mpi_communicator(MPI_Comm_c2f(MPI_COMM_WORLD));
+  s->comm_ = parallel::make_mpi_communicator(MPI_Comm_c2f(MPI_COMM_WORLD), options);
   return s;
 #else
   error =

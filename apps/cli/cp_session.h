@@ -1,7 +1,7 @@
-// The process group of `flashkv serve --cp N` (and soak): with N > 1, MPI's world (the build must
-// have found MPI; the run is started by mpirun -np N), initialised here and finalized when the
-// session ends; with N = 1, one rank without MPI. Every rank then serves the same workload with its
-// share of the KV (docs/PARALLEL.md, "Serving").
+// The process group of `flashkv serve --cp N` (and soak, and bench): with N > 1, MPI's world (the
+// build must have found MPI; the run is started by mpirun -np N), initialised here and finalized
+// when the session ends; with N = 1, one rank without MPI. Every rank then serves the same workload
+// with its share of the KV (docs/PARALLEL.md, "Serving").
 #pragma once
 
 #include <cstdint>
@@ -15,7 +15,7 @@
 
 namespace flashkv::app {
 
-// The --cp flags of serve and soak: --cp N, --cp-layout, --cp-interleave, --cp-block,
+// The --cp flags of serve, soak and bench: --cp N, --cp-layout, --cp-interleave, --cp-block,
 // --cp-exchange.
 std::vector<FlagSpec> cp_flags();
 // --cp N, or 0 when off (then any other --cp-* flag is refused, exit 2).
@@ -33,8 +33,10 @@ std::string cp_exchange_str(const parallel::CpOptions& o);
 class CpSession {
  public:
   // Starts the group of `ranks` ranks; returns null and sets `error` (one line) when it cannot:
-  // no MPI in this build, or mpirun started a different number of ranks.
-  static std::unique_ptr<CpSession> start(int ranks, std::string& error);
+  // no MPI in this build, or mpirun started a different number of ranks. `options`: the MPI
+  // communicator's (its collectives' timeout).
+  static std::unique_ptr<CpSession> start(int ranks, std::string& error,
+                                          const parallel::CommOptions& options = {});
   ~CpSession();
   CpSession(const CpSession&) = delete;
   CpSession& operator=(const CpSession&) = delete;

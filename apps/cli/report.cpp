@@ -5,6 +5,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "cp_session.h"
 #include "flashkv/core/error.h"
 #include "json.h"
 
@@ -19,6 +20,27 @@ std::string fixed(double x, int decimals) {
   return buf;
 }
 
+std::string table_header() {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%-8s %5s %6s %7s %-11s %3s %-8s %-14s %11s %9s %8s %6s", "op",
+                "batch", "qo_len", "kv_len", "Hq/Hkv/D", "P", "slots", "dtype/kv", "us", "GB/s",
+                "TFLOP/s", "roof");
+  return buf;
+}
+
+// A case's columns, up to the roofline fraction.
+std::string table_columns(const CaseResult& r) {
+  const BenchCase& c = r.c;
+  const std::string heads = str_cat(c.num_qo_heads, "/", c.num_kv_heads, "/", c.head_dim);
+  const std::string types = str_cat(dtype_name(c.dtype), "/", dtype_name(c.kv_dtype));
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%-8s %5d %6d %7d %-11s %3d %-8s %-14s %11.1f %9.1f %8.3f %5.1f%%",
+                op_name(c.op), c.batch, c.qo_len, c.kv_len, heads.c_str(), c.page_size,
+                c.layout_name(), types.c_str(), r.us, r.gbps, r.tflops,
+                100.0 * r.roofline_fraction);
+  return buf;
+}
+
 }  // namespace
 
 void print_machine(std::ostream& os, const Roofline& m) {
@@ -28,24 +50,11 @@ void print_machine(std::ostream& os, const Roofline& m) {
      << " GFLOP/s (" << m.matmul_kind << ")\n";
 }
 
-void print_table_header(std::ostream& os) {
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "%-8s %5s %6s %7s %-11s %3s %-8s %-14s %11s %9s %8s %6s\n", "op",
-                "batch", "qo_len", "kv_len", "Hq/Hkv/D", "P", "slots", "dtype/kv", "us", "GB/s",
-                "TFLOP/s", "roof");
-  os << buf;
-}
+void print_table_header(std::ostream& os) { os << table_header() << "\n"; }
 
 void print_table_row(std::ostream& os, const CaseResult& r) {
   const BenchCase& c = r.c;
-  const std::string heads = str_cat(c.num_qo_heads, "/", c.num_kv_heads, "/", c.head_dim);
-  const std::string types = str_cat(dtype_name(c.dtype), "/", dtype_name(c.kv_dtype));
-  char buf[200];
-  std::snprintf(buf, sizeof buf, "%-8s %5d %6d %7d %-11s %3d %-8s %-14s %11.1f %9.1f %8.3f %5.1f%%",
-                op_name(c.op), c.batch, c.qo_len, c.kv_len, heads.c_str(), c.page_size,
-                c.layout_name(), types.c_str(), r.us, r.gbps, r.tflops,
-                100.0 * r.roofline_fraction);
-  os << buf;
+  os << table_columns(r);
   // A model's case (bench --model): its window, soft cap and sinks.
   if (c.window_left >= 0) os << " win=" << c.window_left;
   if (c.logit_cap > 0) os << " cap=" << c.logit_cap;
@@ -64,6 +73,35 @@ void print_plan_row(std::ostream& os, const PlanResult& r) {
      << c.device.device.str() << ": " << fixed(r.t.median_us, 2) << " us median, "
      << fixed(r.t.min_us, 2) << " us min (" << r.t.plans
      << (r.t.plans == 1 ? " plan: " : " plans: ") << r.t.summary() << ")\n";
+}
+
+void print_cp_header(std::ostream& os, int ranks, const std::string& communicator) {
+  os << "context parallelism: " << ranks << (ranks == 1 ? " rank (" : " ranks (") << communicator
+     << "): each case on rank 0 alone, then sharded across the group (us: the slowest rank's; "
+        "roof: of "
+     << ranks << " x the machine)\n"
+     << table_header() << " ranks speed-up\n";
+}
+
+void print_cp_case(std::ostream& os, const CpCaseResult& r) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, " %5d", 1);
+  os << table_columns(r.one_rank) << buf << "\n";
+  const int ranks = static_cast<int>(r.sharded_phases.size());
+  std::snprintf(buf, sizeof buf, " %5d %7.2fx", ranks, r.speedup);
+  os << table_columns(r.sharded) << buf << "\n";
+  os << "  " << ranks << (ranks == 1 ? " rank, " : " ranks, ") << app::cp_layout_str(r.options)
+     << ", " << app::cp_exchange_str(r.options) << "; where a call's time goes (median):\n";
+  auto line = [&](const char* who, int rank, const parallel::CpTiming& t) {
+    const double sum = t.total_us() > 0 ? t.total_us() : 1;
+    os << "    " << who << " rank " << rank << ": local " << fixed(t.local_us, 1) << " us ("
+       << fixed(100 * t.local_us / sum, 0) << "%), comm " << fixed(t.comm_us, 1) << " us ("
+       << fixed(100 * t.comm_us / sum, 0) << "%), merge " << fixed(t.merge_us, 1) << " us ("
+       << fixed(100 * t.merge_us / sum, 0) << "%)\n";
+  };
+  for (const parallel::CpTiming& t : r.one_rank_phases) line("alone:  ", 0, t);
+  for (size_t s = 0; s < r.sharded_phases.size(); ++s)
+    line("sharded:", static_cast<int>(s), r.sharded_phases[s]);
 }
 
 void print_table(std::ostream& os, const BenchReport& report) {
@@ -115,7 +153,48 @@ std::string to_json(const BenchReport& report) {
        << ", \"items\": " << r.t.items << ", \"merges\": " << r.t.merges
        << ", \"workers\": " << r.t.workers << "}";
   }
-  os << (report.plans.empty() ? "]\n}\n" : "\n  ]\n}\n");
+  os << (report.plans.empty() ? "]" : "\n  ]");
+  if (report.cp.ranks > 0) {
+    os << ",\n  \"cp\": {\"ranks\": " << report.cp.ranks
+       << ", \"communicator\": " << json_string(report.cp.communicator) << ", \"cases\": [";
+    auto run = [&](const CaseResult& r, const std::vector<parallel::CpTiming>& phases) {
+      os << "{\"us\": " << json_number(r.us) << ", \"gbps\": " << json_number(r.gbps)
+         << ", \"tflops\": " << json_number(r.tflops)
+         << ", \"roofline_fraction\": " << json_number(r.roofline_fraction)
+         << ", \"runs\": " << r.runs << ", \"phases\": [";
+      for (size_t s = 0; s < phases.size(); ++s)
+        os << (s ? ", " : "") << "{\"rank\": " << s
+           << ", \"local_us\": " << json_number(phases[s].local_us)
+           << ", \"comm_us\": " << json_number(phases[s].comm_us)
+           << ", \"merge_us\": " << json_number(phases[s].merge_us) << "}";
+      os << "]}";
+    };
+    for (size_t i = 0; i < report.cp.cases.size(); ++i) {
+      const CpCaseResult& r = report.cp.cases[i];
+      const BenchCase& c = r.one_rank.c;
+      os << (i ? ",\n" : "\n") << "    {\"op\": " << json_string(op_name(c.op))
+         << ", \"device\": " << json_string(c.device.str()) << ", \"batch\": " << c.batch
+         << ", \"qo_len\": " << c.qo_len << ", \"kv_len\": " << c.kv_len
+         << ", \"prefix_len\": " << c.prefix_len() << ", \"num_qo_heads\": " << c.num_qo_heads
+         << ", \"num_kv_heads\": " << c.num_kv_heads << ", \"head_dim\": " << c.head_dim
+         << ", \"page_size\": " << c.page_size
+         << ", \"kv_layout\": " << json_string(c.layout_name())
+         << ", \"dtype\": " << json_string(dtype_name(c.dtype))
+         << ", \"kv_dtype\": " << json_string(dtype_name(c.kv_dtype))
+         << ", \"mask\": " << json_string(c.mask_name()) << ", \"layout\": "
+         << json_string(r.options.layout == parallel::CpLayout::interleaved ? "interleaved"
+                                                                            : "contiguous")
+         << ", \"block\": " << r.options.block
+         << ", \"exchange\": " << json_string(app::cp_exchange_str(r.options))
+         << ", \"speedup\": " << json_number(r.speedup) << ",\n     \"one_rank\": ";
+      run(r.one_rank, r.one_rank_phases);
+      os << ",\n     \"sharded\": ";
+      run(r.sharded, r.sharded_phases);
+      os << "}";
+    }
+    os << (report.cp.cases.empty() ? "]}" : "\n  ]}");
+  }
+  os << "\n}\n";
   return os.str();
 }
 

@@ -37,7 +37,8 @@ void fill_with(int64_t n, uint64_t seed, const Store& store) {
   });
 }
 
-// Fills a contiguous host tensor with random values of unit variance.
+}  // namespace
+
 void fill_random(const Tensor& t, uint64_t seed) {
   const int64_t n = t.numel();
   switch (t.dtype()) {
@@ -60,6 +61,8 @@ void fill_random(const Tensor& t, uint64_t seed) {
       throw_error(str_cat("fill_random: expected a float dtype, got ", dtype_name(t.dtype())));
   }
 }
+
+namespace {
 
 // Everything one case's runs touch; lives until its timing is done.
 struct CaseState {
@@ -455,14 +458,20 @@ CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOpti
   r.us = median(t.us);
   r.runs = t.runs;
   r.cuda_graph = t.cuda_graph;
+  set_rates(r, machine);
+  return r;
+}
+
+void set_rates(CaseResult& r, const Roofline& machine, double scale) {
+  const BenchCase& c = r.c;
   r.gbps = case_bytes(c) / (r.us * 1e-6) / 1e9;
   r.tflops = case_flops(c) / (r.us * 1e-6) / 1e12;
-  const double of_bandwidth = machine.read_gbps > 0 ? r.gbps / machine.read_gbps : 0;
-  const double of_matmul = machine.matmul_gflops > 0 ? r.tflops * 1e3 / machine.matmul_gflops : 0;
+  const double read = scale * machine.read_gbps, matmul = scale * machine.matmul_gflops;
+  const double of_bandwidth = read > 0 ? r.gbps / read : 0;
+  const double of_matmul = matmul > 0 ? r.tflops * 1e3 / matmul : 0;
   r.roofline_fraction = c.op == BenchOp::decode   ? of_bandwidth
                         : c.op == BenchOp::verify ? std::max(of_bandwidth, of_matmul)
                                                   : of_matmul;
-  return r;
 }
 
 BenchReport run_cases(const std::vector<BenchCase>& cases, const Roofline& machine,

@@ -9,8 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "flashkv/core/buffer.h"
 #include "flashkv/core/device.h"
 #include "flashkv/core/dtype.h"
+#include "flashkv/parallel/context_parallel.h"
 #include "plan_timing.h"
 #include "roofline.h"
 
@@ -124,10 +126,34 @@ struct PlanResult {
   PlanTiming t;
 };
 
+// A context-parallel case (flashkv bench --cp N, run_cp_case): the same case on rank 0 alone (a
+// one-rank communicator) and sharded across the N ranks of the group, in the same run.
+struct CpCaseResult {
+  // Rank 0 alone: us its median time, the fraction of the machine's roofline.
+  CaseResult one_rank;
+  // The group: us the slowest rank's median time (a call is done when every rank has its
+  // output), GB/s and TFLOP/s of the whole case in that time, the fraction of ranks x the
+  // machine's roofline (the group's bound when every rank has a machine like rank 0's).
+  CaseResult sharded;
+  // Each rank's median time of every phase (parallel::CpTiming) over the timed calls: one entry
+  // for the one-rank run, one a rank for the sharded run.
+  std::vector<parallel::CpTiming> one_rank_phases, sharded_phases;
+  parallel::CpOptions options;  // the sharding and exchange of this case
+  double speedup = 0;           // one_rank.us / sharded.us
+};
+
+// How a --cp run was set up: the group and its communicator.
+struct CpRun {
+  int ranks = 0;  // 0: not a --cp run
+  std::string communicator;
+  std::vector<CpCaseResult> cases;
+};
+
 struct BenchReport {
   Roofline machine;
   std::vector<CaseResult> cases;
   std::vector<PlanResult> plans;  // run_plan_grid's, when the run timed the planner
+  CpRun cp;                       // flashkv bench --cp's cases
 };
 
 struct BenchOptions {
@@ -137,6 +163,14 @@ struct BenchOptions {
   double min_seconds = 0.25;  // ... and until this much time was spent timing
   uint64_t seed = 1;          // of the random inputs
 };
+
+// Fills a contiguous host tensor of a float dtype with random values of unit variance; the values
+// depend only on (seed, index).
+void fill_random(const Tensor& t, uint64_t seed);
+
+// A result's GB/s, TFLOP/s and roofline fraction from its time (r.c and r.us set), against
+// `scale` machines like `machine` (the ranks of a --cp run; 1 otherwise).
+void set_rates(CaseResult& r, const Roofline& machine, double scale = 1);
 
 // Runs one case on its device (must be machine.device) and reports its figures.
 CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOptions& options = {});
@@ -163,6 +197,19 @@ std::vector<BenchCase> model_grid(const std::string& name, Device device, const 
 // (the shapes of the performance issues for the device's kind: CPU issue 5; CUDA issues 6, 7,
 // 28).
 std::vector<BenchCase> bench_grid(const std::string& name, Device device);
+
+// The context-parallel grid (flashkv bench --cp): one long request, Llama-3-8B's attention shape
+// (32/8/128, bf16). "quick": decode at 1 x 16384 and extend of 16 tokens on a 16384-token prefix
+// (seconds on a 2-core CPU at --cp 2, for CI); "full": decode at 1 x 262144 and 1 x 1048576 and
+// extend of 1024 tokens on a 262144-token prefix (issue 29's sizes).
+std::vector<BenchCase> cp_grid(const std::string& name, Device device);
+// Times a decode or extend case (batch requests, every one sharded by `options`) on rank 0 alone,
+// then on every rank of `comm`, in lockstep (rank 0 decides how many calls are timed). Every rank
+// of the group calls it with the same arguments; the result is complete on every rank. machine:
+// rank 0's roofline, on comm.device().
+CpCaseResult run_cp_case(const BenchCase& c, parallel::Communicator& comm,
+                         const parallel::CpOptions& options, const Roofline& machine,
+                         const BenchOptions& bench_options = {});
 
 // The planner's host time next to a grid: bench_plan_grid (prefill and extend batches of 256
 // requests) with the device's own DeviceInfo, its median and minimum over 15 rounds of 2000
