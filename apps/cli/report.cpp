@@ -91,7 +91,8 @@ void print_cp_case(std::ostream& os, const CpCaseResult& r) {
   std::snprintf(buf, sizeof buf, " %5d %7.2fx", ranks, r.speedup);
   os << table_columns(r.sharded) << buf << "\n";
   os << "  " << ranks << (ranks == 1 ? " rank, " : " ranks, ") << app::cp_layout_str(r.options)
-     << ", " << app::cp_exchange_str(r.options) << "; where a call's time goes (median):\n";
+     << ", " << app::cp_exchange_str(r.options)
+     << "; where each rank's median call spent its time:\n";
   auto line = [&](const char* who, int rank, const parallel::CpTiming& t) {
     const double sum = t.total_us() > 0 ? t.total_us() : 1;
     os << "    " << who << " rank " << rank << ": local " << fixed(t.local_us, 1) << " us ("

@@ -27,8 +27,8 @@
 // ("one_rank") and sharded across the ranks ("sharded": us is the slowest rank's median, the
 // roofline fraction is of ranks x the machine's), the sharding (layout "interleaved" or
 // "contiguous", block its tokens per run or per rank), the exchange ("all_gather" or
-// "all_to_all"), speedup = one_rank.us / sharded.us, and each rank's median phase times
-// (parallel::CpTiming: local attention, communication, merge).
+// "all_to_all"), speedup = one_rank.us / sharded.us, and the phases of each rank's median call
+// (parallel::CpTiming: local attention, communication, merge; they add up to its time).
 #pragma once
 
 #include <ostream>

@@ -129,14 +129,15 @@ struct PlanResult {
 // A context-parallel case (flashkv bench --cp N, run_cp_case): the same case on rank 0 alone (a
 // one-rank communicator) and sharded across the N ranks of the group, in the same run.
 struct CpCaseResult {
-  // Rank 0 alone: us its median time, the fraction of the machine's roofline.
+  // Rank 0 alone: us the time of its median call, the fraction of the machine's roofline.
   CaseResult one_rank;
-  // The group: us the slowest rank's median time (a call is done when every rank has its
+  // The group: us the slowest rank's median call (a call is done when every rank has its
   // output), GB/s and TFLOP/s of the whole case in that time, the fraction of ranks x the
   // machine's roofline (the group's bound when every rank has a machine like rank 0's).
   CaseResult sharded;
-  // Each rank's median time of every phase (parallel::CpTiming) over the timed calls: one entry
-  // for the one-rank run, one a rank for the sharded run.
+  // The phases (parallel::CpTiming) of each rank's median call, which add up to its time (of an
+  // even count of calls, the faster of the middle two): one entry for the one-rank run, one a
+  // rank for the sharded run.
   std::vector<parallel::CpTiming> one_rank_phases, sharded_phases;
   parallel::CpOptions options;  // the sharding and exchange of this case
   double speedup = 0;           // one_rank.us / sharded.us

@@ -18,13 +18,6 @@ namespace {
 
 using parallel::CpTiming;
 
-double median_of(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // One rank's share of the case: the paged pool of its positions of every request (`local_len`
 // tokens each), its query rows and their output.
 struct Share {
@@ -102,17 +95,23 @@ Calls time_lockstep(parallel::Communicator& comm, const std::function<void()>& c
   return t;
 }
 
-struct Medians {
+// A rank's median call (of an even count, the faster of the middle two): its time and its
+// phases, which add up to it but for the clock reads (the medians of each phase taken apart would
+// not: one rank's slow local pass is another rank's long wait in the collective).
+struct MedianCall {
   double us = 0;
   CpTiming phases;
 };
 
-Medians medians(const Calls& t) {
-  Medians m;
-  m.us = median_of(t.us);
-  m.phases.local_us = median_of(t.local);
-  m.phases.comm_us = median_of(t.comm);
-  m.phases.merge_us = median_of(t.merge);
+MedianCall median_call(const Calls& t) {
+  MedianCall m;
+  if (t.runs == 0) return m;
+  std::vector<int> order(t.runs);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return t.us[a] < t.us[b]; });
+  const int i = order[(t.runs - 1) / 2];
+  m.us = t.us[i];
+  m.phases = CpTiming{t.local[i], t.comm[i], t.merge[i]};
   return m;
 }
 
@@ -203,17 +202,17 @@ CpCaseResult run_cp_case(const BenchCase& c, parallel::Communicator& comm,
   r.options = options;
   // Rank 0 alone first (the others wait at the barrier), then every rank: the two never share
   // the machine, and the one-rank share is freed before the sharded ones are built.
-  Medians one;
+  MedianCall one;
   if (comm.rank() == 0) {
     parallel::OneRankCommunicator alone(c.device);
     const Calls t = time_case(c, alone, options, o);
-    one = medians(t);
+    one = median_call(t);
     r.one_rank.runs = t.runs;
   }
   comm.barrier();
   const Calls t = time_case(c, comm, options, o);
-  const Medians mine = medians(t);
-  // Every rank's medians (and rank 0's one-rank ones) to every rank.
+  const MedianCall mine = median_call(t);
+  // Every rank's median call (and rank 0's one-rank one) to every rank.
   constexpr int kFields = 9;
   const double send[kFields] = {mine.us,
                                 mine.phases.local_us,
