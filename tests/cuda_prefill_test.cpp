@@ -881,6 +881,22 @@ TEST(CpuPrefill, MergeStateOptionBadInputsThrow) {
 // A prefill captured into a CUDA graph with a graph-mode plan replays correctly after a new plan
 // (same batch size and token count, other lengths, split differently) is uploaded.
 
+// Runs fn once on each prefill kernel a head-dim-128 call with 16-bit KV can take on compute
+// capability 9.0, chosen by the environment switches: the sm_80 kernel (FLASHKV_PREFILL_SM90=0),
+// the cp.async sm_90a one (FLASHKV_PREFILL_SM90_WS=0 sends ragged K/V there too), and the
+// warp-specialized one for ragged K/V. Elsewhere every run takes the sm_80 kernel.
+template <typename Fn>
+void for_each_prefill_kernel(Fn&& fn) {
+  const char* configs[][2] = {{"0", "0"}, {"1", "0"}, {"1", "1"}};
+  for (const auto& config : configs) {
+    SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << config[0]
+                                    << " FLASHKV_PREFILL_SM90_WS=" << config[1]);
+    test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
+    test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
+    fn();
+  }
+}
+
 // On Hopper, head dim 128 with 16-bit KV runs an sm_90a kernel (the warp-specialized one for
 // ragged K/V, the cp.async one for paged), and the other tests cover the sm_80 kernel through
 // the other head dims and fp8 only. All three kernels at head dim 128, over the variants they
@@ -888,12 +904,7 @@ TEST(CpuPrefill, MergeStateOptionBadInputsThrow) {
 // sm_90a one for ragged K/V too; elsewhere every run uses the sm_80 kernel).
 TEST(CudaPrefill, AllKernelsAtHeadDim128) {
   FLASHKV_REQUIRE_GPU();
-  const char* configs[][2] = {{"0", "0"}, {"1", "0"}, {"1", "1"}};
-  for (const auto& config : configs) {
-    SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << config[0]
-                                    << " FLASHKV_PREFILL_SM90_WS=" << config[1]);
-    test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
-    test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
+  for_each_prefill_kernel([&] {
     FLASHKV_SEEDED_RNG(rng, 1790);
     Problem pr = small_variant_problem();
     check_problem(pr, rng);  // causal, paged (page size 16)
@@ -935,7 +946,7 @@ TEST(CudaPrefill, AllKernelsAtHeadDim128) {
     many.kv_lens = many.q_lens;
     many.samples = 4;
     check_problem(many, rng);
-  }
+  });
 }
 
 // Attention sinks (SEMANTICS.md) on every prefill kernel (as AllKernelsAtHeadDim128 selects them)
@@ -945,12 +956,7 @@ TEST(CudaPrefill, AllKernelsAtHeadDim128) {
 // not), fp8 KV, no LSE; then the other head dims and groups on the kernel each runs.
 TEST(CudaPrefill, SinksOnEveryKernelAndPath) {
   FLASHKV_REQUIRE_GPU();
-  const char* configs[][2] = {{"0", "0"}, {"1", "0"}, {"1", "1"}};
-  for (const auto& config : configs) {
-    SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << config[0]
-                                    << " FLASHKV_PREFILL_SM90_WS=" << config[1]);
-    test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
-    test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
+  for_each_prefill_kernel([&] {
     FLASHKV_SEEDED_RNG(rng, 1850);
     Problem pr = small_variant_problem();
     pr.sinks = true;
@@ -997,7 +1003,7 @@ TEST(CudaPrefill, SinksOnEveryKernelAndPath) {
     ragged.paged = false;
     ragged.samples = 48;
     check_problem(ragged, rng);
-  }
+  });
   FLASHKV_SEEDED_RNG(rng, 1851);
   Problem fp8 = small_variant_problem();
   fp8.sinks = true;
@@ -1031,12 +1037,7 @@ TEST(CudaPrefill, SinksOnEveryKernelAndPath) {
 // same values as the 16-bit output before rounding.
 TEST(CudaPrefill, F32OutputOnEveryKernelAndPath) {
   FLASHKV_REQUIRE_GPU();
-  const char* configs[][2] = {{"0", "0"}, {"1", "0"}, {"1", "1"}};
-  for (const auto& config : configs) {
-    SCOPED_TRACE(testing::Message() << "FLASHKV_PREFILL_SM90=" << config[0]
-                                    << " FLASHKV_PREFILL_SM90_WS=" << config[1]);
-    test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
-    test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
+  for_each_prefill_kernel([&] {
     FLASHKV_SEEDED_RNG(rng, 1870);
     auto check = [&](Problem pr) {
       const Inputs in = make_inputs(pr, rng);
@@ -1068,7 +1069,7 @@ TEST(CudaPrefill, F32OutputOnEveryKernelAndPath) {
     separate.sinks = true;
     separate.in_place = false;
     check_fused_extend(separate, Device::cuda(), rng);
-  }
+  });
   FLASHKV_SEEDED_RNG(rng, 1871);
   Problem big;  // head dims 64 and 256 on the kernels they run
   for (int d : {64, 256}) {
