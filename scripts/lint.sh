@@ -110,9 +110,10 @@ import json, os, subprocess, sys
 db = {os.path.realpath(e["file"]) for e in json.load(open(sys.argv[1]))}
 tracked = subprocess.run(["git", "ls-files", "*.cpp"], capture_output=True, text=True,
                          check=True).stdout.split()
-# examples/ are projects of their own, built against the installed package (.ci/run).
+# examples/ are projects of their own, built against the installed package (.ci/run); the NCCL
+# communicator is built only with CUDA and NCCL (checked in the CUDA-on pass below).
 missing = [f for f in tracked if os.path.realpath(f) not in db
-           and not f.startswith(("python/", "examples/"))]
+           and not f.startswith(("python/", "examples/", "parallel/nccl/"))]
 if missing:
     sys.exit("clang-tidy: not in the compile database: " + " ".join(missing))
 print("\n".join(f for f in tracked if os.path.realpath(f) in db))
@@ -142,6 +143,11 @@ EOF
       -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_EXPORT_COMPILE_COMMANDS=ON -DFLASHKV_CUDA=ON \
       -DFLASHKV_CUDA_ARCHS=90a -DFLASHKV_BUILD_TESTS=ON -DFLASHKV_BUILD_BENCH=ON >/dev/null ||
       return 1
+    # The NCCL communicator, where the configure found NCCL and so compiles it.
+    local f
+    for f in $(git ls-files 'parallel/nccl/*.cpp'); do
+      if grep -qF "/$f\"" "$build-cuda/compile_commands.json"; then cuda_files+=("$f"); fi
+    done
     run_tidy "$build-cuda" "${cuda_files[@]}" || status=1
   else
     echo "clang-tidy: no nvcc: the CUDA-only host code (#if FLASHKV_WITH_CUDA) is not checked"
