@@ -1034,5 +1034,37 @@ TEST(CpuAttention, SinksBadInput) {
       << error_with(on_gpu);
 }
 
+// out: q's dtype or f32 (o_data_type); another dtype is refused naming out and what it takes.
+TEST(CpuAttention, OutDtypeBadInput) {
+  FLASHKV_SEEDED_RNG(rng, 135);
+  const int hq = 4, hkv = 2, d = 64;
+  const std::vector<int32_t> lens = {5, 9};
+  Tensor kc = test::random_tensor(rng, {16, hkv, d}, DType::bf16);
+  Tensor vc = test::random_tensor(rng, {16, hkv, d}, DType::bf16);
+  Tensor q = test::random_tensor(rng, {2, hq, d}, DType::bf16);
+  Tensor indptr = Tensor::from_i32({0, 5, 14});
+  std::vector<int32_t> idx(14);
+  std::iota(idx.begin(), idx.end(), 0);
+  Tensor idx_t = Tensor::from_i32(idx);
+  PagedKV kv{kc, vc, indptr, idx_t, TensorView(), 1};
+  BatchShape bs;
+  bs.batch_size = 2;
+  bs.kv_len = lens.data();
+  bs.num_qo_heads = hq;
+  bs.num_kv_heads = hkv;
+  bs.head_dim_qk = bs.head_dim_v = d;
+  DecodePlan plan = plan_decode(bs, device_info(Device::cpu()), PlanOptions());
+  Workspace ws(plan.layout.total_bytes, Device::cpu());
+  ws.upload(plan);
+  auto error_with = [&](DType out_dtype) {
+    Tensor out = Tensor::empty({2, hq, d}, out_dtype);
+    return test::error_of([&] { paged_decode(plan, q, kv, {}, out, TensorView(), ws); });
+  };
+  EXPECT_EQ(error_with(DType::bf16), "");
+  EXPECT_EQ(error_with(DType::f32), "");
+  const std::string e = error_with(DType::f16);
+  EXPECT_NE(e.find("out: expected dtype bf16/f32, got f16"), std::string::npos) << e;
+}
+
 }  // namespace
 }  // namespace flashkv
