@@ -159,6 +159,42 @@ TEST(Bench, InOrderDecodeRunsAndReportsItsLayout) {
   EXPECT_NE(csv.find(",in_order,"), std::string::npos) << csv;
 }
 
+TEST(Bench, PairedCasesAreTimedInAlternatingRoundsAndReportTheirRatio) {
+  // A case and its twin with sinks (as bench --model makes them): seven rounds, each timing both.
+  const Roofline machine = measure_roofline(Device::cpu(), quick_roofline());
+  const BenchCase plain = decode_case(2, 130, Device::cpu(), 8, 2, 64);
+  BenchCase twin = plain;
+  twin.sinks = twin.paired = true;
+  std::vector<const CaseResult*> seen;
+  const BenchReport report = run_cases({plain, twin, plain}, machine, quick_timing(),
+                                       [&](const CaseResult& r) { seen.push_back(&r); });
+  ASSERT_EQ(report.cases.size(), 3u);
+  EXPECT_EQ(seen.size(), 3u);  // each result as it is made, the pair's two included
+  const CaseResult &a = report.cases[0], &b = report.cases[1], &alone = report.cases[2];
+  EXPECT_EQ(a.rounds, 7);
+  EXPECT_EQ(b.rounds, 7);
+  EXPECT_EQ(alone.rounds, 0);
+  EXPECT_EQ(a.runs, 7 * 2);  // quick_timing's 2 runs a round
+  EXPECT_EQ(b.runs, 7 * 2);
+  EXPECT_TRUE(b.c.sinks);
+  EXPECT_GT(b.vs_twin_min, 0);
+  EXPECT_LE(b.vs_twin_min, b.vs_twin);
+  EXPECT_LE(b.vs_twin, b.vs_twin_max);
+  EXPECT_EQ(a.vs_twin, 0);  // only the paired case carries the ratio
+  const std::string json = to_json(report);
+  const size_t first = json.find("\"vs_twin\": ");
+  ASSERT_NE(first, std::string::npos) << json;
+  EXPECT_EQ(json.find("\"vs_twin\": ", first + 1), std::string::npos) << json;
+  EXPECT_NEAR(json_number_after(json, "vs_twin"), b.vs_twin, 1e-5 * b.vs_twin);  // 6 digits
+  EXPECT_EQ(json_number_after(json, "rounds"), 7);
+  std::ostringstream table;
+  print_table_row(table, b);
+  EXPECT_NE(table.str().find(" sinks ("), std::string::npos) << table.str();
+  EXPECT_NE(table.str().find("% vs the row above; 7 rounds: "), std::string::npos) << table.str();
+  // A paired case needs its twin before it.
+  EXPECT_THROW(run_cases({twin}, machine, quick_timing()), Error);
+}
+
 TEST(Bench, MaskedWorkCountsOnlyTheAllowedPairs) {
   // Non-causal prefill 4 x 4096: every row sees all 4096 keys.
   BenchCase p = prefill_case(4, 4096, Device::cpu());

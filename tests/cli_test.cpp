@@ -473,13 +473,24 @@ TEST(Cli, BenchModelWithSinksTimesEachCaseWithAndWithoutThem) {
   const RunResult r = flashkv(
       "bench --device cpu --model gpt-oss-20b --grid quick --min-seconds 0 --roofline-mb 1");
   ASSERT_EQ(r.code, 0) << r.err;
-  // The case rows (op names first) that end in "sinks": each case once with them.
+  // The case rows (op names first) with " sinks": each case once with them, right after the same
+  // case without, timed with it in alternating rounds: the row gives the time against the row
+  // above and the rounds' spread.
   size_t with = 0, rows = 0;
   std::istringstream lines(r.out);
+  std::string previous;
   for (std::string line; std::getline(lines, line);) {
     if (line.rfind("decode ", 0) != 0 && line.rfind("extend ", 0) != 0) continue;
     ++rows;
-    if (line.size() >= 6 && line.compare(line.size() - 6, 6, " sinks") == 0) ++with;
+    const size_t at = line.find(" sinks");
+    if (at != std::string::npos) {
+      ++with;
+      EXPECT_NE(line.find("% vs the row above; 7 rounds: "), std::string::npos) << line;
+      EXPECT_EQ(previous.find(" sinks"), std::string::npos) << previous;
+      // The twin: the same columns up to the time.
+      EXPECT_EQ(line.substr(0, 60), previous.substr(0, 60)) << previous << "\n" << line;
+    }
+    previous = line;
   }
   EXPECT_EQ(rows, 8u) << r.out;
   EXPECT_EQ(with, 4u) << r.out;  // decode and extend, full and windowed layers

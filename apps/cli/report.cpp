@@ -41,6 +41,13 @@ std::string table_columns(const CaseResult& r) {
   return buf;
 }
 
+// A time ratio as a signed change: 1.004 -> "+0.4%".
+std::string signed_percent(double ratio) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%+.1f%%", 100.0 * (ratio - 1.0));
+  return buf;
+}
+
 }  // namespace
 
 void print_machine(std::ostream& os, const Roofline& m) {
@@ -59,6 +66,11 @@ void print_table_row(std::ostream& os, const CaseResult& r) {
   if (c.window_left >= 0) os << " win=" << c.window_left;
   if (c.logit_cap > 0) os << " cap=" << c.logit_cap;
   if (c.sinks) os << " sinks";
+  // A paired case: its time against its twin's (the row above), timed in alternating rounds.
+  if (c.paired && r.rounds > 0)
+    os << " (" << signed_percent(r.vs_twin) << " vs the row above; " << r.rounds
+       << " rounds: " << signed_percent(r.vs_twin_min) << " .. " << signed_percent(r.vs_twin_max)
+       << ")";
   // Masks other than the op's usual one: non-causal new tokens, verify's tree.
   const std::string mask = c.mask_name();
   if (mask == "non-causal") os << " non-causal";
@@ -141,7 +153,12 @@ std::string to_json(const BenchReport& report) {
        << ", \"runs\": " << r.runs << ", \"cuda_graph\": " << (r.cuda_graph ? "true" : "false")
        << ", \"window_left\": " << c.window_left << ", \"logit_cap\": " << json_number(c.logit_cap)
        << ", \"sinks\": " << (c.sinks ? "true" : "false")
-       << ", \"mask\": " << json_string(c.mask_name()) << "}";
+       << ", \"mask\": " << json_string(c.mask_name());
+    if (c.paired)
+      os << ", \"vs_twin\": " << json_number(r.vs_twin)
+         << ", \"vs_twin_min\": " << json_number(r.vs_twin_min)
+         << ", \"vs_twin_max\": " << json_number(r.vs_twin_max) << ", \"rounds\": " << r.rounds;
+    os << "}";
   }
   os << (report.cases.empty() ? "]" : "\n  ]") << ",\n  \"plans\": [";
   for (size_t i = 0; i < report.plans.size(); ++i) {

@@ -434,25 +434,28 @@ void validate_case(const BenchCase& c) {
                 dtype_name(c.dtype), " or fp8, got ", dtype_name(c.kv_dtype));
 }
 
-CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOptions& o) {
+namespace {
+
+void check_runnable(const BenchCase& c, const Roofline& machine, const BenchOptions& o) {
   validate_case(c);
   FLASHKV_CHECK(c.device == machine.device, "device: case on ", c.device.str(),
                 ", roofline measured on ", machine.device.str());
   FLASHKV_CHECK(o.min_runs >= 1 && o.max_runs >= o.min_runs && o.warmup >= 0,
                 "BenchOptions: expected warmup >= 0 and 1 <= min_runs <= max_runs, got ", o.warmup,
                 ", ", o.min_runs, ", ", o.max_runs);
-  CaseState state;
-  const std::function<void(Stream)> run = prepare(c, o, state);
-  detail::TimedRuns t;
-  if (c.device.is_cpu()) {
-    t = time_cpu(run, o);
-  } else {
+}
+
+detail::TimedRuns time_run(Device device, const std::function<void(Stream)>& run,
+                           const BenchOptions& o) {
+  if (device.is_cpu()) return time_cpu(run, o);
 #if FLASHKV_WITH_CUDA
-    t = detail::time_cuda(c.device, run, o);
+  return detail::time_cuda(device, run, o);
 #else
-    throw_error(str_cat("device ", c.device.str(), ": this flashkv was built without CUDA"));
+  throw_error(str_cat("device ", device.str(), ": this flashkv was built without CUDA"));
 #endif
-  }
+}
+
+CaseResult result_of(const BenchCase& c, const detail::TimedRuns& t, const Roofline& machine) {
   CaseResult r;
   r.c = c;
   r.us = median(t.us);
@@ -460,6 +463,47 @@ CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOpti
   r.cuda_graph = t.cuda_graph;
   set_rates(r, machine);
   return r;
+}
+
+// Times a case and its twin (b.paired) in alternating rounds, each round giving each side
+// 1/kRounds of the time budget: what changes in the machine during the pair's timing (clocks,
+// heat, a neighbour's load) then falls on both, and the rounds' ratios show the spread that is
+// left.
+std::pair<CaseResult, CaseResult> run_pair(const BenchCase& a, const BenchCase& b,
+                                           const Roofline& machine, const BenchOptions& o) {
+  constexpr int kRounds = 7;
+  CaseState sa, sb;
+  const std::function<void(Stream)> run_a = prepare(a, o, sa), run_b = prepare(b, o, sb);
+  BenchOptions round = o;
+  round.min_seconds = o.min_seconds / kRounds;
+  round.max_runs = std::max(o.min_runs, o.max_runs / kRounds);
+  detail::TimedRuns ta, tb;
+  std::vector<double> ratios;
+  for (int i = 0; i < kRounds; ++i) {
+    const detail::TimedRuns ra = time_run(a.device, run_a, round);
+    const detail::TimedRuns rb = time_run(b.device, run_b, round);
+    ratios.push_back(median(rb.us) / median(ra.us));
+    for (auto [to, from] : {std::pair{&ta, &ra}, std::pair{&tb, &rb}}) {
+      to->us.insert(to->us.end(), from->us.begin(), from->us.end());
+      to->runs += from->runs;
+      to->cuda_graph = from->cuda_graph;
+    }
+  }
+  std::pair<CaseResult, CaseResult> r{result_of(a, ta, machine), result_of(b, tb, machine)};
+  r.first.rounds = r.second.rounds = kRounds;
+  r.second.vs_twin = median(ratios);
+  r.second.vs_twin_min = *std::min_element(ratios.begin(), ratios.end());
+  r.second.vs_twin_max = *std::max_element(ratios.begin(), ratios.end());
+  return r;
+}
+
+}  // namespace
+
+CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOptions& o) {
+  check_runnable(c, machine, o);
+  CaseState state;
+  const std::function<void(Stream)> run = prepare(c, o, state);
+  return result_of(c, time_run(c.device, run, o), machine);
 }
 
 void set_rates(CaseResult& r, const Roofline& machine, double scale) {
@@ -479,8 +523,19 @@ BenchReport run_cases(const std::vector<BenchCase>& cases, const Roofline& machi
                       const std::function<void(const CaseResult&)>& on_result) {
   BenchReport report;
   report.machine = machine;
-  for (const BenchCase& c : cases) {
-    report.cases.push_back(run_case(c, machine, options));
+  for (size_t i = 0; i < cases.size(); ++i) {
+    FLASHKV_CHECK(!cases[i].paired || i > 0, "cases[0]: a paired case needs its twin before it");
+    if (i + 1 < cases.size() && cases[i + 1].paired) {
+      check_runnable(cases[i], machine, options);
+      check_runnable(cases[i + 1], machine, options);
+      auto [a, b] = run_pair(cases[i], cases[i + 1], machine, options);
+      report.cases.push_back(a);
+      if (on_result) on_result(report.cases.back());
+      report.cases.push_back(b);
+      ++i;
+    } else {
+      report.cases.push_back(run_case(cases[i], machine, options));
+    }
     if (on_result) on_result(report.cases.back());
   }
   return report;
@@ -505,9 +560,11 @@ std::vector<BenchCase> model_grid(const std::string& name, Device device, const 
       c->window_left = w;
       c->logit_cap = m.logit_cap;
       g.push_back(*c);
-      // A model with sinks: the same case with them, right after, so the two compare in one run.
+      // A model with sinks: the same case with them, right after and timed in alternating
+      // rounds with it (BenchCase::paired), so the two compare in one run.
       if (m.sinks) {
         c->sinks = true;
+        c->paired = true;
         g.push_back(*c);
       }
     }

@@ -59,6 +59,10 @@ struct BenchCase {
   // Attention sinks (random f32 [num_qo_heads] logits), added where the backend adds them: the
   // decode, the prefill, or an extend's prefix pass (the one that writes the merged rows).
   bool sinks = false;
+  // Timed in alternating rounds with the case before it in a grid (its twin with one thing
+  // changed, e.g. sinks added), so a drift of the machine during the run (clocks, heat, other
+  // load) falls on both alike; the result then carries the time ratio to that twin.
+  bool paired = false;
   // prefill and extend: whether the new tokens attend to each other causally (false: each new
   // token sees all of them, as an encoder's prefill). Decode and verify ignore it.
   bool causal = true;
@@ -118,6 +122,10 @@ struct CaseResult {
   double roofline_fraction = 0;
   int runs = 0;             // timed runs (CUDA: total runs over all graph replays)
   bool cuda_graph = false;  // CUDA: timed as CUDA-graph replays
+  // A paired case (BenchCase::paired): its time over its twin's, the median of the rounds'
+  // ratios (each round's medians), and the smallest and largest round's ratio: the spread.
+  double vs_twin = 0, vs_twin_min = 0, vs_twin_max = 0;
+  int rounds = 0;  // alternating rounds timed (paired cases and their twins)
 };
 
 // The planner's host time for one PlanCase (run_plan_grid).
