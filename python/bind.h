@@ -10,6 +10,7 @@
 #include <string>
 
 #include "flashkv/core/tensor.h"
+#include "flashkv/ops/attention.h"
 
 namespace flashkv::py {
 
@@ -29,6 +30,16 @@ TensorView view_of(const OptArray& a, const char* name, const std::string& dtype
 TensorView kv_view_of(const Array& a, const char* name, const std::string& dtype_override,
                       int page_size);
 
+// A DLPack array over flashkv memory owned by `owner` (fp8 is exported as uint8 storage, since
+// not every framework imports DLPack's fp8 codes).
+nb::ndarray<nb::array_api> export_view(const TensorView& t, nb::handle owner);
+
+// The paged KV cache an operator reads: k/v caches as kv_view_of takes them (read as `kv_dtype`,
+// "" for their own) and the page table.
+PagedKV paged_kv_of(const Array& k_cache, const Array& v_cache, const Array& indptr,
+                    const Array& indices, const OptArray& last_page_len, int page_size,
+                    float k_scale, float v_scale, const std::string& kv_dtype);
+
 // Python passes a CUDA stream as its integer handle (e.g. torch's `stream.cuda_stream`).
 inline Stream stream_of(uintptr_t handle) {
   return Stream{reinterpret_cast<void*>(handle)};  // NOLINT(performance-no-int-to-ptr): see above
@@ -36,5 +47,6 @@ inline Stream stream_of(uintptr_t handle) {
 
 void bind_ops(nb::module_& m);
 void bind_backend(nb::module_& m);
+void bind_parallel(nb::module_& m);
 
 }  // namespace flashkv::py

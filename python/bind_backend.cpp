@@ -13,45 +13,10 @@
 #include "flashkv/kvcache/kv_pool.h"
 #include "flashkv/kvcache/req_to_token_pool.h"
 #include "flashkv/kvcache/swa_allocator.h"
+#include "flashkv/parallel/context_parallel.h"
 
 namespace flashkv::py {
 namespace {
-
-// A DLPack array over flashkv memory owned by `owner` (fp8 is exported as uint8 storage, since
-// not every framework imports DLPack's fp8 codes).
-nb::ndarray<nb::array_api> export_view(const TensorView& t, nb::handle owner) {
-  nb::dlpack::dtype dt{};
-  using C = nb::dlpack::dtype_code;
-  switch (t.dtype) {
-    case DType::f32:
-      dt = {static_cast<uint8_t>(C::Float), 32, 1};
-      break;
-    case DType::f16:
-      dt = {static_cast<uint8_t>(C::Float), 16, 1};
-      break;
-    case DType::bf16:
-      dt = {static_cast<uint8_t>(C::Bfloat), 16, 1};
-      break;
-    case DType::i32:
-      dt = {static_cast<uint8_t>(C::Int), 32, 1};
-      break;
-    case DType::i64:
-      dt = {static_cast<uint8_t>(C::Int), 64, 1};
-      break;
-    default:
-      dt = {static_cast<uint8_t>(C::UInt), 8, 1};
-      break;  // u8, fp8 storage
-  }
-  size_t shape[kMaxDims];
-  int64_t strides[kMaxDims];
-  for (int d = 0; d < t.ndim; ++d) {
-    shape[d] = static_cast<size_t>(t.shape[d]);
-    strides[d] = t.stride[d];
-  }
-  const int device_type = t.device.is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
-  return nb::ndarray<nb::array_api>(t.data, static_cast<size_t>(t.ndim), shape, owner, strides, dt,
-                                    device_type, t.device.index);
-}
 
 // ForwardBatch plus the Python objects its views and pool pointers point into.
 struct PyForwardBatch {
@@ -326,7 +291,8 @@ void bind_flashkv_backend(nb::module_& m) {
              int sliding_window_size, bool is_encoder_decoder, bool is_multimodal,
              bool has_encoder_only_layers, KVPool* swa_kv_pool, SWAAllocator* swa_allocator,
              bool deterministic, int decode_split_size, int prefill_split_size,
-             bool disable_split_kv, std::optional<bool> use_tensor_cores) {
+             bool disable_split_kv, std::optional<bool> use_tensor_cores,
+             parallel::Communicator* cp_comm, const parallel::CpOptions* cp) {
             BackendOptions o;
             o.device = parse_device(device);
             o.q_dtype = parse_dtype(q_dtype.c_str());
@@ -345,6 +311,8 @@ void bind_flashkv_backend(nb::module_& m) {
             o.prefill_split_size = prefill_split_size;
             o.disable_split_kv = disable_split_kv;
             o.use_tensor_cores = use_tensor_cores;
+            o.cp_comm = cp_comm;
+            if (cp) o.cp = *cp;
             new (self) FlashKVBackend(o);
           },
           nb::arg("num_qo_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim_qk"),
@@ -354,9 +322,10 @@ void bind_flashkv_backend(nb::module_& m) {
           nb::arg("swa_kv_pool").none() = nb::none(), nb::arg("swa_allocator").none() = nb::none(),
           nb::arg("deterministic") = false, nb::arg("decode_split_size") = 2048,
           nb::arg("prefill_split_size") = 4096, nb::arg("disable_split_kv") = false,
-          nb::arg("use_tensor_cores").none() = nb::none(),
-          // The SWA pool and allocator must outlive the backend.
-          nb::keep_alive<1, 12>(), nb::keep_alive<1, 13>())
+          nb::arg("use_tensor_cores").none() = nb::none(), nb::arg("cp_comm").none() = nb::none(),
+          nb::arg("cp").none() = nb::none(),
+          // The SWA pool and allocator, and the communicator, must outlive the backend.
+          nb::keep_alive<1, 12>(), nb::keep_alive<1, 13>(), nb::keep_alive<1, 19>())
       .def(
           "init_forward_metadata",
           [](FlashKVBackend& be, const PyForwardBatch& f) { be.init_forward_metadata(f.b); },

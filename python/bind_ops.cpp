@@ -157,15 +157,8 @@ class PyPlan {
     const OptArray mask = options.custom_mask.array, mask_indptr = options.mask_indptr.array,
                    sinks = options.sinks.array;
     check_planned(opt.causal, opt.window_left);
-    PagedKV kv;
-    kv.k = kv_view_of(k, "k_cache", kv_dtype, page_size);
-    kv.v = kv_view_of(v, "v_cache", kv_dtype, page_size);
-    kv.indptr = view_of(kv_indptr, "paged_kv_indptr");
-    kv.indices = view_of(kv_indices, "paged_kv_indices");
-    kv.last_page_len = view_of(last_page_len, "paged_kv_last_page_len");
-    kv.page_size = page_size;
-    kv.k_scale = k_scale;
-    kv.v_scale = v_scale;
+    const PagedKV kv = paged_kv_of(k, v, kv_indptr, kv_indices, last_page_len, page_size, k_scale,
+                                   v_scale, kv_dtype);
     const TensorView qv = view_of(q, "q"), ov = view_of(out, "out"), lv = view_of(lse, "lse");
     if (decode_) {
       nb::gil_scoped_release release;

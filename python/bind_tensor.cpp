@@ -94,4 +94,53 @@ TensorView kv_view_of(const Array& a, const char* name, const std::string& dtype
   return v;
 }
 
+nb::ndarray<nb::array_api> export_view(const TensorView& t, nb::handle owner) {
+  nb::dlpack::dtype dt{};
+  using C = nb::dlpack::dtype_code;
+  switch (t.dtype) {
+    case DType::f32:
+      dt = {static_cast<uint8_t>(C::Float), 32, 1};
+      break;
+    case DType::f16:
+      dt = {static_cast<uint8_t>(C::Float), 16, 1};
+      break;
+    case DType::bf16:
+      dt = {static_cast<uint8_t>(C::Bfloat), 16, 1};
+      break;
+    case DType::i32:
+      dt = {static_cast<uint8_t>(C::Int), 32, 1};
+      break;
+    case DType::i64:
+      dt = {static_cast<uint8_t>(C::Int), 64, 1};
+      break;
+    default:
+      dt = {static_cast<uint8_t>(C::UInt), 8, 1};
+      break;  // u8, fp8 storage
+  }
+  size_t shape[kMaxDims];
+  int64_t strides[kMaxDims];
+  for (int d = 0; d < t.ndim; ++d) {
+    shape[d] = static_cast<size_t>(t.shape[d]);
+    strides[d] = t.stride[d];
+  }
+  const int device_type = t.device.is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
+  return nb::ndarray<nb::array_api>(t.data, static_cast<size_t>(t.ndim), shape, owner, strides, dt,
+                                    device_type, t.device.index);
+}
+
+PagedKV paged_kv_of(const Array& k_cache, const Array& v_cache, const Array& indptr,
+                    const Array& indices, const OptArray& last_page_len, int page_size,
+                    float k_scale, float v_scale, const std::string& kv_dtype) {
+  PagedKV kv;
+  kv.k = kv_view_of(k_cache, "k_cache", kv_dtype, page_size);
+  kv.v = kv_view_of(v_cache, "v_cache", kv_dtype, page_size);
+  kv.indptr = view_of(indptr, "paged_kv_indptr");
+  kv.indices = view_of(indices, "paged_kv_indices");
+  kv.last_page_len = view_of(last_page_len, "paged_kv_last_page_len");
+  kv.page_size = page_size;
+  kv.k_scale = k_scale;
+  kv.v_scale = v_scale;
+  return kv;
+}
+
 }  // namespace flashkv::py

@@ -50,5 +50,6 @@ NB_MODULE(_flashkv, m) {
       nb::arg("device"), "What the planner knows about a device ('cpu', 'cuda:N').");
 
   flashkv::py::bind_ops(m);
+  flashkv::py::bind_parallel(m);  // before the backend, which takes a Communicator
   flashkv::py::bind_backend(m);
 }

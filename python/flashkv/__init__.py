@@ -12,7 +12,7 @@ message of the C++ check that failed.
 """
 
 from ._flashkv import Error, built_with_cuda, cuda_available, device_info
-from . import cascade, decode, page, prefill
+from . import cascade, decode, page, parallel, prefill
 from .backend import (AttentionType, FlashKVBackend, ForwardBatch, ForwardMode, KVAllocator, KVPool,
                       LayerSpec, PagedAllocator, ReqToTokenPool, SWAAllocator, TokenAllocator)
 from .as_flashinfer import install_as_flashinfer
@@ -30,5 +30,5 @@ __all__ = [
     "TokenAllocator", "append_paged_kv_cache", "built_with_cuda", "cascade", "cuda_available", "decode",
     "device_info", "fast_decode_plan", "get_batch_indices_positions", "get_seq_lens", "install_as_flashinfer",
     "merge_state",
-    "merge_state_in_place", "merge_states", "page", "prefill",
+    "merge_state_in_place", "merge_states", "page", "parallel", "prefill",
 ]

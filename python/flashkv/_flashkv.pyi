@@ -336,6 +336,164 @@ def build_kv_indices(*, req_to_token: NDArray, req_pool_indices: NDArray, lens: 
     kv_indices[kv_indptr[i] + j] = req_to_token[req_pool_indices[i], kv_start[i] + j] for j < lens[i].
     """
 
+class Communicator:
+    """
+    The group a sharded operator exchanges its states over (C++ parallel::Communicator). Build one with flashkv.parallel: from a torch.distributed process group, an mpi4py communicator or an NCCL communicator. Its collectives move bytes between contiguous arrays on `device` and must be called by every rank in the same order.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    def all_gather(self, send: NDArray, recv: NDArray, stream: int = 0) -> None:
+        """Rank r's send bytes land at byte r * len(send) of recv on every rank."""
+
+    def all_gather_v(self, send: NDArray, recv: NDArray, counts: Sequence[int], displs: Sequence[int], stream: int = 0) -> None:
+        """
+        Uneven all-gather: rank r's counts[r] bytes land at byte displs[r] of recv (counts and displs in bytes, the same on every rank).
+        """
+
+    def all_to_all_v(self, send: NDArray, send_counts: Sequence[int], send_displs: Sequence[int], recv: NDArray, recv_counts: Sequence[int], recv_displs: Sequence[int], stream: int = 0) -> None:
+        """
+        Rank r gets send_counts[r] bytes from byte send_displs[r] of send; rank r's bytes land at byte recv_displs[r] of recv (recv_counts[r] of them).
+        """
+
+    def broadcast(self, data: NDArray, root: int, stream: int = 0) -> None:
+        """Copies root's data into data on every rank."""
+
+    def barrier(self) -> None:
+        """Returns once every rank has called it."""
+
+    def synchronize(self, stream: int = 0) -> None:
+        """Waits for the collectives enqueued on `stream`."""
+
+class OneRankCommunicator(Communicator):
+    """The group of one: every collective is a copy."""
+
+    def __init__(self, device: str = 'cpu') -> None: ...
+
+class CallbackCommunicator(Communicator):
+    """
+    A communicator whose collectives call the methods of `transport` (flashkv.parallel builds one over a torch.distributed process group). A method that raises breaks it.
+    """
+
+    def __init__(self, transport: object, rank: int, size: int, device: str, name: str) -> None: ...
+
+    @property
+    def broken(self) -> bool:
+        """Whether a collective failed (every later call then raises at once)."""
+
+def built_with_mpi() -> bool:
+    """Whether this build has the MPI communicator (mpi_communicator)."""
+
+def built_with_nccl() -> bool:
+    """Whether this build has the NCCL communicator (nccl_communicator)."""
+
+def mpi_communicator(fortran_comm: int, timeout_s: float = 300.0) -> Communicator:
+    """
+    The MPI communicator (host memory) over a duplicate of the communicator with this Fortran handle (mpi4py: comm.py2f()); collective.
+    """
+
+def nccl_communicator(comm: int, device: str, timeout_s: float = 300.0) -> Communicator:
+    """
+    The NCCL communicator (GPU memory) over an ncclComm_t given as an int (not owned: it must outlive this communicator) on `device` ('cuda:N').
+    """
+
+class CpOptions:
+    """
+    How a request's KV is sharded and how the states are exchanged (C++ parallel::CpOptions).
+    """
+
+    def __init__(self, *, layout: str = 'interleaved', block: int = 1, exchange: str = 'all_gather') -> None:
+        """
+        layout 'interleaved' (runs of `block` tokens round robin: position t on rank (t // block) % P) or 'contiguous' (rank r holds [r * block, (r + 1) * block), the last rank everything after); exchange 'all_gather' or 'all_to_all'.
+        """
+
+    @property
+    def layout(self) -> str: ...
+
+    @property
+    def block(self) -> int: ...
+
+    @property
+    def exchange(self) -> str: ...
+
+    def __repr__(self) -> str: ...
+
+class CpShard:
+    """Where a request's positions live."""
+
+    def __init__(self, options: CpOptions, world: int) -> None: ...
+
+    @property
+    def world(self) -> int: ...
+
+    def owner(self, pos: int) -> int:
+        """The rank holding position pos."""
+
+    def local_len(self, rank: int, len: int) -> int:
+        """How many of the positions [0, len) rank `rank` holds."""
+
+    def local_index(self, pos: int) -> int:
+        """The index of position pos among its owner's positions."""
+
+    def global_pos(self, rank: int, local: int) -> int:
+        """The position of rank `rank`'s local entry `local`."""
+
+    def positions(self, rank: int, len: int) -> list[int]:
+        """
+        The positions of [0, len) rank `rank` holds, in increasing order (its local entries).
+        """
+
+def zigzag_rows(n: int, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """
+    The new tokens rank `rank` owns of a request's n: ((begin, len), (begin, len)), chunks r and 2 * world - 1 - r of 2 * world.
+    """
+
+class CpDecode:
+    """
+    Sharded decode (C++ parallel::CpDecode): every rank holds the batch's queries and its shard of each request's KV, and gets the whole output.
+    """
+
+    def __init__(self, comm: Communicator, options: CpOptions) -> None: ...
+
+    def plan(self, *, kv_len: Sequence[int], num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_v: int, page_size: int, dtype: str, window_left: int, plan_options: PlanOptions, stream: int) -> None: ...
+
+    @property
+    def local_kv_len(self) -> list[int]: ...
+
+    def run(self, *, q: NDArray, k_cache: NDArray, v_cache: NDArray, paged_kv_indptr: NDArray, paged_kv_indices: NDArray, paged_kv_last_page_len: NDArray | None, page_size: int, k_scale: float, v_scale: float, kv_dtype: str, sm_scale: float, logits_soft_cap: float, window_left: int, sinks: NDArray | None, out: NDArray, lse: NDArray | None, stream: int) -> None: ...
+
+class CpExtend:
+    """
+    Sharded extend (C++ parallel::CpExtend): a sharded cached prefix and new tokens split zigzag; each rank gives and gets its own new tokens' rows.
+    """
+
+    def __init__(self, comm: Communicator, options: CpOptions) -> None: ...
+
+    def plan(self, *, prefix_len: Sequence[int], extend_len: Sequence[int], num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_v: int, page_size: int, dtype: str, causal: bool, window_left: int, custom_mask: NDArray | None, mask_indptr: NDArray | None, plan_options: PlanOptions, stream: int) -> None: ...
+
+    @property
+    def local_prefix_len(self) -> list[int]: ...
+
+    @property
+    def num_own_rows(self) -> int: ...
+
+    @property
+    def num_local_new(self) -> int: ...
+
+    def run(self, *, q: NDArray, k: NDArray, v: NDArray, k_cache: NDArray, v_cache: NDArray, paged_kv_indptr: NDArray, paged_kv_indices: NDArray, paged_kv_last_page_len: NDArray | None, page_size: int, k_scale: float, v_scale: float, kv_dtype: str, sm_scale: float, logits_soft_cap: float, causal: bool, window_left: int, sinks: NDArray | None, out: NDArray, lse: NDArray | None, stream: int) -> None: ...
+
+    def append_local_kv(self, *, k: NDArray, v: NDArray, out_cache_loc: NDArray, k_pool: NDArray, v_pool: NDArray, k_scale: float, v_scale: float, kv_dtype: str, stream: int) -> None: ...
+
 class KVPool:
     """
     Per-layer K [num_slots + page_size, Hkv, D_qk] and V [.., D_v] memory; page 0 (slot 0) is reserved for padding.
@@ -661,7 +819,7 @@ class FlashKVBackend:
     SGLang's FlashInfer attention backend over flashkv: plan once per forward batch, attend once per layer.
     """
 
-    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_v: int = 0, q_dtype: str = 'bf16', device: str = 'cpu', sliding_window_size: int = -1, is_encoder_decoder: bool = False, is_multimodal: bool = False, has_encoder_only_layers: bool = False, swa_kv_pool: KVPool | None = None, swa_allocator: SWAAllocator | None = None, deterministic: bool = False, decode_split_size: int = 2048, prefill_split_size: int = 4096, disable_split_kv: bool = False, use_tensor_cores: bool | None = None) -> None: ...
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_v: int = 0, q_dtype: str = 'bf16', device: str = 'cpu', sliding_window_size: int = -1, is_encoder_decoder: bool = False, is_multimodal: bool = False, has_encoder_only_layers: bool = False, swa_kv_pool: KVPool | None = None, swa_allocator: SWAAllocator | None = None, deterministic: bool = False, decode_split_size: int = 2048, prefill_split_size: int = 4096, disable_split_kv: bool = False, use_tensor_cores: bool | None = None, cp_comm: Communicator | None = None, cp: CpOptions | None = None) -> None: ...
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...
 

@@ -78,7 +78,21 @@ class ReqToTokenPool(_C.ReqToTokenPool):
 
 class FlashKVBackend(_C.FlashKVBackend):
     """SGLang's FlashInfer attention backend over flashkv (see the compiled class for the
-    options). forward() returns [num_tokens, num_qo_heads * head_dim_v] in q's dtype."""
+    options). forward() returns [num_tokens, num_qo_heads * head_dim_v] in q's dtype.
+
+    Context parallelism (docs/PARALLEL.md): cp_comm, a flashkv.parallel.Communicator or a
+    torch.distributed ProcessGroup, shards each request's KV across its ranks by cp (a
+    flashkv.parallel.CpOptions); each batch then carries this rank's share (its req_to_token rows
+    list the slots of the positions it holds, out_cache_loc the dummy slot 0 for the others)."""
+
+    def __init__(self, *args: Any, cp_comm: Any = None, cp: Any = None, **kwargs: Any) -> None:
+        if cp_comm is not None:
+            from .parallel import as_communicator
+            cp_comm = as_communicator(cp_comm)
+        elif cp is not None:
+            raise _C.Error("cp: given without cp_comm (the communicator whose ranks share the KV)")
+        super().__init__(*args, cp_comm=cp_comm, cp=cp, **kwargs)
+        self.cp_comm = cp_comm
 
     def forward(self, q: Any, k: Any, v: Any, layer: LayerSpec, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True, out: Any = None, sinks: Any = None) -> Any:
