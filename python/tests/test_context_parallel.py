@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -249,7 +252,7 @@ def case_errors(comm, group, rank: int, world: int) -> None:
     with pytest.raises(flashkv.Error, match=f"kv: request 0 holds {n + 1} tokens on rank {rank}: expected {n}"):
         dec.run(np.zeros((1, HQ, D), np.float32), cache, [0, n + 1], np.arange(n + 1))
     out = dec.run(np.ones((1, HQ, D), np.float32), cache, [0, n], np.arange(n))  # still usable
-    assert np.isfinite(out).all() and not comm.broken
+    assert np.isfinite(out).all() and not getattr(comm, "broken", False)
 
 
 def case_backend(comm, group, rank: int, world: int) -> None:
@@ -442,6 +445,40 @@ def test_communicator_arguments() -> None:
             P.from_process_group()
 
 
+# --- MPI: the raw communicator from mpi4py, under mpirun --------------------------------------------
+
+def _mpi_main() -> None:
+    """Under mpirun: the cases that need no torch.distributed group, over
+    flashkv.parallel.mpi_communicator(MPI.COMM_WORLD); prints one line a rank, exits 1 on a
+    failure."""
+    from mpi4py import MPI
+    torch.set_num_threads(1)
+    comm = P.mpi_communicator(MPI.COMM_WORLD, timeout_s=30)
+    assert comm.name == "MPI" and comm.size == MPI.COMM_WORLD.Get_size()
+    failures = []
+    for name, case in CASES[:4]:  # collectives, decode, extend, errors
+        try:
+            case(comm, comm, comm.rank, comm.size)
+        except Exception:  # noqa: BLE001 - printed for the test
+            failures.append(f"{name}:\n{traceback.format_exc()}")
+    print(f"rank {comm.rank}: " + ("ok" if not failures else "FAILED\n" + "\n".join(failures)), flush=True)
+    sys.exit(1 if failures else 0)
+
+
+def test_mpi4py_communicator() -> None:
+    pytest.importorskip("mpi4py")
+    mpirun = shutil.which("mpirun")
+    if not P.built_with_mpi() or mpirun is None:
+        pytest.skip("needs flashkv built with MPI and mpirun")
+    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+    flags = ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else []) if "Open MPI" in version else []
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_context_parallel as T; T._mpi_main()"
+    r = subprocess.run([mpirun, *flags, "-np", "2", sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.count(": ok") == 2, r.stdout + r.stderr
+
+
 # --- CUDA: an NCCL group of one ------------------------------------------------------------------
 
 def _cuda_cases(rank: int) -> None:
@@ -451,6 +488,18 @@ def _cuda_cases(rank: int) -> None:
     assert comm.device == "cuda:0" and comm.size == 1
     rng = np.random.default_rng(SEED)
     dev = torch.device("cuda:0")
+    # The transport's collectives on the caller's stream.
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        send = torch.arange(1, 9, dtype=torch.uint8, device=dev)
+        recv = torch.zeros(12, dtype=torch.uint8, device=dev)
+        comm.all_gather(send, recv[:8], stream.cuda_stream)
+        comm.all_gather_v(send[:3], recv, [3], [9], stream.cuda_stream)
+        comm.all_to_all_v(send, [4], [2], recv, [4], [0], stream.cuda_stream)
+        comm.broadcast(recv, 0, stream.cuda_stream)
+        comm.synchronize(stream.cuda_stream)
+    assert recv.cpu().tolist() == [3, 4, 5, 6, 5, 6, 7, 8, 0, 1, 2, 3], recv.cpu().tolist()
+    comm.barrier()
     kv_len = [5, 130]
     q = rounded(rng.standard_normal((2, HQ, D)), "torch")
     ks = [rounded(rng.standard_normal((n, HKV, D)), "torch") for n in kv_len]
