@@ -14,6 +14,31 @@ void check_counts(const Communicator& comm, const char* what, const std::vector<
                 " entries (one a rank), got ", displs.size());
 }
 
+void check_send_recv(const Communicator& comm, int dest, int source, size_t send_bytes,
+                     size_t recv_bytes) {
+  const int n = comm.size();
+  FLASHKV_CHECK(dest >= 0 && dest < n, comm.name(), " send_recv: dest = ", dest, ": expected 0..",
+                n - 1);
+  FLASHKV_CHECK(source >= 0 && source < n, comm.name(), " send_recv: source = ", source,
+                ": expected 0..", n - 1);
+  FLASHKV_CHECK((dest == comm.rank()) == (source == comm.rank()), comm.name(),
+                " send_recv: dest = ", dest, ", source = ", source, " on rank ", comm.rank(),
+                ": a rank sends to itself exactly when it receives from itself");
+  FLASHKV_CHECK(dest != comm.rank() || send_bytes == recv_bytes, comm.name(),
+                " send_recv: recv_bytes = ", recv_bytes, ": expected send_bytes = ", send_bytes,
+                " (this rank sends to itself)");
+}
+
+void Communicator::send_recv(const void* send, size_t send_bytes, int dest, void* recv,
+                             size_t recv_bytes, int source, Stream stream) {
+  check_send_recv(*this, dest, source, send_bytes, recv_bytes);
+  const size_t n = static_cast<size_t>(size());
+  std::vector<size_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
+  sc[dest] = send_bytes;
+  rc[source] = recv_bytes;
+  all_to_all_v(send, sc, sd, recv, rc, rd, stream);
+}
+
 void OneRankCommunicator::all_gather(const void* send, size_t bytes, void* recv, Stream stream) {
   copy_bytes(recv, device_, send, device_, bytes, stream);
 }
@@ -39,6 +64,12 @@ void OneRankCommunicator::all_to_all_v(const void* send, const std::vector<size_
 
 void OneRankCommunicator::broadcast(void*, size_t, int root, Stream) {
   FLASHKV_CHECK(root == 0, "broadcast: root = ", root, ": expected 0 (the only rank)");
+}
+
+void OneRankCommunicator::send_recv(const void* send, size_t send_bytes, int dest, void* recv,
+                                    size_t recv_bytes, int source, Stream stream) {
+  check_send_recv(*this, dest, source, send_bytes, recv_bytes);
+  copy_bytes(recv, device_, send, device_, send_bytes, stream);
 }
 
 void OneRankCommunicator::synchronize(Stream stream) { flashkv::synchronize(device_, stream); }

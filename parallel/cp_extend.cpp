@@ -1,6 +1,8 @@
-// Sharded extend: the new tokens' q/k/v all-gathered, every new row over this rank's prefix
-// shard, the prefix states routed to the rows' owners and merged, then the owned rows over all
-// new tokens (causal on their global positions) merged with them as they are written.
+// Sharded extend: the new tokens' q (and k/v, unless they go round a ring) all-gathered, every new
+// row over this rank's prefix shard, the prefix states routed to the rows' owners and merged, then
+// the owned rows over all new tokens (causal on their global positions) merged with them as they
+// are written: in one pass over the gathered K/V, or one pass per rank's block as the blocks go
+// round the ring.
 #include <algorithm>
 #include <optional>
 #include <tuple>
@@ -33,6 +35,8 @@ enum ExtendBuf : size_t {
   kMergedLse,
   kLocalNewK,
   kLocalNewV,
+  kRingA,  // the ring's two blocks: the one this rank attends and sends, the one it receives
+  kRingB,
   kNumExtendBufs
 };
 
@@ -46,6 +50,55 @@ Tensor mask_tensor(const std::vector<uint8_t>& bits, Device dev) {
 }
 
 }  // namespace
+
+// The host arrays of a NewPass while it is planned: per pass request (an owned chunk), its query
+// rows, its entries (rows of the K/V buffer) and, for a masked pass, its [rows, entries] mask.
+struct CpExtend::PassLists {
+  std::vector<int32_t> qo{0}, kv_len, kv_indptr{0}, kv_indices, mask_indptr{0};
+  std::vector<uint8_t> bits;
+  bool masked = false, causal = false;
+  int32_t window_left = -1;
+  // A request of `rows` query rows over `entries`; with a mask, seen(q, e) tells whether query
+  // row q sees entry e.
+  template <class Seen>
+  void add(int64_t rows, const std::vector<int32_t>& entries, Seen seen) {
+    qo.push_back(qo.back() + static_cast<int32_t>(rows));
+    kv_len.push_back(static_cast<int32_t>(entries.size()));
+    kv_indices.insert(kv_indices.end(), entries.begin(), entries.end());
+    kv_indptr.push_back(static_cast<int32_t>(kv_indices.size()));
+    if (!masked) return;
+    for (int64_t q = 0; q < rows; ++q)
+      for (size_t e = 0; e < entries.size(); ++e) bits.push_back(seen(q, e) ? 1 : 0);
+    FLASHKV_CHECK(bits.size() <= static_cast<size_t>(INT32_MAX),
+                  "CpExtendShape: the new tokens' mask of this rank exceeds 2^31 elements");
+    mask_indptr.push_back(static_cast<int32_t>(bits.size()));
+  }
+};
+
+// Plans `pass` from its lists (the batch's heads and dims from `shape`) and puts its index
+// tensors, mask and uploaded plan on the communicator's device.
+void CpExtend::build_pass(NewPass& pass, const PassLists& lists, const BatchShape& shape,
+                          const DeviceInfo& info, const PlanOptions& plan_options, Stream stream) {
+  const Device dev = comm_.device();
+  BatchShape nb = shape;
+  nb.batch_size = static_cast<int32_t>(lists.kv_len.size());
+  nb.qo_indptr = lists.qo.data();
+  nb.kv_len = lists.kv_len.data();
+  nb.page_size = 1;
+  nb.causal = !lists.masked && lists.causal;
+  nb.window_left = lists.masked ? -1 : lists.window_left;
+  pass.plan = plan_prefill(nb, info, plan_options);
+  pass.masked = lists.masked;
+  pass.causal = nb.causal;
+  pass.window_left = nb.window_left;
+  pass.kv_indptr = on_device(Tensor::from_i32(lists.kv_indptr), dev);
+  pass.kv_indices = on_device(
+      Tensor::from_i32(lists.kv_indices.empty() ? std::vector<int32_t>{0} : lists.kv_indices), dev);
+  pass.mask = lists.masked ? mask_tensor(lists.bits, dev) : Tensor();
+  pass.mask_indptr = lists.masked ? on_device(Tensor::from_i32(lists.mask_indptr), dev) : Tensor();
+  pass.ws.reserve(pass.ws.bytes_needed(pass.plan), dev);
+  pass.ws.upload(pass.plan, stream);
+}
 
 // Copies each segment's rows from src (row offset src_base + seg.src) to dst (dst_base + seg.dst).
 void CpExtend::copy_segments(void* dst, int64_t dst_base, const void* src, int64_t src_base,
@@ -64,6 +117,9 @@ CpExtend::CpExtend(Communicator& comm, const CpOptions& options) : comm_(comm), 
       options.exchange == CpExchange::all_gather || options.exchange == CpExchange::all_to_all,
       "CpOptions::exchange: expected all_gather or all_to_all, got ",
       static_cast<int>(options.exchange));
+  FLASHKV_CHECK(options.kv_pass == CpKvPass::all_gather || options.kv_pass == CpKvPass::ring,
+                "CpOptions::kv_pass: expected all_gather or ring, got ",
+                static_cast<int>(options.kv_pass));
 }
 
 void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options, Stream stream) {
@@ -109,6 +165,13 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
   auto tree = [&](int64_t i, int64_t row, int64_t col) {
     const int64_t cols = int64_t{shape.prefix_len[i]} + shape.extend_len[i];
     return shape.custom_mask.ptr<uint8_t>()[mask_at[i] + row * cols + col] != 0;
+  };
+  // Whether request i's new token t sees column `col` of its [prefix + new] row: the tree mask,
+  // or causal masking, and the window, all on global positions (new token u is column n + u).
+  auto seen = [&](int64_t i, int64_t t, int64_t col) {
+    const int64_t pos = int64_t{shape.prefix_len[i]} + t;
+    const bool base = custom ? tree(i, t, col) : (!shape.causal || col <= pos);
+    return base && (w < 0 || col >= pos - w);
   };
 
   // Rows: global order (request by request), and each rank's own rows (zigzag).
@@ -159,13 +222,9 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
   std::vector<int32_t> prefix_mask_indptr(batch + 1, 0);
   if (prefix_masked) {
     for (size_t i = 0; i < batch; ++i) {
-      const int64_t n = shape.prefix_len[i];
       for (int64_t t = 0; t < shape.extend_len[i]; ++t) {
-        for (int64_t j = 0; j < local_prefix[i]; ++j) {
-          const int64_t g = shard.global_pos(rank, j);
-          const bool seen = (!custom || tree(i, t, g)) && (w < 0 || g >= n + t - w);
-          prefix_bits.push_back(seen ? 1 : 0);
-        }
+        for (int64_t j = 0; j < local_prefix[i]; ++j)
+          prefix_bits.push_back(seen(i, t, shard.global_pos(rank, j)) ? 1 : 0);
       }
       FLASHKV_CHECK(prefix_bits.size() <= static_cast<size_t>(INT32_MAX),
                     "CpExtendShape: the prefix mask of this rank exceeds 2^31 elements");
@@ -185,61 +244,123 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
   const DeviceInfo info = device_info(dev);
   PrefillPlan prefix_plan = plan_prefill(pb, info, plan_options);
 
-  // The new-token pass: this rank's two chunks of each request, each a request of its own over
-  // the gathered new tokens [0, end of the chunk) (causal) or all of them (a mask or none), so
-  // that the kernel's positions (the query rows last) are the chunk's positions shifted by the
-  // prefix, which causal masking and a window do not see.
-  const bool new_masked = custom || (!shape.causal && w >= 0);
-  std::vector<int32_t> own_qo(1, 0), kv_len, kv_indptr(1, 0), kv_indices, new_mask_indptr(1, 0);
-  std::vector<uint8_t> new_bits;
+  // The new-token passes: this rank's two chunks of each request, each a request of its own.
+  std::vector<int32_t> own_qo(1, 0);
   for (size_t i = 0; i < batch; ++i) {
-    const int64_t m = shape.extend_len[i], n = shape.prefix_len[i];
-    const ZigzagRows z = zigzag_rows(m, world, rank);
-    for (int k = 0; k < 2; ++k) {
-      const int64_t kv = z.len[k] == 0 ? 0 : (custom || !shape.causal) ? m : z.begin[k] + z.len[k];
-      own_qo.push_back(own_qo.back() + static_cast<int32_t>(z.len[k]));
-      kv_len.push_back(static_cast<int32_t>(kv));
-      for (int64_t u = 0; u < kv; ++u)
-        kv_indices.push_back(new_indptr[i] + static_cast<int32_t>(u));
-      kv_indptr.push_back(static_cast<int32_t>(kv_indices.size()));
-      if (new_masked) {
-        for (int64_t q = 0; q < z.len[k]; ++q) {
-          const int64_t t = z.begin[k] + q;
-          for (int64_t u = 0; u < kv; ++u) {
-            const bool base = custom ? tree(i, t, n + u) : (!shape.causal || u <= t);
-            new_bits.push_back(base && (w < 0 || u >= t - w) ? 1 : 0);
-          }
-        }
-        FLASHKV_CHECK(new_bits.size() <= static_cast<size_t>(INT32_MAX),
-                      "CpExtendShape: the new tokens' mask of this rank exceeds 2^31 elements");
-        new_mask_indptr.push_back(static_cast<int32_t>(new_bits.size()));
+    const ZigzagRows z = zigzag_rows(shape.extend_len[i], world, rank);
+    for (int k = 0; k < 2; ++k) own_qo.push_back(own_qo.back() + static_cast<int32_t>(z.len[k]));
+  }
+  const bool ring = options_.kv_pass == CpKvPass::ring;
+  std::vector<int32_t> entries;
+  std::vector<int64_t> cols;  // each entry's new-token index u
+  if (!ring) {
+    // One pass over the gathered new tokens: a chunk's KV is [0, end of the chunk) (causal) or all
+    // of them (a mask or none), so that the kernel's positions (the query rows last) are the
+    // chunk's positions shifted by the prefix, which causal masking and a window do not see.
+    PassLists lists;
+    lists.masked = custom || (!shape.causal && w >= 0);
+    lists.causal = shape.causal;
+    lists.window_left = w;
+    for (size_t i = 0; i < batch; ++i) {
+      const int64_t m = shape.extend_len[i];
+      const ZigzagRows z = zigzag_rows(m, world, rank);
+      for (int k = 0; k < 2; ++k) {
+        const int64_t kv = z.len[k] == 0               ? 0
+                           : (custom || !shape.causal) ? m
+                                                       : z.begin[k] + z.len[k];
+        entries.clear();
+        for (int64_t u = 0; u < kv; ++u) entries.push_back(new_indptr[i] + static_cast<int32_t>(u));
+        lists.add(z.len[k], entries, [&](int64_t q, size_t e) {
+          return seen(static_cast<int64_t>(i), z.begin[k] + q,
+                      shape.prefix_len[i] + static_cast<int64_t>(e));
+        });
       }
     }
+    build_pass(new_pass_, lists, pb, info, plan_options, stream);
+    ring_passes_.clear();
+    ring_keep_.clear();
+  } else {
+    // One pass a ring step: step j holds rank s = (rank - j) mod P's block, its own rows of each
+    // request in its own order (chunk s, then chunk 2P - 1 - s). A chunk of the block is an entry
+    // list of the pass where some row of this rank's chunk sees some of its tokens. Without a
+    // mask or window, whole chunks before the row's chunk are seen by every row, and the row's
+    // own chunk (held at step 0, as the last entries) causally, so step 0 is causal and the
+    // others are not; otherwise every pass takes a mask over global positions.
+    const bool masked = custom || w >= 0;
+    ring_passes_.resize(world);
+    ring_keep_.assign(world, {});
+    std::vector<int64_t> block_at(world, 0);   // request i's first row in each rank's block
+    std::vector<int64_t> keep_step, keep_row;  // request i's new token t: its block and row
+    int64_t kept = 0;
+    std::vector<PassLists> lists(world);
+    for (int j = 0; j < world; ++j) {
+      lists[j].masked = masked;
+      lists[j].causal = shape.causal && j == 0;
+    }
+    for (size_t i = 0; i < batch; ++i) {
+      const int64_t m = shape.extend_len[i], n = shape.prefix_len[i];
+      const ZigzagRows zq = zigzag_rows(m, world, rank);
+      keep_step.assign(m, 0);
+      keep_row.assign(m, 0);
+      for (int j = 0; j < world; ++j) {
+        const int s = (rank - j + world) % world;
+        const ZigzagRows zk = zigzag_rows(m, world, s);
+        for (int a = 0, row = 0; a < 2; row += static_cast<int>(zk.len[a]), ++a)
+          for (int64_t u = 0; u < zk.len[a]; ++u) {
+            keep_step[zk.begin[a] + u] = j;
+            keep_row[zk.begin[a] + u] = block_at[s] + row + u;
+          }
+        for (int k = 0; k < 2; ++k) {
+          const int64_t qb = zq.begin[k], ql = zq.len[k];
+          entries.clear();
+          cols.clear();
+          for (int a = 0, row = 0; a < 2 && ql > 0; row += static_cast<int>(zk.len[a]), ++a) {
+            const int64_t kb = zk.begin[a], kl = zk.len[a];
+            bool any = false;
+            if (masked) {
+              for (int64_t t = qb; t < qb + ql && !any; ++t)
+                for (int64_t u = kb; u < kb + kl && !any; ++u) any = seen(i, t, n + u);
+            } else {
+              any = kl > 0 && (!shape.causal || kb + kl <= qb || kb == qb);
+            }
+            if (!any) continue;
+            for (int64_t u = 0; u < kl; ++u) {
+              entries.push_back(static_cast<int32_t>(block_at[s] + row + u));
+              cols.push_back(kb + u);
+            }
+          }
+          lists[j].add(ql, entries, [&](int64_t q, size_t e) {
+            return seen(static_cast<int64_t>(i), qb + q, n + cols[e]);
+          });
+        }
+      }
+      for (int s = 0; s < world; ++s) block_at[s] += zigzag_rows(m, world, s).total();
+      for (int64_t t = 0; t < m; ++t) {
+        if (shard.owner(n + t) != rank) continue;
+        std::vector<Segment>& keep = ring_keep_[keep_step[t]];
+        if (!keep.empty() && keep.back().src + keep.back().rows == keep_row[t] &&
+            keep.back().dst + keep.back().rows == kept)
+          ++keep.back().rows;
+        else
+          keep.push_back({keep_row[t], kept, 1});
+        ++kept;
+      }
+    }
+    for (int j = 0; j < world; ++j)
+      FLASHKV_CHECK(lists[j].kv_indices.size() <= static_cast<size_t>(INT32_MAX),
+                    "CpExtendShape: a ring step's entries on this rank exceed 2^31");
+    for (int j = 0; j < world; ++j)
+      build_pass(ring_passes_[j], lists[j], pb, info, plan_options, stream);
   }
-  BatchShape nb = pb;
-  nb.batch_size = static_cast<int32_t>(2 * batch);
-  nb.qo_indptr = own_qo.data();
-  nb.kv_len = kv_len.data();
-  nb.page_size = 1;
-  nb.causal = !new_masked && shape.causal;
-  nb.window_left = new_masked ? -1 : w;
-  PrefillPlan new_plan = plan_prefill(nb, info, plan_options);
 
   // Device memory: index tensors, masks, workspaces, exchange buffers.
   qo_indptr_ = on_device(Tensor::from_i32(new_indptr), dev);
   own_qo_indptr_ = on_device(Tensor::from_i32(own_qo), dev);
-  new_kv_indptr_ = on_device(Tensor::from_i32(kv_indptr), dev);
-  if (kv_indices.empty()) kv_indices.push_back(0);
-  new_kv_indices_ = on_device(Tensor::from_i32(kv_indices), dev);
   prefix_mask_ = prefix_masked ? mask_tensor(prefix_bits, dev) : Tensor();
   prefix_mask_indptr_ =
       prefix_masked ? on_device(Tensor::from_i32(prefix_mask_indptr), dev) : Tensor();
-  new_mask_ = new_masked ? mask_tensor(new_bits, dev) : Tensor();
-  new_mask_indptr_ = new_masked ? on_device(Tensor::from_i32(new_mask_indptr), dev) : Tensor();
   prefix_ws_.reserve(prefix_ws_.bytes_needed(prefix_plan), dev);
   prefix_ws_.upload(prefix_plan, stream);
-  new_ws_.reserve(new_ws_.bytes_needed(new_plan), dev);
-  new_ws_.upload(new_plan, stream);
 
   const int64_t total = new_indptr.back(), own = rank_rows[rank];
   const size_t es = dtype_size(shape.dtype);
@@ -249,26 +370,37 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
   const size_t row_o = static_cast<size_t>(shape.num_qo_heads) * shape.head_dim_v * es;
   const size_t row_l = static_cast<size_t>(shape.num_qo_heads) * sizeof(float);
   detail::reserve(bufs_, kAllQ, total * row_q, dev);
-  detail::reserve(bufs_, kAllK, total * row_k, dev);
-  detail::reserve(bufs_, kAllV, total * row_v, dev);
+  if (!ring) {
+    detail::reserve(bufs_, kAllK, total * row_k, dev);
+    detail::reserve(bufs_, kAllV, total * row_v, dev);
+  }
   detail::reserve(bufs_, kPrefixO, total * row_o, dev);
   detail::reserve(bufs_, kPrefixLse, total * row_l, dev);
   if (world > 1) {
+    // The rows' states merged before their last pass: the prefix states, and the ring's earlier
+    // steps' states.
+    const int64_t states = ring ? 2 * world - 1 : world;
     detail::reserve(bufs_, kGatherQ, total * row_q, dev);
-    detail::reserve(bufs_, kGatherK, total * row_k, dev);
-    detail::reserve(bufs_, kGatherV, total * row_v, dev);
+    if (ring) {  // the largest block, K then V
+      const int64_t most = *std::max_element(rank_rows.begin(), rank_rows.end());
+      detail::reserve(bufs_, kRingA, most * (row_k + row_v), dev);
+      detail::reserve(bufs_, kRingB, most * (row_k + row_v), dev);
+    } else {
+      detail::reserve(bufs_, kGatherK, total * row_k, dev);
+      detail::reserve(bufs_, kGatherV, total * row_v, dev);
+    }
     if (options_.exchange == CpExchange::all_to_all) {
       detail::reserve(bufs_, kSendO, total * row_o, dev);
       detail::reserve(bufs_, kSendLse, total * row_l, dev);
-      detail::reserve(bufs_, kRecvO, world * own * row_o, dev);
-      detail::reserve(bufs_, kRecvLse, world * own * row_l, dev);
+      detail::reserve(bufs_, kRecvO, states * own * row_o, dev);
+      detail::reserve(bufs_, kRecvLse, states * own * row_l, dev);
     } else {
       detail::reserve(bufs_, kRecvO, world * total * row_o, dev);
       detail::reserve(bufs_, kRecvLse, world * total * row_l, dev);
-      detail::reserve(bufs_, kPickO, world * own * row_o, dev);
-      detail::reserve(bufs_, kPickLse, world * own * row_l, dev);
+      detail::reserve(bufs_, kPickO, states * own * row_o, dev);
+      detail::reserve(bufs_, kPickLse, states * own * row_l, dev);
     }
-    detail::reserve(bufs_, kLseByRow, world * own * row_l, dev);
+    detail::reserve(bufs_, kLseByRow, states * own * row_l, dev);
     detail::reserve(bufs_, kMergedO, own * row_o, dev);
     detail::reserve(bufs_, kMergedLse, own * row_l, dev);
   }
@@ -280,7 +412,6 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
   shape_.custom_mask = TensorView();  // read here only; the derived masks are kept
   shape_.mask_indptr = TensorView();
   prefix_masked_ = prefix_masked;
-  new_masked_ = new_masked;
   local_prefix_len_ = std::move(local_prefix);
   new_indptr_ = std::move(new_indptr);
   own_indptr_.assign(batch + 1, 0);
@@ -295,7 +426,6 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
   num_local_new_ = num_local_new;
   ran_ = false;
   prefix_plan_ = std::move(prefix_plan);
-  new_plan_ = std::move(new_plan);
   custom_ = custom;
   planned_ = true;
 }
@@ -360,10 +490,12 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
   const size_t es = dtype_size(shape_.dtype);
   const size_t row_q = hq * dqk * es, row_k = hkv * dqk * es, row_v = hkv * dv * es;
   const size_t row_o = hq * dv * es, row_l = hq * sizeof(float);
-  // One rank owns every row, in global order: its q/k/v are the gathered ones.
+  // One rank owns every row, in global order: its q/k/v are the gathered ones. The ring gathers
+  // no k/v.
+  const bool ring = options_.kv_pass == CpKvPass::ring;
   void* all_q = world == 1 ? q.data : bufs_[kAllQ].data();
-  void* all_k = world == 1 ? k.data : bufs_[kAllK].data();
-  void* all_v = world == 1 ? v.data : bufs_[kAllV].data();
+  void* all_k = world == 1 ? k.data : ring ? nullptr : bufs_[kAllK].data();
+  void* all_v = world == 1 ? v.data : ring ? nullptr : bufs_[kAllV].data();
   void* pre_o = bufs_[kPrefixO].data();
   void* pre_l = bufs_[kPrefixLse].data();
   void* merged_o = world == 1 ? pre_o : bufs_[kMergedO].data();
@@ -378,34 +510,80 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
     prefix_opt.custom_mask = prefix_mask_;
     prefix_opt.mask_indptr = prefix_mask_indptr_;
   }
-  AttentionOptions new_opt;
-  new_opt.causal = !new_masked_ && shape_.causal;
-  new_opt.window_left = new_masked_ ? -1 : shape_.window_left;
-  new_opt.sm_scale = opt.sm_scale;
-  new_opt.logits_soft_cap = opt.logits_soft_cap;
-  new_opt.sinks = opt.sinks;  // the last pass writes each row once: the sink enters once
-  if (new_masked_) {
-    new_opt.custom_mask = new_mask_;
-    new_opt.mask_indptr = new_mask_indptr_;
+  const TensorView merged_o_view = detail::view(merged_o, shape_.dtype, {own, hq, dv}, dev);
+  const TensorView merged_l_view = detail::view(merged_l, DType::f32, {own, hq}, dev);
+  // The rows' states before their last pass, rank-major [N, T_own, ...] (N = P, the prefix
+  // states; with the ring, then the P - 1 earlier steps' states), merged with merge_states.
+  const int num_states = ring ? 2 * world - 1 : world;
+  char* states_o = nullptr;
+  char* states_l = nullptr;
+  if (world > 1) {
+    const bool a2a = options_.exchange == CpExchange::all_to_all;
+    states_o = static_cast<char*>(bufs_[a2a ? kRecvO : kPickO].data());
+    states_l = static_cast<char*>(bufs_[a2a ? kRecvLse : kPickLse].data());
   }
-  new_opt.merge_o = detail::view(merged_o, shape_.dtype, {own, hq, dv}, dev);
-  new_opt.merge_lse = detail::view(merged_l, DType::f32, {own, hq}, dev);
+  // A new-token pass's options: its masks; the last pass merges with the rows' merged state as it
+  // writes them, with the sinks (it writes each row once, so the sink enters once). An earlier
+  // ring step writes its own state, kept for the merge.
+  auto new_opt = [&](const NewPass& pass, bool last) {
+    AttentionOptions o;
+    o.causal = pass.causal;
+    o.window_left = pass.window_left;
+    o.sm_scale = opt.sm_scale;
+    o.logits_soft_cap = opt.logits_soft_cap;
+    if (pass.masked) {
+      o.custom_mask = pass.mask;
+      o.mask_indptr = pass.mask_indptr;
+    }
+    if (last) {
+      o.sinks = opt.sinks;
+      o.merge_o = merged_o_view;
+      o.merge_lse = merged_l_view;
+    }
+    return o;
+  };
   ran_ = true;
   if (total == 0) return;
   const PreparedAttention prefix_pass = prepare_paged_prefill(
       prefix_plan_, detail::view(all_q, shape_.dtype, {total, hq, dqk}, dev), qo_indptr_, prefix,
       prefix_opt, detail::view(pre_o, shape_.dtype, {total, hq, dv}, dev),
       detail::view(pre_l, DType::f32, {total, hq}, dev), prefix_ws_);
-  PagedKV new_kv{detail::view(all_k, shape_.dtype, {total, hkv, dqk}, dev),
-                 detail::view(all_v, shape_.dtype, {total, hkv, dv}, dev),
-                 new_kv_indptr_,
-                 new_kv_indices_,
-                 TensorView(),
-                 1};
-  std::optional<PreparedAttention> new_pass;
-  if (own > 0)
-    new_pass =
-        prepare_paged_prefill(new_plan_, q, own_qo_indptr_, new_kv, new_opt, out, lse, new_ws_);
+  // The new-token passes: one over the gathered K/V, or one a ring step over the block it holds
+  // (step 0: this rank's own k/v; step j: ring buffer j % 2, K then V), step j < P - 1 writing
+  // state P + j.
+  auto prepare_new = [&](NewPass& pass, const void* kd, const void* vd, int64_t rows, int step,
+                         bool last) {
+    rows = std::max<int64_t>(rows, 1);  // an empty block: a dummy row no entry reads
+    PagedKV kv{detail::view(const_cast<void*>(kd), shape_.dtype, {rows, hkv, dqk}, dev),
+               detail::view(const_cast<void*>(vd), shape_.dtype, {rows, hkv, dv}, dev),
+               pass.kv_indptr,
+               pass.kv_indices,
+               TensorView(),
+               1};
+    const int64_t slot = world + step;
+    return prepare_paged_prefill(
+        pass.plan, q, own_qo_indptr_, kv, new_opt(pass, last),
+        last ? out : detail::view(states_o + slot * own * row_o, shape_.dtype, {own, hq, dv}, dev),
+        last ? lse : detail::view(states_l + slot * own * row_l, DType::f32, {own, hq}, dev),
+        pass.ws);
+  };
+  char* blocks[2] = {nullptr, nullptr};
+  std::vector<std::optional<PreparedAttention>> new_passes(ring ? world : 1);
+  if (ring && world > 1) {
+    blocks[0] = static_cast<char*>(bufs_[kRingA].data());
+    blocks[1] = static_cast<char*>(bufs_[kRingB].data());
+  }
+  for (int j = 0; j < static_cast<int>(new_passes.size()) && own > 0; ++j) {
+    const bool last = j + 1 == static_cast<int>(new_passes.size());
+    if (!ring) {
+      new_passes[j] = prepare_new(new_pass_, all_k, all_v, total, j, true);
+    } else {
+      const int64_t rows = rank_rows_[(rank - j + world) % world];
+      const char* held = j == 0 ? nullptr : blocks[j % 2];
+      new_passes[j] = prepare_new(ring_passes_[j], j == 0 ? k.data : held,
+                                  j == 0 ? v.data : held + rows * row_k, rows, j, last);
+    }
+  }
   clock.local();  // the checks and the passes' preparation
 
   if (world > 1) {
@@ -414,7 +592,7 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
     const void* mine[3] = {q.data, k.data, v.data};
     void* all[3] = {all_q, all_k, all_v};
     const size_t row[3] = {row_q, row_k, row_v};
-    for (int t = 0; t < 3; ++t) {
+    for (int t = 0; t < (ring ? 1 : 3); ++t) {
       for (int s = 0; s < world; ++s) {
         counts[s] = rank_rows_[s] * row[t];
         displs[s] = rank_row_begin_[s] * row[t];
@@ -428,19 +606,15 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
   prefix_pass.run(stream);
   clock.local();
 
-  if (world > 1) {
-    char* recv_o;
-    char* recv_l;
+  if (world > 1) {  // the prefix states to the rows' owners: states 0 .. P - 1
     if (options_.exchange == CpExchange::all_to_all) {
       char* send_o = static_cast<char*>(bufs_[kSendO].data());
       char* send_l = static_cast<char*>(bufs_[kSendLse].data());
       copy_segments(send_o, 0, pre_o, 0, to_owner_, row_o, stream);
       copy_segments(send_l, 0, pre_l, 0, to_owner_, row_l, stream);
       clock.merge();
-      recv_o = static_cast<char*>(bufs_[kRecvO].data());
-      recv_l = static_cast<char*>(bufs_[kRecvLse].data());
       for (const auto& [dst, src, row] :
-           {std::tuple{recv_o, send_o, row_o}, std::tuple{recv_l, send_l, row_l}}) {
+           {std::tuple{states_o, send_o, row_o}, std::tuple{states_l, send_l, row_l}}) {
         std::vector<size_t> sc(world), sd(world), rc(world), rd(world);
         for (int s = 0; s < world; ++s) {
           sc[s] = rank_rows_[s] * row;
@@ -457,28 +631,64 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
       comm_.all_gather(pre_o, total * row_o, all_o, stream);
       comm_.all_gather(pre_l, total * row_l, all_l, stream);
       clock.comm();
-      recv_o = static_cast<char*>(bufs_[kPickO].data());
-      recv_l = static_cast<char*>(bufs_[kPickLse].data());
       for (int s = 0; s < world; ++s) {
-        copy_segments(recv_o, s * own, all_o, s * total, own_of_global_, row_o, stream);
-        copy_segments(recv_l, s * own, all_l, s * total, own_of_global_, row_l, stream);
+        copy_segments(states_o, s * own, all_o, s * total, own_of_global_, row_o, stream);
+        copy_segments(states_l, s * own, all_l, s * total, own_of_global_, row_l, stream);
       }
     }
-    if (own > 0) {
-      char* by_row = static_cast<char*>(bufs_[kLseByRow].data());
-      for (int s = 0; s < world; ++s)  // [P, T_own, H] -> [T_own, P, H]
-        detail::copy_2d(by_row + s * row_l, world * row_l, recv_l + s * own * row_l, row_l, row_l,
-                        own, dev, stream);
-      TensorView states(recv_o, shape_.dtype, {own, world, hq, dv}, dev);
-      states.stride[0] = hq * dv;
-      states.stride[1] = own * hq * dv;
-      merge_states(states, detail::view(by_row, DType::f32, {own, world, hq}, dev), new_opt.merge_o,
-                   new_opt.merge_lse, stream);
+  }
+
+  // The ring (on one rank, its only step): step j attends the block of rank (rank - j) mod P and
+  // keeps the rows of it this rank stores; then, but at the last step, it sends that block to
+  // rank + 1 and receives rank - 1's.
+  const int next = (rank + 1) % world, prev = (rank - 1 + world) % world;
+  for (int j = 0; ring && j + 1 < world; ++j) {
+    const int64_t rows = rank_rows_[(rank - j + world) % world];
+    keep_ring_rows(j, j == 0 ? k.data : blocks[j % 2],
+                   j == 0 ? v.data : blocks[j % 2] + rows * row_k, row_k, row_v, stream);
+    clock.merge();
+    if (new_passes[j]) new_passes[j]->run(stream);
+    clock.local();
+    if (j == 0) {  // this rank's own block, K then V, into the first ring buffer
+      copy_bytes(blocks[0], dev, k.data, dev, rows * row_k, stream);
+      copy_bytes(blocks[0] + rows * row_k, dev, v.data, dev, rows * row_v, stream);
+      clock.merge();
     }
+    const int64_t incoming = rank_rows_[(rank - j - 1 + 2 * world) % world];
+    comm_.send_recv(blocks[j % 2], rows * (row_k + row_v), next, blocks[(j + 1) % 2],
+                    incoming * (row_k + row_v), prev, stream);
+    clock.comm();
+  }
+
+  if (world > 1 && own > 0) {  // [N, T_own, H] -> [T_own, N, H], then the merge
+    char* by_row = static_cast<char*>(bufs_[kLseByRow].data());
+    for (int s = 0; s < num_states; ++s)
+      detail::copy_2d(by_row + s * row_l, num_states * row_l, states_l + s * own * row_l, row_l,
+                      row_l, own, dev, stream);
+    TensorView states(states_o, shape_.dtype, {own, num_states, hq, dv}, dev);
+    states.stride[0] = hq * dv;
+    states.stride[1] = own * hq * dv;
+    merge_states(states, detail::view(by_row, DType::f32, {own, num_states, hq}, dev),
+                 merged_o_view, merged_l_view, stream);
+  }
+  if (world > 1) clock.merge();
+  if (ring) {  // the last step's block (on one rank, the rank's own)
+    const int j = world - 1;
+    const int64_t rows = rank_rows_[(rank - j + world) % world];
+    keep_ring_rows(j, j == 0 ? k.data : blocks[j % 2],
+                   j == 0 ? v.data : blocks[j % 2] + rows * row_k, row_k, row_v, stream);
     clock.merge();
   }
-  if (new_pass) new_pass->run(stream);
+  if (new_passes.back()) new_passes.back()->run(stream);
   clock.local();
+}
+
+// Copies the rows of ring step j's block that this rank keeps (append_local_kv) out of it.
+void CpExtend::keep_ring_rows(int step, const void* k, const void* v, size_t row_k, size_t row_v,
+                              Stream stream) {
+  if (comm_.size() == 1) return;  // one rank keeps its own k/v, as given
+  copy_segments(bufs_[kLocalNewK].data(), 0, k, 0, ring_keep_[step], row_k, stream);
+  copy_segments(bufs_[kLocalNewV].data(), 0, v, 0, ring_keep_[step], row_v, stream);
 }
 
 void CpExtend::append_local_kv(const TensorView& k, const TensorView& v,
@@ -521,8 +731,10 @@ void CpExtend::append_local_kv(const TensorView& k, const TensorView& v,
       prepare_append_kv(detail::view(k_new, shape_.dtype, {num_local_new_, hkv, dqk}, dev),
                         detail::view(v_new, shape_.dtype, {num_local_new_, hkv, dv}, dev),
                         out_cache_loc, k_pool, v_pool, k_scale, v_scale);
-  copy_segments(k_new, 0, bufs_[kAllK].data(), 0, local_new_, hkv * dqk * es, stream);
-  copy_segments(v_new, 0, bufs_[kAllV].data(), 0, local_new_, hkv * dv * es, stream);
+  if (options_.kv_pass == CpKvPass::all_gather) {  // the ring kept them as the blocks passed
+    copy_segments(k_new, 0, bufs_[kAllK].data(), 0, local_new_, hkv * dqk * es, stream);
+    copy_segments(v_new, 0, bufs_[kAllV].data(), 0, local_new_, hkv * dv * es, stream);
+  }
   append.run(stream);
 }
 

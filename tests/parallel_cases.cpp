@@ -133,16 +133,23 @@ std::string CpExtendCase::str() const {
 
 std::string str(const CpOptions& o) {
   return str_cat(o.layout == CpLayout::interleaved ? "interleaved" : "contiguous", " block ",
-                 o.block, o.exchange == CpExchange::all_gather ? " all_gather" : " all_to_all");
+                 o.block, o.exchange == CpExchange::all_gather ? " all_gather" : " all_to_all",
+                 o.kv_pass == parallel::CpKvPass::ring ? " ring" : "");
 }
 
-std::vector<CpOptions> cp_option_sweep() {
+std::vector<CpOptions> cp_option_sweep(parallel::CpKvPass kv_pass) {
   std::vector<CpOptions> out;
   for (CpExchange ex : {CpExchange::all_gather, CpExchange::all_to_all}) {
-    out.push_back({CpLayout::interleaved, 1, ex});
-    out.push_back({CpLayout::interleaved, 16, ex});
-    out.push_back({CpLayout::contiguous, 37, ex});
+    out.push_back({CpLayout::interleaved, 1, ex, kv_pass});
+    out.push_back({CpLayout::interleaved, 16, ex, kv_pass});
+    out.push_back({CpLayout::contiguous, 37, ex, kv_pass});
   }
+  return out;
+}
+
+std::vector<CpOptions> cp_extend_option_sweep() {
+  std::vector<CpOptions> out = cp_option_sweep();
+  for (const CpOptions& o : cp_option_sweep(parallel::CpKvPass::ring)) out.push_back(o);
   return out;
 }
 

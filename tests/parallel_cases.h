@@ -46,7 +46,10 @@ void check_cp_decode(parallel::Communicator& comm, const parallel::CpOptions& op
 void check_cp_extend(parallel::Communicator& comm, const parallel::CpOptions& options,
                      const CpExtendCase& c);
 
-// The layouts and exchanges the sharded tests sweep.
-std::vector<parallel::CpOptions> cp_option_sweep();
+// The layouts and exchanges the sharded tests sweep, with the given passing of the new tokens'
+// K/V; for extend, both passings.
+std::vector<parallel::CpOptions> cp_option_sweep(
+    parallel::CpKvPass kv_pass = parallel::CpKvPass::all_gather);
+std::vector<parallel::CpOptions> cp_extend_option_sweep();
 
 }  // namespace flashkv::test

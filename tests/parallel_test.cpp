@@ -104,6 +104,15 @@ TEST(CpOneRank, Collectives) {
             }).find("counts: expected 1 entries"),
             std::string::npos);
   EXPECT_NE(error_of([&] { comm.broadcast(dst, 1, 1, {}); }).find("root = 1"), std::string::npos);
+  char ring[3] = {0, 0, 0};
+  comm.send_recv(src + 1, 3, 0, ring, 3, 0, {});
+  EXPECT_EQ(std::memcmp(ring, src + 1, 3), 0);
+  EXPECT_NE(error_of([&] { comm.send_recv(src, 1, 1, ring, 1, 0, {}); }).find("dest = 1"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              comm.send_recv(src, 2, 0, ring, 1, 0, {});
+            }).find("recv_bytes = 1: expected send_bytes = 2"),
+            std::string::npos);
 }
 
 TEST(CpOneRank, DecodeMatchesReference) {
@@ -128,25 +137,36 @@ TEST(CpOneRank, DecodeMatchesReference) {
   }
 }
 
+// Both passings of the new tokens' K/V: on one rank the ring is its step over the rank's own
+// block, planned as on more ranks (chunks, masks over global positions).
 TEST(CpOneRank, ExtendMatchesReference) {
   parallel::OneRankCommunicator comm;
   uint64_t seed = 50;
-  for (int page : {1, 16}) {
-    CpExtendCase c;
-    c.prefix_len = {0, 40, 17};
-    c.extend_len = {5, 33, 0};
-    c.page_size = page;
-    c.seed = ++seed;
-    check_cp_extend(comm, CpOptions{}, c);
-    c.dtype = DType::bf16;
-    c.sinks = true;
-    c.window_left = 20;
-    c.seed = ++seed;
-    check_cp_extend(comm, CpOptions{}, c);
-    c.tree_mask = true;
-    c.extend_len = {4, 6, 1};
-    c.seed = ++seed;
-    check_cp_extend(comm, CpOptions{}, c);
+  for (parallel::CpKvPass pass : {parallel::CpKvPass::all_gather, parallel::CpKvPass::ring}) {
+    CpOptions o;
+    o.kv_pass = pass;
+    for (int page : {1, 16}) {
+      CpExtendCase c;
+      c.prefix_len = {0, 40, 17};
+      c.extend_len = {5, 33, 0};
+      c.page_size = page;
+      c.seed = ++seed;
+      check_cp_extend(comm, o, c);
+      c.dtype = DType::bf16;
+      c.sinks = true;
+      c.window_left = 20;
+      c.seed = ++seed;
+      check_cp_extend(comm, o, c);
+      c.tree_mask = true;
+      c.extend_len = {4, 6, 1};
+      c.seed = ++seed;
+      check_cp_extend(comm, o, c);
+      c.tree_mask = false;
+      c.causal = false;
+      c.window_left = page == 1 ? -1 : 7;
+      c.seed = ++seed;
+      check_cp_extend(comm, o, c);
+    }
   }
 }
 
@@ -185,6 +205,12 @@ TEST(CpOneRank, BadArguments) {
   shape.kv_len = {-1};
   EXPECT_NE(error_of([&] { cp.plan(shape); }).find("kv_len[0] = -1"), std::string::npos);
 
+  CpOptions bad_pass;
+  bad_pass.kv_pass = static_cast<parallel::CpKvPass>(7);
+  EXPECT_NE(error_of([&] {
+              parallel::CpExtend bad(comm, bad_pass);
+            }).find("CpOptions::kv_pass: expected all_gather or ring, got 7"),
+            std::string::npos);
   parallel::CpExtend ext(comm, CpOptions{});
   parallel::CpExtendShape es;
   es.prefix_len = {4, 4};
@@ -235,6 +261,12 @@ TEST(CpNccl, OneRank) {
     Tensor back = dst.to(Device::cpu());
     const std::vector<int32_t> want = {1, 2, 3, 4, 1, 2, 3, 4};
     for (int i = 0; i < 8; ++i) EXPECT_EQ(back.ptr<int32_t>()[i], want[i]) << i;
+    // send_recv to itself: a copy on the stream.
+    comm->send_recv(static_cast<char*>(src.data()) + 4, 8, 0, dst.data(), 8, 0, {});
+    comm->synchronize({});
+    back = dst.to(Device::cpu());
+    EXPECT_EQ(back.ptr<int32_t>()[0], 2);
+    EXPECT_EQ(back.ptr<int32_t>()[1], 3);
 
     // Decode on the GPU through the NCCL communicator.
     Rng rng(test_seed(2901));

@@ -145,6 +145,25 @@ class MpiCommunicator final : public Communicator {
     if (rank_ != root) copy(data, s, bytes);
   }
 
+  // Point to point: a synchronous send (MPI_Issend completes only once `dest` has matched it, so
+  // a sender whose receiver is gone stops at the timeout too) and a receive, waited for together.
+  void send_recv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes,
+                 int source, Stream) override {
+    const char* what = "send_recv";
+    ready(what);
+    check_send_recv(*this, dest, source, send_bytes, recv_bytes);
+    const int ns = to_int(send_bytes, what, "send_bytes");
+    const int nr = to_int(recv_bytes, what, "recv_bytes");
+    char* s = stage(send_, send_bytes);
+    char* r = stage(recv_, recv_bytes);
+    copy(s, send, send_bytes);
+    MPI_Request reqs[2];
+    check(MPI_Irecv(r, nr, MPI_BYTE, source, kSendRecvTag, comm_, &reqs[0]), "MPI_Irecv");
+    check(MPI_Issend(s, ns, MPI_BYTE, dest, kSendRecvTag, comm_, &reqs[1]), "MPI_Issend");
+    wait(reqs, 2, what);
+    copy(recv, r, recv_bytes);
+  }
+
   void barrier() override {
     ready("barrier");
     MPI_Request req;
@@ -167,14 +186,16 @@ class MpiCommunicator final : public Communicator {
     if (buf->size() < bytes) buf->resize(bytes);
     return buf->data();
   }
-  // Polls `req` until it completes or the timeout passes. MPI cannot cancel a collective, so on a
-  // timeout the staging buffers stay with it (never freed or reused) and the communicator breaks.
-  void wait(MPI_Request& req, const char* what) {
+  void wait(MPI_Request& req, const char* what) { wait(&req, 1, what); }
+  // Polls the `n` requests until they all complete or the timeout passes. MPI cannot cancel a
+  // collective, so on a timeout the staging buffers stay with it (never freed or reused) and the
+  // communicator breaks.
+  void wait(MPI_Request* reqs, int n, const char* what) {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     for (int spins = 0;; ++spins) {
       int done = 0;
-      const int code = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+      const int code = MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE);
       if (code != MPI_SUCCESS) {
         abandon(str_cat(what, " failed: ", mpi_error_string(code)));
         throw_error(str_cat("MPI ", what, ": ", mpi_error_string(code), " (rank ", rank_, " of ",
@@ -202,6 +223,8 @@ class MpiCommunicator final : public Communicator {
     abandoned.push_back(std::move(recv_));
   }
 
+  // The tag of send_recv's messages (collectives do not match point-to-point messages).
+  static constexpr int kSendRecvTag = 0x464b;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   CommOptions options_;

@@ -98,6 +98,24 @@ class NcclCommunicator final : public Communicator {
           "ncclBroadcast");
   }
 
+  // Point to point, grouped so that the ring's sends and receives cannot deadlock; a rank that is
+  // its own dest copies on the stream.
+  void send_recv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes,
+                 int source, Stream stream) override {
+    ready("send_recv");
+    check_send_recv(*this, dest, source, send_bytes, recv_bytes);
+    flashkv::detail::cuda_set_device(device_);
+    const cudaStream_t s = cuda_stream(stream);
+    if (dest == rank_) {
+      copy_to_self(recv, send, send_bytes, s);
+      return;
+    }
+    check(ncclGroupStart(), "ncclGroupStart");
+    if (send_bytes > 0) check(ncclSend(send, send_bytes, ncclUint8, dest, comm_, s), "ncclSend");
+    if (recv_bytes > 0) check(ncclRecv(recv, recv_bytes, ncclUint8, source, comm_, s), "ncclRecv");
+    check(ncclGroupEnd(), "ncclGroupEnd");
+  }
+
   // An all-reduce of nothing would not synchronize the hosts: this is a one-byte all-gather on a
   // private stream, waited for with the timeout.
   void barrier() override {

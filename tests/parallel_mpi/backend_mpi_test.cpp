@@ -1,9 +1,10 @@
 // FlashKVBackend's context-parallel path across the MPI ranks of the run: every forward mode
 // (extend on a prefix, decode, target verify with a tree mask, draft extend), windowed and full
-// layers, every layout and exchange. Each rank builds the same global state from the seed, runs
-// the ordinary backend over all of it, and its sharded backend over its own share (its
-// req_to_token rows list only its positions; out_cache_loc names its slots or the dummy slot 0);
-// its rows must match the ordinary ones, and its pool must hold exactly the K/V of its positions.
+// layers, every layout and exchange, the new tokens' K/V all-gathered or passed round a ring.
+// Each rank builds the same global state from the seed, runs the ordinary backend over all of it,
+// and its sharded backend over its own share (its req_to_token rows list only its positions;
+// out_cache_loc names its slots or the dummy slot 0); its rows must match the ordinary ones, and
+// its pool must hold exactly the K/V of its positions.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -62,7 +63,7 @@ TEST(CpBackendMpi, EveryModeMatchesTheOrdinaryPath) {
   auto comm = parallel::make_mpi_communicator(MPI_Comm_c2f(MPI_COMM_WORLD), co);
   const int P = comm->size(), me = comm->rank();
   uint64_t seed = 4200;
-  for (const parallel::CpOptions& cp : cp_option_sweep()) {
+  for (const parallel::CpOptions& cp : cp_extend_option_sweep()) {
     SCOPED_TRACE(str(cp));
     Rng rng(++seed);  // the same on every rank
     const parallel::CpShard shard(cp, P);

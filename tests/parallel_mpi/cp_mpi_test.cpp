@@ -64,6 +64,23 @@ TEST(CpMpi, Collectives) {
   comm->broadcast(&value, sizeof(value), p - 1, {});
   EXPECT_EQ(value, 4242);
   comm->barrier();
+  // send_recv round a ring, point to point and through the default (all_to_all_v): rank r sends
+  // r + 1 bytes of value 32 + r to rank r + 1 and receives rank r - 1's.
+  const int next = (r + 1) % p, prev = (r - 1 + p) % p;
+  std::vector<unsigned char> ring_send(r + 1, static_cast<unsigned char>(32 + r));
+  for (int way = 0; way < 2; ++way) {
+    std::vector<unsigned char> ring_recv(prev + 1, 0);
+    if (way == 0)
+      comm->send_recv(ring_send.data(), r + 1, next, ring_recv.data(), prev + 1, prev, {});
+    else
+      comm->Communicator::send_recv(ring_send.data(), r + 1, next, ring_recv.data(), prev + 1, prev,
+                                    {});
+    for (int j = 0; j <= prev; ++j) EXPECT_EQ(ring_recv[j], 32 + prev) << "way " << way;
+  }
+  EXPECT_NE(error_of([&] {
+              comm->send_recv(ring_send.data(), 1, p, ring_send.data(), 1, prev, {});
+            }).find("send_recv: dest = "),
+            std::string::npos);
   // Wrong-sized count vectors are refused before anything is sent.
   EXPECT_NE(error_of([&] {
               comm->all_gather_v(send_v.data(), recv_v.data(), {1}, {0, 0}, {});
@@ -137,7 +154,7 @@ TEST(CpMpi, Extend) {
       {{257, 16}, {64, 100}},      // long prefix, page-size multiples
   };
   uint64_t seed = 500;
-  for (const CpOptions& o : cp_option_sweep()) {
+  for (const CpOptions& o : cp_extend_option_sweep()) {
     for (const Lens& l : lens) {
       for (int page : {1, 16}) {
         CpExtendCase c;
@@ -149,7 +166,7 @@ TEST(CpMpi, Extend) {
       }
     }
   }
-  for (const CpOptions& o : cp_option_sweep()) {
+  for (const CpOptions& o : cp_extend_option_sweep()) {
     // bf16 with sinks; a sliding window (global positions in the sharded prefix).
     CpExtendCase c;
     c.prefix_len = {150, 31};
@@ -176,7 +193,7 @@ TEST(CpMpi, Extend) {
 TEST(CpMpi, VerifyAndDraftExtend) {
   auto comm = world_comm();
   uint64_t seed = 900;
-  for (const CpOptions& o : cp_option_sweep()) {
+  for (const CpOptions& o : cp_extend_option_sweep()) {
     CpExtendCase verify;
     verify.prefix_len = {120, 47, 1};
     verify.extend_len = {7, 5, 9};
@@ -199,23 +216,102 @@ TEST(CpMpi, VerifyAndDraftExtend) {
   }
 }
 
-// A rank that fails on a bad input before its first collective: it throws its own error, and the
-// other ranks, waiting in the collective, stop at the timeout with an error rather than hang.
+// Forwards to another communicator, but its send_recv throws at the `fail_at`-th call on rank
+// `failing`: a rank that fails in the middle of a ring.
+class FailingRing final : public Communicator {
+ public:
+  FailingRing(Communicator& inner, int failing, int fail_at)
+      : inner_(inner), failing_(failing), fail_at_(fail_at) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Device device() const override { return inner_.device(); }
+  std::string name() const override { return inner_.name(); }
+  void all_gather(const void* send, size_t bytes, void* recv, Stream stream) override {
+    inner_.all_gather(send, bytes, recv, stream);
+  }
+  void all_gather_v(const void* send, void* recv, const std::vector<size_t>& counts,
+                    const std::vector<size_t>& displs, Stream stream) override {
+    inner_.all_gather_v(send, recv, counts, displs, stream);
+  }
+  void all_to_all_v(const void* send, const std::vector<size_t>& sc, const std::vector<size_t>& sd,
+                    void* recv, const std::vector<size_t>& rc, const std::vector<size_t>& rd,
+                    Stream stream) override {
+    inner_.all_to_all_v(send, sc, sd, recv, rc, rd, stream);
+  }
+  void broadcast(void* data, size_t bytes, int root, Stream stream) override {
+    inner_.broadcast(data, bytes, root, stream);
+  }
+  void send_recv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes,
+                 int source, Stream stream) override {
+    if (rank() == failing_ && ++calls_ == fail_at_) throw_error("rank failed mid-ring");
+    inner_.send_recv(send, send_bytes, dest, recv, recv_bytes, source, stream);
+  }
+  void barrier() override { inner_.barrier(); }
+  void synchronize(Stream stream) override { inner_.synchronize(stream); }
+
+ private:
+  Communicator& inner_;
+  int failing_, fail_at_, calls_ = 0;
+};
+
+// A rank that fails on a bad input before its first collective, or in the middle of the ring of
+// a sharded extend: it throws its own error, and the other ranks, waiting in the collective or
+// the ring step, stop at the timeout with an error rather than hang.
 TEST(CpMpi, ZFailingRankTimesOut) {
   auto comm = world_comm(/*timeout_s=*/2.0);
   if (comm->size() < 2) GTEST_SKIP() << "needs two ranks";
-  CpDecodeCase c;
-  c.kv_len = {40};
+  // Both duplicated while every rank is healthy: the ring's case runs on ring_comm, then the
+  // decode's on comm.
+  auto ring_comm = world_comm(/*timeout_s=*/2.0);
+  const CpDecodeCase c;
+  Rng rng(7);
+  // The ring: rank 1 fails at the last ring step (the second of two with three ranks), after the
+  // collectives before the ring; its neighbours, one sending to it and one receiving from it,
+  // stop at the timeout in that step.
+  const int p = comm->size();
+  FailingRing failing(*ring_comm, /*failing=*/1, /*fail_at=*/p - 1);
+  CpOptions ring;
+  ring.kv_pass = parallel::CpKvPass::ring;
+  parallel::CpExtend ext(failing, ring);
+  parallel::CpExtendShape es;
+  es.prefix_len = {3 * p};
+  es.extend_len = {4 * p};
+  es.num_qo_heads = c.hq;
+  es.num_kv_heads = c.hkv;
+  es.head_dim_qk = es.head_dim_v = c.head_dim;
+  es.dtype = DType::f32;
+  ext.plan(es);
+  const int64_t own = ext.num_own_rows(), pre = ext.local_prefix_len()[0];
+  Tensor eq = random_tensor(rng, {own, c.hq, c.head_dim}, DType::f32);
+  Tensor ek = random_tensor(rng, {own, c.hkv, c.head_dim}, DType::f32);
+  Tensor ev = random_tensor(rng, {own, c.hkv, c.head_dim}, DType::f32);
+  Tensor pk = random_tensor(rng, {pre, c.hkv, c.head_dim}, DType::f32);
+  Tensor pv = random_tensor(rng, {pre, c.hkv, c.head_dim}, DType::f32);
+  std::vector<int32_t> pidx(pre);
+  std::iota(pidx.begin(), pidx.end(), 0);
+  Tensor pindptr = Tensor::from_i32({0, static_cast<int32_t>(pre)});
+  Tensor pindices = Tensor::from_i32(pidx);
+  PagedKV prefix{pk, pv, pindptr, pindices, TensorView(), 1};
+  Tensor eout = Tensor::empty({own, c.hq, c.head_dim}, DType::f32);
+  const std::string ring_error =
+      error_of([&] { ext.run(eq, ek, ev, prefix, AttentionOptions(), eout, {}); });
+  if (comm->rank() == 1) {
+    EXPECT_NE(ring_error.find("rank failed mid-ring"), std::string::npos) << ring_error;
+  } else if (comm->rank() == 0 || comm->rank() == 2) {  // rank 1's neighbours
+    EXPECT_NE(ring_error.find("MPI send_recv: rank"), std::string::npos) << ring_error;
+    EXPECT_NE(ring_error.find("waited 2 s for the other ranks"), std::string::npos) << ring_error;
+  }
+
+  // A bad argument on rank 1 before the decode's first collective.
   parallel::CpDecode cp(*comm, CpOptions{});
   parallel::CpDecodeShape shape;
-  shape.kv_len = c.kv_len;
+  shape.kv_len = {40};
   shape.num_qo_heads = c.hq;
   shape.num_kv_heads = c.hkv;
   shape.head_dim_qk = shape.head_dim_v = c.head_dim;
   shape.dtype = DType::f32;
   cp.plan(shape);
   const int64_t local = cp.local_kv_len()[0];
-  Rng rng(7);
   Tensor q = random_tensor(rng, {1, c.hq, c.head_dim}, DType::f32);
   Tensor kc = random_tensor(rng, {std::max<int64_t>(local, 1), c.hkv, c.head_dim}, DType::f32);
   Tensor vc = random_tensor(rng, {std::max<int64_t>(local, 1), c.hkv, c.head_dim}, DType::f32);

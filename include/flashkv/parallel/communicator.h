@@ -48,6 +48,14 @@ class Communicator {
                             const std::vector<size_t>& recv_displs, Stream stream) = 0;
   // `bytes` bytes of `data` on rank `root` are copied into `data` on every rank.
   virtual void broadcast(void* data, size_t bytes, int root, Stream stream) = 0;
+  // One step of a ring (or any permutation): every rank calls it at once, sending `send_bytes`
+  // bytes of `send` to rank `dest` and receiving `recv_bytes` bytes from rank `source` into
+  // `recv`, which equal what `source` sends it (a ring step: dest = rank + 1, source = rank - 1,
+  // modulo size()). `send` may not overlap `recv`. A rank that is its own dest and source copies.
+  // The default is all_to_all_v with one non-empty count each way; the MPI and NCCL communicators
+  // send and receive point to point.
+  virtual void send_recv(const void* send, size_t send_bytes, int dest, void* recv,
+                         size_t recv_bytes, int source, Stream stream);
   // Returns once every rank has called it (host side; bounded by the timeout).
   virtual void barrier() = 0;
   // Waits until the collectives enqueued on `stream` have completed, bounded by the timeout.
@@ -62,6 +70,12 @@ class Communicator {
 void check_counts(const Communicator& comm, const char* what, const std::vector<size_t>& counts,
                   const std::vector<size_t>& displs, const char* counts_name,
                   const char* displs_name);
+
+// Checks send_recv's ranks and sizes against the communicator (named by its name() in the
+// message): dest and source in range, and a rank that sends to itself receiving from itself, what
+// it sends.
+void check_send_recv(const Communicator& comm, int dest, int source, size_t send_bytes,
+                     size_t recv_bytes);
 
 // The group of one: every collective is a copy from send to recv on `device` (on `stream`
 // when the device is a GPU). The default communicator of the one-rank path.
@@ -80,6 +94,8 @@ class OneRankCommunicator final : public Communicator {
                     const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_displs,
                     Stream stream) override;
   void broadcast(void* data, size_t bytes, int root, Stream stream) override;
+  void send_recv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes,
+                 int source, Stream stream) override;
   void barrier() override {}
   void synchronize(Stream stream) override;
 

@@ -35,10 +35,26 @@ enum class CpExchange : uint8_t {
   all_to_all,
 };
 
+// How an extend's new tokens' K/V reach the ranks whose rows attend to them (decode has no new
+// tokens to pass and ignores it).
+enum class CpKvPass : uint8_t {
+  // Every rank gathers every rank's new tokens' K/V (all_gather_v) and attends its rows over all
+  // of them in one pass.
+  all_gather,
+  // Passed around a ring: each rank starts with its own new tokens' K/V, attends its rows over the
+  // block it holds, and in P - 1 steps sends that block to rank r + 1 and receives rank r - 1's
+  // (Communicator::send_recv), one attention pass a block. The states of the passes before the
+  // last are merged with the prefix states (merge_states), and the last pass merges with that as
+  // it writes. A rank holds two blocks at a time (the one it attends and sends, the one it
+  // receives), never every rank's.
+  ring,
+};
+
 struct CpOptions {
   CpLayout layout = CpLayout::interleaved;
   int64_t block = 1;  // tokens per run (interleaved) or per rank (contiguous); >= 1
   CpExchange exchange = CpExchange::all_gather;
+  CpKvPass kv_pass = CpKvPass::all_gather;
 };
 
 // Where a sharded run()'s time goes, for benchmarks (flashkv bench --cp): given to set_timing(),
@@ -129,11 +145,12 @@ class CpDecode {
 
 // Extend (and target verify / draft extend): each request has a cached prefix, sharded as in
 // decode, and new tokens split zigzag across the ranks (zigzag_rows). Each rank gives its own new
-// tokens' q/k/v and gets their output. Internally: the new tokens' q/k/v are all-gathered; each
-// rank attends all new rows over its prefix shard (non-causal: the prefix precedes them), the
-// states are exchanged and merged for the rows each rank owns, and those rows then attend over
-// all new tokens (causal on their global positions), merged with the prefix state as they are
-// written.
+// tokens' q/k/v and gets their output. Internally: the new tokens' q (and, with
+// CpKvPass::all_gather, their k/v) are all-gathered; each rank attends all new rows over its
+// prefix shard (non-causal: the prefix precedes them), the states are exchanged and merged for the
+// rows each rank owns, and those rows then attend over all new tokens (causal on their global
+// positions): in one pass over the gathered K/V, or (CpKvPass::ring) one pass per rank's block
+// as the blocks go round, merged with the prefix state as the last one is written.
 struct CpExtendShape {
   std::vector<int32_t> prefix_len;  // cached tokens of each request (global)
   std::vector<int32_t> extend_len;  // new tokens of each request
@@ -170,7 +187,8 @@ class CpExtend {
   int64_t num_local_new() const { return num_local_new_; }
   // After run() (and before the next run or plan), writes those tokens' K/V into this rank's
   // pool with append_kv. k, v: what the last run() was given (with one rank they are the source;
-  // otherwise the rows come from the new tokens run() gathered); out_cache_loc
+  // otherwise the rows come from the new tokens run() gathered, or with the ring, from the blocks
+  // as they passed); out_cache_loc
   // [num_local_new()] (i32/i64): their slots; k_pool / v_pool and the scales as append_kv takes
   // them.
   void append_local_kv(const TensorView& k, const TensorView& v, const TensorView& out_cache_loc,
@@ -183,6 +201,21 @@ class CpExtend {
   struct Segment {  // a copy of `rows` rows
     int64_t src, dst, rows;
   };
+  // An attention pass of the owned rows (each owned chunk a request of its own) over new tokens'
+  // K/V: a paged view with page size 1 over a buffer of them, kv_indices picking each chunk's
+  // rows; causal or a mask over those rows built at plan time.
+  struct NewPass {
+    PrefillPlan plan;
+    Workspace ws;
+    bool masked = false, causal = false;
+    int32_t window_left = -1;
+    Tensor kv_indptr, kv_indices, mask, mask_indptr;
+  };
+  struct PassLists;  // a NewPass's host arrays while it is planned
+  void build_pass(NewPass& pass, const PassLists& lists, const BatchShape& shape,
+                  const DeviceInfo& info, const PlanOptions& plan_options, Stream stream);
+  void keep_ring_rows(int step, const void* k, const void* v, size_t row_k, size_t row_v,
+                      Stream stream);
   void copy_segments(void* dst, int64_t dst_base, const void* src, int64_t src_base,
                      const std::vector<Segment>& segments, size_t row_bytes, Stream stream);
   Communicator& comm_;
@@ -201,11 +234,17 @@ class CpExtend {
   std::vector<Segment> local_new_;       // global order -> the new tokens this rank keeps
   int64_t num_local_new_ = 0;
   bool ran_ = false;  // run() since the last plan()
-  PrefillPlan prefix_plan_, new_plan_;
-  Workspace prefix_ws_, new_ws_;
-  bool prefix_masked_ = false, new_masked_ = false, custom_ = false;
-  Tensor qo_indptr_, own_qo_indptr_, new_kv_indptr_, new_kv_indices_;
-  Tensor prefix_mask_, prefix_mask_indptr_, new_mask_, new_mask_indptr_;
+  PrefillPlan prefix_plan_;
+  Workspace prefix_ws_;
+  bool prefix_masked_ = false, custom_ = false;
+  Tensor qo_indptr_, own_qo_indptr_, prefix_mask_, prefix_mask_indptr_;
+  // CpKvPass::all_gather: one pass over the gathered new tokens (global order).
+  NewPass new_pass_;
+  // CpKvPass::ring: step j's pass over the block of rank (rank - j) mod P, which holds that
+  // rank's own rows (rank_rows_) in its own order, K then V; and the rows of each block this
+  // rank keeps (append_local_kv), copied out as the block passes.
+  std::vector<NewPass> ring_passes_;
+  std::vector<std::vector<Segment>> ring_keep_;
   std::vector<Buffer> bufs_;
 };
 
