@@ -42,6 +42,8 @@ bool env_prefill_sm90() { return on_unless_zero("FLASHKV_PREFILL_SM90"); }
 
 bool env_prefill_sm90_ws() { return on_unless_zero("FLASHKV_PREFILL_SM90_WS"); }
 
+bool env_prefill_sm90_ws_paged() { return on_unless_zero("FLASHKV_PREFILL_SM90_WS_PAGED"); }
+
 bool env_decode_pdl() { return on_unless_zero("FLASHKV_DECODE_PDL"); }
 
 }  // namespace flashkv

@@ -34,8 +34,11 @@ inline constexpr EnvSwitch kEnvSwitches[] = {
     {"FLASHKV_PREFILL_SM90", "0",
      "0: prefill at head dim 128 runs the sm_80 kernel where the sm_90a kernel would be chosen"},
     {"FLASHKV_PREFILL_SM90_WS", "0",
-     "0: ragged K/V runs the cp.async sm_90a prefill kernel instead of the warp-specialized (TMA) "
-     "one"},
+     "0: ragged and paged K/V run the cp.async sm_90a prefill kernel instead of the "
+     "warp-specialized one"},
+    {"FLASHKV_PREFILL_SM90_WS_PAGED", "0",
+     "0: paged K/V runs the cp.async sm_90a prefill kernel instead of the warp-specialized one "
+     "(ragged K/V keeps it)"},
     {"FLASHKV_DECODE_PDL", "0", "0: decode launches without programmatic dependent launch (sm_90)"},
 };
 inline constexpr size_t kNumEnvSwitches = sizeof(kEnvSwitches) / sizeof(kEnvSwitches[0]);
@@ -55,8 +58,11 @@ std::optional<bool> env_cpu_prefetch();
 // FLASHKV_PREFILL_SM90: false only for "0" (the sm_90a prefill kernel is not chosen).
 bool env_prefill_sm90();
 
-// FLASHKV_PREFILL_SM90_WS: false only for "0" (ragged K/V skips the warp-specialized kernel).
+// FLASHKV_PREFILL_SM90_WS: false only for "0" (prefill skips the warp-specialized kernel).
 bool env_prefill_sm90_ws();
+
+// FLASHKV_PREFILL_SM90_WS_PAGED: false only for "0" (paged K/V skips the warp-specialized kernel).
+bool env_prefill_sm90_ws_paged();
 
 // FLASHKV_DECODE_PDL: false only for "0" (decode launches without programmatic dependent launch).
 bool env_decode_pdl();

@@ -205,8 +205,8 @@ __global__ void __launch_bounds__(256, 1)
 template <typename QT>
 void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = Sm90Config<QT>;
-  // Ragged K/V: the warp-specialized kernel (kernel_sm90_ws.cuh) unless FLASHKV_PREFILL_SM90_WS=0
-  // (core/options.h).
+  // The warp-specialized kernel (kernel_sm90_ws.cuh) unless FLASHKV_PREFILL_SM90_WS=0, or for
+  // paged K/V FLASHKV_PREFILL_SM90_WS_PAGED=0 (core/options.h).
   if (env_prefill_sm90_ws() && launch_prefill_sm90_ws<QT>(p, stream)) return;
   const auto kernel = prefill_sm90_kernel<QT>;
   detail::cuda_check(

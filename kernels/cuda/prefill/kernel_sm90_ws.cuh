@@ -1,11 +1,14 @@
-// The warp-specialized Hopper (sm_90a) prefill kernel for ragged (contiguous) 16-bit K/V at head
-// dim 128. A CTA is three warpgroups:
-//   - a producer: one thread issues the tensor-memory-access (TMA) copies of every 128-key K and
-//     V tile into two-stage rings, each stage handed over on mbarriers (full: the bytes landed;
-//     empty: every consumer warp is done reading it); the warpgroup's 128 threads copy the
-//     block's packed Q rows (two Q stages, so the next block's Q arrives while this one runs)
-//     and, with zero-filled cp.async copies, a KV tile that runs past the block's keys, so that
-//     no key outside the range can put a NaN into P.V;
+// The warp-specialized Hopper (sm_90a) prefill kernel for 16-bit K/V at head dim 128, ragged
+// (contiguous) or paged. A CTA is three warpgroups:
+//   - a producer, which fills two-stage rings of 128-key K and V tiles, each stage handed over on
+//     mbarriers (full: the bytes landed; empty: every consumer warp is done reading it), and
+//     copies the block's packed Q rows (two Q stages, so the next block's Q arrives while this
+//     one runs). Ragged K/V: one thread issues the tensor-memory-access (TMA) copies of whole
+//     tiles, and the warpgroup copies a tile that runs past the block's keys with zero-filled
+//     cp.async copies, so that no key outside the range can put a NaN into P.V. Paged K/V: the
+//     128 threads gather every tile's rows with cp.async (thread t looks up key t's slot a tile
+//     ahead), and the copies themselves arrive on the full barrier as they land
+//     (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own copies;
 //   - two consumers of 64 packed query rows each (the plan's 128-row tile), issuing as
 //     kernel_sm90.cuh does S_t = Q.K_t^T with P_{t-1}.V_{t-1} behind it. They take turns to issue
 //     their products (two named barriers), so one warpgroup's softmax runs under the other's
@@ -26,6 +29,7 @@
 
 #include "common/kernel_launch.h"
 #include "flashkv/core/cuda_runtime.h"
+#include "flashkv/core/options.h"
 #include "prefill/epilogue.cuh"
 #include "prefill/launch.h"
 #include "prefill/load.cuh"
@@ -107,6 +111,12 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
+// An arrival on `bar` once every cp.async this thread issued so far has landed; it counts
+// towards the barrier's arrival count (noinc), so the barrier is initialised with one arrival per
+// copying thread.
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 template <int kRegs>
 __device__ __forceinline__ void release_registers() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
@@ -120,6 +130,7 @@ __device__ __forceinline__ void arrive_expect_tx(uint32_t, uint32_t) {}
 __device__ __forceinline__ void tma_load_3d(uint32_t, const CUtensorMap*, int, int, int, uint32_t) {
 }
 __device__ __forceinline__ void fence_barrier_init() {}
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t) {}
 template <int kRegs>
 __device__ __forceinline__ void release_registers() {}
 template <int kRegs>
@@ -166,8 +177,146 @@ __device__ __forceinline__ uint32_t q_stage_offset(int row, int chunk) {
   return (row >> 6) * (64 * 128 * 2) + sm90::tile_offset(64, row & 63, chunk);
 }
 
-// The producer warpgroup (threads 0..127 of the CTA; `tid` is the thread's index in it).
+// Paged K/V: producer thread t's key of a tile, key t (its kv_indices entry is loaded a tile
+// ahead, so the load's latency passes while the tile before is copied).
+struct PagedKey {
+  int32_t entry = 0;  // the kv_indices entry (slot, or page) of key j of the next fetch
+
+  __device__ __forceinline__ void fetch(const AttentionParams& p, const RowBlock& b, int j) {
+    entry = j < b.kv_hi ? p.kv_indices[b.kv_base + page_index(p, j)] : 0;
+  }
+  // The pool row of key j (fetched last), clamped into the pool so that a bad index can never
+  // address outside it; -1 past the block's keys.
+  __device__ __forceinline__ int32_t row(const AttentionParams& p, const RowBlock& b, int j) const {
+    if (j >= b.kv_hi) return -1;
+    const int64_t r =
+        p.page_size == 1 ? entry : static_cast<int64_t>(entry) * p.page_size + page_offset(p, j);
+    return static_cast<int32_t>(min(max(r, int64_t{0}), p.num_kv_rows - 1));
+  }
+};
+
+// Copies one operand (K or V) of a paged tile into a stage: warp w of the producer copies keys
+// 32w .. 32w + 31, whose rows its own lanes hold (`key_row`, -1: zero-fill), 4 rows a pass and 8
+// threads a row, each thread the row's 16-byte chunks c and c + 8 (c = lane % 8).
 template <typename Cfg>
+__device__ __forceinline__ void copy_paged_operand(const typename Cfg::Q* src, int64_t stride_n,
+                                                   int64_t head_off, int32_t key_row,
+                                                   unsigned char* stage, int warp, int lane) {
+  const int c = lane & 7;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int holder = 4 * i + (lane >> 3);
+    const int32_t r = __shfl_sync(0xffffffffu, key_row, holder);
+    const int key = 32 * warp + holder;
+    const bool valid = r >= 0;
+    const typename Cfg::Q* row_src = src + (valid ? r * stride_n + head_off + c * 8 : 0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      cp_async_16(stage + sm90::tile_offset(Cfg::kKvTile, key, c + 8 * h), row_src + 64 * h,
+                  valid ? 16 : 0);
+  }
+}
+
+// The producer's K/V tiles of one row block, ragged K/V: TMA copies of whole tiles by thread 0;
+// the warpgroup copies a tile that runs past the block's keys. `tile_n` counts the ring's uses.
+template <typename Cfg>
+__device__ __forceinline__ void produce_ragged_tiles(const AttentionParams& p,
+                                                     const Sm90TmaMaps& maps, unsigned char* smem,
+                                                     const WsBarriers<Cfg>& bars, const RowBlock& b,
+                                                     int kv_head, int num_tiles, int& tile_n,
+                                                     int tid) {
+  using QT = typename Cfg::Q;
+  using Ring = ws::Ring<Cfg::kKvStages>;
+  const uint32_t base = smem_addr(smem);
+  for (int t = 0; t < num_tiles; ++t, ++tile_n) {
+    const int j0 = b.kv_lo + t * Cfg::kKvTile;
+    const int s = Ring::stage(tile_n);
+    const uint32_t k_dst = base + Cfg::kKOffset + s * Cfg::kTileBytes;
+    const uint32_t v_dst = base + Cfg::kVOffset + s * Cfg::kTileBytes;
+    const int row = b.kv_base + j0;  // ragged: K/V row of key j0
+    if (j0 + Cfg::kKvTile <= b.kv_hi) {
+      if (tid == 0) {
+        sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
+        ws::arrive_expect_tx(bars.k_full(s), Cfg::kTileBytes);
+        ws::tma_load_3d(k_dst, &maps.k, 0, kv_head, row, bars.k_full(s));
+        ws::tma_load_3d(k_dst + Cfg::kTileBytes / 2, &maps.k, 64, kv_head, row, bars.k_full(s));
+        sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
+        ws::arrive_expect_tx(bars.v_full(s), Cfg::kTileBytes);
+        ws::tma_load_3d(v_dst, &maps.v, 0, kv_head, row, bars.v_full(s));
+        ws::tma_load_3d(v_dst + Cfg::kTileBytes / 2, &maps.v, 64, kv_head, row, bars.v_full(s));
+      }
+      continue;
+    }
+    // The block's last tile runs past its keys: copy the keys in range, zero the rest. Only
+    // thread 0 has waited for every earlier use of the ring (a parity wait tells phases apart
+    // only one apart), so it waits for the stage and the others follow it.
+    if (tid == 0) {
+      sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
+      sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
+    }
+    sm90::barrier_sync(ws::kProducerBarrier, 128);
+    const QT* k = static_cast<const QT*>(p.k) + static_cast<int64_t>(kv_head) * p.k_stride_h;
+    const QT* v = static_cast<const QT*>(p.v) + static_cast<int64_t>(kv_head) * p.v_stride_h;
+#pragma unroll 2
+    for (int i = 0; i < Cfg::kKvTile / 16; ++i) {
+      const int key = (tid >> 3) + 16 * i;
+      const bool valid = j0 + key < b.kv_hi;
+      const int64_t r = valid ? static_cast<int64_t>(row) + key : 0;
+      const QT* k_src = k + r * p.k_stride_n + (tid & 7) * 8;
+      const QT* v_src = v + r * p.v_stride_n + (tid & 7) * 8;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t off = sm90::tile_offset(Cfg::kKvTile, key, (tid & 7) + 8 * h);
+        cp_async_16(smem + (k_dst - base) + off, k_src + 64 * h, valid ? 16 : 0);
+        cp_async_16(smem + (v_dst - base) + off, v_src + 64 * h, valid ? 16 : 0);
+      }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    sm90::fence_async_shared();
+    sm90::barrier_sync(ws::kProducerBarrier, 128);
+    if (tid == 0) {
+      sm90::mbar_arrive(bars.k_full(s));
+      sm90::mbar_arrive(bars.v_full(s));
+    }
+  }
+}
+
+// The producer's K/V tiles of one row block, paged K/V: every thread waits for every use of a
+// stage itself (so none skips a phase), copies its part of the tile, and its copies arrive on the
+// stage's full barrier when they land.
+template <typename Cfg>
+__device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, unsigned char* smem,
+                                                    const WsBarriers<Cfg>& bars, const RowBlock& b,
+                                                    int kv_head, int num_tiles, int& tile_n,
+                                                    int tid) {
+  using QT = typename Cfg::Q;
+  using Ring = ws::Ring<Cfg::kKvStages>;
+  const int warp = tid >> 5, lane = tid & 31;
+  const QT* k = static_cast<const QT*>(p.k);
+  const QT* v = static_cast<const QT*>(p.v);
+  const int64_t k_head = static_cast<int64_t>(kv_head) * p.k_stride_h;
+  const int64_t v_head = static_cast<int64_t>(kv_head) * p.v_stride_h;
+  PagedKey key;
+  if (num_tiles > 0) key.fetch(p, b, b.kv_lo + tid);
+  for (int t = 0; t < num_tiles; ++t, ++tile_n) {
+    const int j = b.kv_lo + t * Cfg::kKvTile + tid;
+    const int32_t key_row = key.row(p, b, j);
+    if (t + 1 < num_tiles) key.fetch(p, b, j + Cfg::kKvTile);
+    const int s = Ring::stage(tile_n);
+    sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
+    copy_paged_operand<Cfg>(k, p.k_stride_n, k_head, key_row,
+                            smem + Cfg::kKOffset + s * Cfg::kTileBytes, warp, lane);
+    ws::cp_async_arrive_noinc(bars.k_full(s));
+    sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
+    copy_paged_operand<Cfg>(v, p.v_stride_n, v_head, key_row,
+                            smem + Cfg::kVOffset + s * Cfg::kTileBytes, warp, lane);
+    ws::cp_async_arrive_noinc(bars.v_full(s));
+  }
+}
+
+// The producer warpgroup (threads 0..127 of the CTA; `tid` is the thread's index in it).
+template <typename Cfg, bool kPaged>
 __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaMaps& maps,
                                         unsigned char* smem, const WsBarriers<Cfg>& bars, int tid) {
   using QT = typename Cfg::Q;
@@ -198,58 +347,10 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
     if (tid == 0) sm90::mbar_arrive(bars.q_full(qs));
     ++block_n;
 
-    for (int t = 0; t < num_tiles; ++t, ++tile_n) {
-      const int j0 = b.kv_lo + t * Cfg::kKvTile;
-      const int s = Ring::stage(tile_n);
-      const uint32_t k_dst = base + Cfg::kKOffset + s * Cfg::kTileBytes;
-      const uint32_t v_dst = base + Cfg::kVOffset + s * Cfg::kTileBytes;
-      const int row = b.kv_base + j0;  // ragged: K/V row of key j0
-      if (j0 + Cfg::kKvTile <= b.kv_hi) {
-        if (tid == 0) {
-          sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
-          ws::arrive_expect_tx(bars.k_full(s), Cfg::kTileBytes);
-          ws::tma_load_3d(k_dst, &maps.k, 0, kv_head, row, bars.k_full(s));
-          ws::tma_load_3d(k_dst + Cfg::kTileBytes / 2, &maps.k, 64, kv_head, row, bars.k_full(s));
-          sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
-          ws::arrive_expect_tx(bars.v_full(s), Cfg::kTileBytes);
-          ws::tma_load_3d(v_dst, &maps.v, 0, kv_head, row, bars.v_full(s));
-          ws::tma_load_3d(v_dst + Cfg::kTileBytes / 2, &maps.v, 64, kv_head, row, bars.v_full(s));
-        }
-        continue;
-      }
-      // The block's last tile runs past its keys: copy the keys in range, zero the rest. Only
-      // thread 0 has waited for every earlier use of the ring (a parity wait tells phases apart
-      // only one apart), so it waits for the stage and the others follow it.
-      if (tid == 0) {
-        sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
-        sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
-      }
-      sm90::barrier_sync(ws::kProducerBarrier, 128);
-      const QT* k = static_cast<const QT*>(p.k) + static_cast<int64_t>(kv_head) * p.k_stride_h;
-      const QT* v = static_cast<const QT*>(p.v) + static_cast<int64_t>(kv_head) * p.v_stride_h;
-#pragma unroll 2
-      for (int i = 0; i < Cfg::kKvTile / 16; ++i) {
-        const int key = (tid >> 3) + 16 * i;
-        const bool valid = j0 + key < b.kv_hi;
-        const int64_t r = valid ? static_cast<int64_t>(row) + key : 0;
-        const QT* k_src = k + r * p.k_stride_n + (tid & 7) * 8;
-        const QT* v_src = v + r * p.v_stride_n + (tid & 7) * 8;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t off = sm90::tile_offset(Cfg::kKvTile, key, (tid & 7) + 8 * h);
-          cp_async_16(smem + (k_dst - base) + off, k_src + 64 * h, valid ? 16 : 0);
-          cp_async_16(smem + (v_dst - base) + off, v_src + 64 * h, valid ? 16 : 0);
-        }
-      }
-      cp_async_commit();
-      cp_async_wait<0>();
-      sm90::fence_async_shared();
-      sm90::barrier_sync(ws::kProducerBarrier, 128);
-      if (tid == 0) {
-        sm90::mbar_arrive(bars.k_full(s));
-        sm90::mbar_arrive(bars.v_full(s));
-      }
-    }
+    if constexpr (kPaged)
+      produce_paged_tiles<Cfg>(p, smem, bars, b, kv_head, num_tiles, tile_n, tid);
+    else
+      produce_ragged_tiles<Cfg>(p, maps, smem, bars, b, kv_head, num_tiles, tile_n, tid);
   });
 }
 
@@ -262,7 +363,7 @@ __device__ __forceinline__ void pass_turn(int wg) {
 }
 
 // The consumer warpgroups (threads 128..383; `ctid` is the thread's index among them).
-template <typename Cfg>
+template <typename Cfg, bool kPaged>
 __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char* smem,
                                         const WsBarriers<Cfg>& bars, int ctid) {
   using QT = typename Cfg::Q;
@@ -299,6 +400,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       // S_t = Q.K_t^T into s (K stage n, once it has landed).
       const auto issue_qk = [&](int n) {
         sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
+        // Paged tiles were written by cp.async (the generic proxy); wgmma reads through the async
+        // proxy. (TMA writes through the async proxy itself.)
+        if constexpr (kPaged) sm90::fence_async_shared();
         const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kTileBytes;
         sm90::fence();
 #pragma unroll
@@ -342,6 +446,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       for (int t = 1; t < num_tiles; ++t) {
         const int n = tile_n + t;
         sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
+        if constexpr (kPaged) sm90::fence_async_shared();
         take_turn(wg);
         issue_qk(n);
         issue_pv(n - 1);
@@ -360,6 +465,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       // The last tile's P.V.
       const int n = tile_n + num_tiles - 1;
       sm90::mbar_wait(bars.v_full(Ring::stage(n)), Ring::full_parity(n));
+      if constexpr (kPaged) sm90::fence_async_shared();
       take_turn(wg);
       sm90::fence();
       issue_pv(n);
@@ -382,8 +488,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   if (wg == 0) take_turn(0);
 }
 
-// grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h.
-template <typename QT>
+// grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h. `maps` is
+// unused with paged K/V.
+template <typename QT, bool kPaged>
 __global__ void __launch_bounds__(384, 1)
     prefill_sm90_ws_kernel(const __grid_constant__ AttentionParams p,
                            const __grid_constant__ Sm90TmaMaps maps) {
@@ -397,10 +504,12 @@ __global__ void __launch_bounds__(384, 1)
       sm90::mbar_init(bars.q_full(s), 1);
       sm90::mbar_init(bars.q_empty(s), 8);
     }
+    // Full: one arrival with the TMA's byte count, or one per producer thread's copies (paged).
+    const int full_arrivals = kPaged ? 128 : 1;
     for (int s = 0; s < Cfg::kKvStages; ++s) {
-      sm90::mbar_init(bars.k_full(s), 1);
+      sm90::mbar_init(bars.k_full(s), full_arrivals);
       sm90::mbar_init(bars.k_empty(s), 8);
-      sm90::mbar_init(bars.v_full(s), 1);
+      sm90::mbar_init(bars.v_full(s), full_arrivals);
       sm90::mbar_init(bars.v_empty(s), 8);
     }
     ws::fence_barrier_init();
@@ -409,10 +518,10 @@ __global__ void __launch_bounds__(384, 1)
   ptx::launch_dependents();
   if (tid < 128) {
     ws::release_registers<40>();
-    produce<Cfg>(p, maps, smem, bars, tid);
+    produce<Cfg, kPaged>(p, maps, smem, bars, tid);
   } else {
     ws::claim_registers<232>();
-    consume<Cfg>(p, smem, bars, tid - 128);
+    consume<Cfg, kPaged>(p, smem, bars, tid - 128);
     if (p.merge_o) ptx::grid_dependency_wait();  // see prefill_kernel
   }
 }
@@ -454,21 +563,25 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Launches the warp-specialized kernel for ragged K/V; false (nothing launched) where it does
-// not apply: paged K/V (the cp.async kernel runs it faster than a gathering producer warpgroup
-// did: docs/perf/prefill.md), or a layout no tensor map can describe.
+// Launches the warp-specialized kernel; false (nothing launched) where it does not apply: paged
+// K/V with FLASHKV_PREFILL_SM90_WS_PAGED=0 or a pool of 2^31 rows or more (the producer addresses
+// rows with 32 bits), or ragged K/V in a layout no tensor map can describe.
 template <typename QT>
 bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = Sm90WsConfig<QT>;
-  if (p.paged) return false;
-  const CUtensorMapDataType type = std::is_same<QT, __half>::value
-                                       ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                       : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  Sm90TmaMaps maps;
-  if (!encode_kv_map(&maps.k, p.k, type, p, p.k_stride_n, p.k_stride_h) ||
-      !encode_kv_map(&maps.v, p.v, type, p, p.v_stride_n, p.v_stride_h))
-    return false;
-  const auto kernel = prefill_sm90_ws_kernel<QT>;
+  Sm90TmaMaps maps{};
+  if (p.paged) {
+    if (!env_prefill_sm90_ws_paged() || p.num_kv_rows > (int64_t{1} << 31) - 1) return false;
+  } else {
+    const CUtensorMapDataType type = std::is_same<QT, __half>::value
+                                         ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                         : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    if (!encode_kv_map(&maps.k, p.k, type, p, p.k_stride_n, p.k_stride_h) ||
+        !encode_kv_map(&maps.v, p.v, type, p, p.v_stride_n, p.v_stride_h))
+      return false;
+  }
+  const auto kernel =
+      p.paged ? prefill_sm90_ws_kernel<QT, true> : prefill_sm90_ws_kernel<QT, false>;
   detail::cuda_check(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");
