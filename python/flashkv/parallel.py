@@ -6,8 +6,8 @@ A :class:`Communicator` is the group the sharded operators exchange their partia
     comm = flashkv.parallel.mpi_communicator(MPI.COMM_WORLD)  # mpi4py, where flashkv was built with MPI
     comm = flashkv.parallel.nccl_communicator(ptr, "cuda:0")  # a raw ncclComm_t, where built with NCCL
 
-Every operator and the backend also take a ProcessGroup where they take a communicator
-(:func:`as_communicator`). :class:`CpDecode` and :class:`CpExtend` are the sharded operators
+Every operator and the backend also take a ProcessGroup (or an SGLang / vLLM GroupCoordinator)
+where they take a communicator (:func:`as_communicator`). :class:`CpDecode` and :class:`CpExtend` are the sharded operators
 (plan once per batch, run once per layer); ``FlashKVBackend(..., cp_comm=group, cp=CpOptions(...))``
 serves through them. :class:`CpShard` says which rank holds which position, and
 :func:`zigzag_rows` which new tokens of an extend each rank gives and gets.
@@ -217,13 +217,18 @@ def nccl_communicator(comm: int, device: Any, timeout_s: float = 300.0) -> Commu
 
 
 def as_communicator(comm: Any) -> Communicator:
-    """A Communicator as is; a torch.distributed ProcessGroup through from_process_group."""
+    """A Communicator as is; a torch.distributed ProcessGroup through from_process_group; an
+    SGLang or vLLM GroupCoordinator (an object with `device_group` and `cpu_group`, such as
+    get_tp_group()) through its device group, on its `device`."""
     if isinstance(comm, Communicator):
         return comm
     if _is_process_group(comm):
         return from_process_group(comm)
-    raise Error(f"comm: expected a flashkv.parallel.Communicator or a torch.distributed ProcessGroup, "
-                f"got {type(comm).__name__}")
+    if _is_process_group(getattr(comm, "device_group", None)) and hasattr(comm, "cpu_group"):
+        device = getattr(comm, "device", None)
+        return from_process_group(comm.device_group, device=None if device is None else str(device))
+    raise Error(f"comm: expected a flashkv.parallel.Communicator, a torch.distributed ProcessGroup or a "
+                f"GroupCoordinator, got {type(comm).__name__}")
 
 
 def _plan_options(fixed_split_size: Optional[int], disable_split_kv: bool, page_size: int) -> Any:

@@ -265,8 +265,12 @@ def case_backend(comm, group, rank: int, world: int) -> None:
         shard = P.CpShard(options, world)
         kw = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, q_dtype="f32", device="cpu")
         plain = flashkv.FlashKVBackend(**kw)
-        sharded = flashkv.FlashKVBackend(**kw, cp_comm=dist.group.WORLD, cp=options)
-        assert sharded.cp_comm.size == world
+        # The first backend gets the process group, the second a GroupCoordinator-like object
+        # (SGLang's and vLLM's: device_group, cpu_group, device).
+        coordinator = type("GroupCoordinator", (), dict(device_group=dist.group.WORLD, cpu_group=dist.group.WORLD,
+                                                        device=torch.device("cpu")))()
+        sharded = flashkv.FlashKVBackend(**kw, cp_comm=dist.group.WORLD if n == 0 else coordinator, cp=options)
+        assert sharded.cp_comm.size == world and sharded.cp_comm.device == "cpu"
         pools = [flashkv.KVPool(160, num_layers=1, num_kv_heads=HKV, head_dim_qk=D, dtype="float32", framework="torch")
                  for _ in range(2)]
         r2ts = [flashkv.ReqToTokenPool(2, 64) for _ in range(2)]
@@ -427,7 +431,7 @@ def test_sharded_on_gloo(world: int, case: str) -> None:
 
 def test_communicator_arguments() -> None:
     """What the factories refuse, in this process (no group needed)."""
-    with pytest.raises(flashkv.Error, match="comm: expected a flashkv.parallel.Communicator or a torch"):
+    with pytest.raises(flashkv.Error, match="comm: expected a flashkv.parallel.Communicator, a torch"):
         P.as_communicator(3)
     c = P.OneRankCommunicator()
     assert P.as_communicator(c) is c and (c.rank, c.size, c.device) == (0, 1, "cpu")
