@@ -7,10 +7,11 @@ A :class:`Communicator` is the group the sharded operators exchange their partia
     comm = flashkv.parallel.nccl_communicator(ptr, "cuda:0")  # a raw ncclComm_t, where built with NCCL
 
 Every operator and the backend also take a ProcessGroup (or an SGLang / vLLM GroupCoordinator)
-where they take a communicator (:func:`as_communicator`). :class:`CpDecode` and :class:`CpExtend` are the sharded operators
-(plan once per batch, run once per layer); ``FlashKVBackend(..., cp_comm=group, cp=CpOptions(...))``
-serves through them. :class:`CpShard` says which rank holds which position, and
-:func:`zigzag_rows` which new tokens of an extend each rank gives and gets.
+where they take a communicator (:func:`as_communicator`). :class:`CpDecode` and :class:`CpExtend`
+are the sharded operators (plan once per batch, run once per layer);
+``FlashKVBackend(..., cp_comm=group, cp=CpOptions(...))`` serves through them. :class:`CpShard`
+says which rank holds which position, and :func:`zigzag_rows` which new tokens of an extend each
+rank gives and gets.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ class _TorchTransport:
     def synchronize(self, stream: int) -> None:
         if self.device.type == "cuda":
             cuda = self.torch.cuda
-            (cuda.ExternalStream(stream, device=self.device) if stream else cuda.default_stream(self.device)).synchronize()
+            s = cuda.ExternalStream(stream, device=self.device) if stream else cuda.default_stream(self.device)
+            s.synchronize()
 
 
 def from_process_group(group: Any = None, device: Optional[str] = None,
@@ -447,4 +449,5 @@ class CpExtend(_CpOperator):
         self._op.append_local_kv(k=A.dl(k), v=A.dl(v), out_cache_loc=A.dl(A.to_device_i32(out_cache_loc, k_cache)),
                                  k_pool=A.dl(k_cache), v_pool=A.dl(v_cache),
                                  k_scale=1.0 if k_scale is None else float(k_scale),
-                                 v_scale=1.0 if v_scale is None else float(v_scale), kv_dtype=kv_dt, stream=A.stream_of(k))
+                                 v_scale=1.0 if v_scale is None else float(v_scale), kv_dtype=kv_dt,
+                                 stream=A.stream_of(k))

@@ -216,7 +216,8 @@ def case_extend(comm, group, rank: int, world: int) -> None:
                 keep = [(i, p + t) for i, (p, e) in enumerate(zip(prefix_len, extend_len)) for t in range(e)
                         if shard.owner(p + t) == rank]
                 assert ext.num_local_new == len(keep)
-                pool_k, pool_v = to_lib(np.zeros((len(keep) + 1, HKV, D)), lib), to_lib(np.zeros((len(keep) + 1, HKV, D)), lib)
+                pool_k = to_lib(np.zeros((len(keep) + 1, HKV, D)), lib)
+                pool_v = to_lib(np.zeros((len(keep) + 1, HKV, D)), lib)
                 ext.append_local_kv(k_own, v_own, np.arange(1, len(keep) + 1, dtype=np.int32), pool_k, pool_v)
                 for j, (i, p) in enumerate(keep):
                     assert np.array_equal(to_np(pool_k[j + 1]), ks[i][p]), f"{what}: kept K of request {i}, position {p}"
