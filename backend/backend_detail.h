@@ -69,6 +69,10 @@ struct FlashKVBackend::CpState {
   std::vector<int32_t> kept_loc;     // extend: the slots of the new tokens this rank keeps
   std::vector<int32_t> mask_indptr;  // TARGET_VERIFY: each request's tree mask in the batch's
   Tensor h_mask_indptr;              // ... the same on the host, as CpExtend takes it
+  // A batch on a GPU: the host copies of what the plan reads on the host (out_cache_loc, and
+  // TARGET_VERIFY's tree mask, viewed by h_custom_mask_view).
+  Tensor h_out_cache_loc, h_custom_mask;
+  TensorView h_custom_mask_view;
   Tensor d_kv_len, d_kv_indptr, d_kv_indices, d_last_page_len, d_kept_loc;
   Tensor out;  // [rows, Hq, Dv]: the output when forward() is given none
 };

@@ -5,6 +5,9 @@
 // the rank's prefix entries and the ranks' new tokens. The new tokens' K/V go into the pool of the
 // rank that holds their positions: decode appends the batch's rows with the other ranks' tokens
 // sent to the dummy slot 0, an extend keeps its tokens with CpExtend::append_local_kv.
+// On a GPU the batch's index tensors live on the device: the few the plan reads on the host (the
+// new tokens' slots, and target verify's tree mask, from which CpExtend derives its local masks)
+// are copied to the host once per batch; req_to_token is read on the device (build_kv_indices).
 #include <algorithm>
 #include <climits>
 #include <optional>
@@ -25,6 +28,21 @@ using backend_detail::prefix_sums_into;
 using backend_detail::prepare_save;
 using backend_detail::upload_indices;
 using backend_detail::with_index_room;
+
+namespace {
+
+// `t` itself when it is on the host, else its contents copied into `host` (grown as needed) and a
+// view of them. Waits for the copy (the caller reads it at once).
+TensorView host_copy(const TensorView& t, Tensor& host, Stream stream) {
+  if (t.device.is_cpu()) return t;
+  const int64_t n = t.numel();
+  if (!host.defined() || host.dtype() != t.dtype || host.numel() < std::max<int64_t>(n, 1))
+    host = Tensor::empty({std::max<int64_t>(n, 1)}, t.dtype, Device::cpu());
+  copy_bytes(host.data(), Device::cpu(), t.data, t.device, t.nbytes(), stream);
+  return host.view().rows(0, n);
+}
+
+}  // namespace
 
 FlashKVBackend::CpState::CpState(parallel::Communicator& c, const parallel::CpOptions& options,
                                  bool has_window)
@@ -88,8 +106,11 @@ void FlashKVBackend::cp_plan(const ForwardBatch& b) {
   if (verify) {
     FLASHKV_CHECK(b.spec.draft_token_num > 0, "batch.spec.draft_token_num: expected > 0, got ",
                   b.spec.draft_token_num);
-    // CpExtend derives its local masks from the tree mask on the host.
-    Expect(b.spec.custom_mask, "batch.spec.custom_mask").ndim(1).on_host().dtype(DType::u8);
+    Expect(b.spec.custom_mask, "batch.spec.custom_mask")
+        .ndim(1)
+        .device(dev)
+        .dtype(DType::u8)
+        .contiguous();
   }
   if (b.mode == ForwardMode::DRAFT_EXTEND)
     FLASHKV_CHECK_EQ("batch.spec.accept_length_cpu size",
@@ -121,11 +142,11 @@ void FlashKVBackend::cp_plan(const ForwardBatch& b) {
   // slot 0 (a token written there by decode's append is never read).
   Expect(b.out_cache_loc, "batch.out_cache_loc")
       .ndim(1)
-      .on_host()
+      .device(dev)
       .dtype(DType::i32)
       .contiguous()
       .dim(0, tokens, "num_tokens");
-  const int32_t* loc = b.out_cache_loc.ptr<int32_t>();
+  const int32_t* loc = host_copy(b.out_cache_loc, c.h_out_cache_loc, o.stream).ptr<int32_t>();
   const int64_t first_slot = b.token_to_kv_pool->page_size();
   const int64_t num_rows = b.token_to_kv_pool->num_rows();
   c.kept_loc.clear();
@@ -157,6 +178,8 @@ void FlashKVBackend::cp_plan(const ForwardBatch& b) {
                   " entries (draft_token_num x seq_len per request), got ",
                   b.spec.custom_mask.numel());
     c.h_mask_indptr = Tensor::from_i32(c.mask_indptr, Device::cpu());
+    // CpExtend derives its local masks from the tree mask on the host.
+    c.h_custom_mask_view = host_copy(b.spec.custom_mask.rows(0, total), c.h_custom_mask, o.stream);
   }
 
   // --- the sharded operators' plans (host), one per kind of layer ---
@@ -187,7 +210,7 @@ void FlashKVBackend::cp_plan(const ForwardBatch& b) {
       shape.causal = !verify;
       shape.window_left = window;
       if (verify) {
-        shape.custom_mask = b.spec.custom_mask;
+        shape.custom_mask = c.h_custom_mask_view;
         shape.mask_indptr = c.h_mask_indptr;
       }
       c.extend[kind]->plan(shape, po, o.stream);

@@ -166,7 +166,6 @@ FlashKVBackend::FlashKVBackend(const BackendOptions& options)
   if (o.device.is_cuda()) device_info(o.device);  // fails clearly without a GPU
   if (o.cp_comm != nullptr) {
     const char* what = "BackendOptions.cp_comm: context parallelism in FlashKVBackend ";
-    FLASHKV_CHECK(o.device.is_cpu(), what, "runs on the CPU for now, got device ", o.device.str());
     FLASHKV_CHECK(o.cp_comm->device() == o.device, what, "needs a communicator on ", o.device.str(),
                   ", got one on ", o.cp_comm->device().str());
     FLASHKV_CHECK(!o.is_encoder_decoder, what, "does not support cross attention");

@@ -10,9 +10,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 
+#include "cp_session.h"
 #include "flashkv/backend/multi_step_draft.h"
 #include "flashkv/kvcache/req_to_token_pool.h"
 #include "flashkv/reference/compare.h"
@@ -163,15 +165,26 @@ TEST(ServeCp, BatchSlotsAreTheRanks) {
   EXPECT_EQ(backend.cp_query_rows(), 1);
 }
 
-// Every forward mode through the backend's context-parallel path (one rank) against its ordinary
-// path over the same pool contents: the same outputs within the bf16 tolerance, and the same K/V
-// appended. Layer 0 is windowed, layer 1 full; the verify pass has a tree mask.
-TEST(ServeCp, BackendModesMatchTheOrdinaryPath) {
+// The bytes of a tensor on any device, on the host.
+std::vector<char> host_bytes(const TensorView& t) {
+  std::vector<char> out(t.nbytes());
+  copy_bytes(out.data(), Device::cpu(), t.data, t.device, t.nbytes());
+  return out;
+}
+
+double load_at(const std::vector<char>& bytes, DType dtype, int64_t e) {
+  return load_as_double(bytes.data(), dtype, e);
+}
+
+// Every forward mode through the backend's context-parallel path (one rank, `comm`, on `dev`)
+// against its ordinary path over the same pool contents: the same outputs within the bf16
+// tolerance, and the same K/V appended. Layer 0 is windowed, layer 1 full; the verify pass has a
+// tree mask. On a GPU the batch (its slots, rows and tree mask) lives on the GPU.
+void expect_backend_modes_match(Device dev, parallel::Communicator& comm) {
   FLASHKV_SEEDED_RNG(rng, 2901);
   constexpr int kHq = 4, kHkv = 2, kD = 64, kLayers = 2;
-  parallel::OneRankCommunicator comm;
   BackendOptions o;
-  o.device = Device::cpu();
+  o.device = dev;
   o.num_qo_heads = kHq;
   o.num_kv_heads = kHkv;
   o.head_dim_qk = kD;
@@ -184,13 +197,18 @@ TEST(ServeCp, BackendModesMatchTheOrdinaryPath) {
   pc.num_layers = kLayers;
   pc.num_kv_heads = kHkv;
   pc.head_dim_qk = kD;
+  KVPool host_pool(pc);
+  pc.device = dev;
   KVPool pool_a(pc), pool_b(pc);
-  for (int l = 0; l < kLayers; ++l)
+  for (int l = 0; l < kLayers; ++l) {
+    fill_normal(host_pool.k(l), 11 + l);
+    fill_normal(host_pool.v(l), 21 + l);
     for (const KVPool* p : {&pool_a, &pool_b}) {
-      fill_normal(p->k(l), 11 + l);
-      fill_normal(p->v(l), 21 + l);
+      copy_bytes(p->k(l).data, dev, host_pool.k(l).data, Device::cpu(), p->k(l).nbytes());
+      copy_bytes(p->v(l).data, dev, host_pool.v(l).data, Device::cpu(), p->v(l).nbytes());
     }
-  ReqToTokenPool r2t(4, 64);
+  }
+  ReqToTokenPool r2t(4, 64, dev);
   std::vector<int32_t> free_slots;
   for (int32_t s = 1; s <= 120; ++s) free_slots.push_back(s);
   std::shuffle(free_slots.begin(), free_slots.end(), rng.gen());
@@ -210,14 +228,16 @@ TEST(ServeCp, BackendModesMatchTheOrdinaryPath) {
   };
   for (const Case& c :
        {Case{ForwardMode::EXTEND, {9, 20}}, Case{ForwardMode::DECODE, {1, 1}},
-        Case{ForwardMode::TARGET_VERIFY, {4, 4}}, Case{ForwardMode::DRAFT_EXTEND, {3, 2}}}) {
+        Case{ForwardMode::TARGET_VERIFY, {4, 4}}, Case{ForwardMode::DRAFT_EXTEND, {3, 2}},
+        Case{ForwardMode::MIXED, {5, 1}}}) {
     SCOPED_TRACE(mode_name(c.mode));
     std::vector<BatchEntry> entries;
     for (int i = 0; i < 2; ++i)
       entries.push_back({&seqs[i], lens[i], c.num_new[i],
                          c.mode == ForwardMode::TARGET_VERIFY ? tree : std::vector<int32_t>()});
-    StepBatch step(c.mode, entries, r2t, Device::cpu());
+    StepBatch step(c.mode, entries, r2t, dev);
     ForwardBatch& b = step.batch();
+    ASSERT_EQ(b.out_cache_loc.device, dev);
     const int64_t T = step.num_tokens();
     b.token_to_kv_pool = &pool_a;
     plain.init_forward_metadata(b);
@@ -231,28 +251,86 @@ TEST(ServeCp, BackendModesMatchTheOrdinaryPath) {
       layer.num_kv_heads = kHkv;
       layer.head_dim_qk = kD;
       if (l == 0) layer.sliding_window_size = 5;
-      const Tensor q = test::random_tensor(rng, {T, kHq, kD}, DType::bf16);
-      const Tensor k = test::random_tensor(rng, {T, kHkv, kD}, DType::bf16);
-      const Tensor v = test::random_tensor(rng, {T, kHkv, kD}, DType::bf16);
-      Tensor out_a = Tensor::empty({T, kHq * kD}, DType::bf16);
-      Tensor out_b = Tensor::empty({T, kHq * kD}, DType::bf16);
+      const Tensor q = test::random_tensor(rng, {T, kHq, kD}, DType::bf16).to(dev);
+      const Tensor k = test::random_tensor(rng, {T, kHkv, kD}, DType::bf16).to(dev);
+      const Tensor v = test::random_tensor(rng, {T, kHkv, kD}, DType::bf16).to(dev);
+      Tensor out_a = Tensor::empty({T, kHq * kD}, DType::bf16, dev);
+      Tensor out_b = Tensor::empty({T, kHq * kD}, DType::bf16, dev);
       b.token_to_kv_pool = &pool_a;
       plain.forward(q, k, v, layer, b, true, out_a);
       b.token_to_kv_pool = &pool_b;
       sharded.forward(q, k, v, layer, b, true, out_b);
+      const std::vector<char> a = host_bytes(out_a), o_b = host_bytes(out_b);
       double diff = 0, norm = 0;
       for (int64_t e = 0; e < out_a.numel(); ++e) {
-        const double x = load_as_double(out_a.data(), DType::bf16, e);
-        const double y = load_as_double(out_b.data(), DType::bf16, e);
+        const double x = load_at(a, DType::bf16, e), y = load_at(o_b, DType::bf16, e);
         diff += (x - y) * (x - y);
         norm += x * x;
       }
+      EXPECT_GT(norm, 0) << "layer " << l;
       EXPECT_LT(std::sqrt(diff / std::max(norm, 1e-30)), 1e-2) << "layer " << l;
-      EXPECT_EQ(std::memcmp(pool_a.k(l).data, pool_b.k(l).data, pool_a.k(l).nbytes()), 0)
-          << "layer " << l;
-      EXPECT_EQ(std::memcmp(pool_a.v(l).data, pool_b.v(l).data, pool_a.v(l).nbytes()), 0)
-          << "layer " << l;
+      EXPECT_TRUE(host_bytes(pool_a.k(l)) == host_bytes(pool_b.k(l))) << "layer " << l;
+      EXPECT_TRUE(host_bytes(pool_a.v(l)) == host_bytes(pool_b.v(l))) << "layer " << l;
     }
+  }
+}
+
+TEST(ServeCp, BackendModesMatchTheOrdinaryPath) {
+  parallel::OneRankCommunicator comm;
+  expect_backend_modes_match(Device::cpu(), comm);
+}
+
+// ---- on a GPU (skipped without one) ---------------------------------------------------------
+
+// The GPU's communicators of one rank: the command line's (CpSession: NCCL where the build has
+// it, else the one-rank communicator on the GPU) and the one-rank communicator on the GPU.
+TEST(ServeCpCuda, BackendModesMatchTheOrdinaryPath) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  std::string error;
+  const std::unique_ptr<CpSession> session = CpSession::start(1, Device::cuda(0), error);
+  ASSERT_NE(session, nullptr) << error;
+  EXPECT_EQ(session->device(), Device::cuda(0));
+#if FLASHKV_WITH_NCCL
+  EXPECT_EQ(session->comm().name(), "NCCL");
+#endif
+  {
+    SCOPED_TRACE(session->comm().name());
+    expect_backend_modes_match(Device::cuda(0), session->comm());
+  }
+  parallel::OneRankCommunicator one(Device::cuda(0));
+  SCOPED_TRACE("one rank on the GPU");
+  expect_backend_modes_match(Device::cuda(0), one);
+}
+
+// The scheduler's context-parallel path on the GPU (the batches, the rank's share, the checks'
+// gathers through the communicator's device buffers) against the float64 reference, with the
+// invariants after every step, through the command line's one-rank session.
+TEST(ServeCpCuda, OneRankServesClean) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  std::string error;
+  const std::unique_ptr<CpSession> session = CpSession::start(1, Device::cuda(0), error);
+  ASSERT_NE(session, nullptr) << error;
+  for (const parallel::CpLayout layout :
+       {parallel::CpLayout::interleaved, parallel::CpLayout::contiguous}) {
+    SCOPED_TRACE(layout == parallel::CpLayout::interleaved ? "interleaved" : "contiguous");
+    const Workload w = builtin_workload("chat", 10, false, 5);
+    ModelConfig m;
+    m.num_layers = 2;
+    m.sliding_window = 24;
+    m.sinks = true;
+    Scheduler s(w, m, Device::cuda(0), cp_options(session->comm(), layout));
+    int64_t steps = 0;
+    while (s.step()) {
+      ++steps;
+      ASSERT_EQ(s.check_step_invariants(), "") << "step " << steps;
+    }
+    const ServeStats& st = s.stats();
+    EXPECT_EQ(st.requests_done, 10);
+    EXPECT_GT(st.checked, 0);
+    EXPECT_EQ(st.check_failures, 0) << st.first_failure;
+    EXPECT_EQ(st.nonfinite_passes, 0) << st.first_nonfinite;
+    s.flush_prefix_cache();
+    EXPECT_EQ(s.rank_share()->slots_in_use(), 0);
   }
 }
 
@@ -350,6 +428,47 @@ TEST(ServeCp, BenchOneRank) {
   EXPECT_EQ(c.find("sharded")->find("phases")->items().size(), 1u);
 }
 
+// serve / bench --cp 1 --device cuda on the GPU: the one-rank session's communicator (NCCL where
+// the build has it) serves the workload clean against the reference and times the quick grid.
+// Without a GPU, --device cuda is refused with one line.
+TEST(ServeCpCuda, CommandLineOneRank) {
+  if (!cuda_available()) {
+    for (const char* cmd : {"serve --cp 1 --device cuda --quiet", "bench --cp 1 --device cuda"}) {
+      SCOPED_TRACE(cmd);
+      const CliRun r = flashkv(cmd);
+      EXPECT_EQ(r.code, 2) << r.err;
+      EXPECT_NE(r.err.find("--device cuda: "), std::string::npos) << r.err;
+      EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    }
+    GTEST_SKIP() << "no GPU";
+  }
+  const std::string json = ::testing::TempDir() + "flashkv_cp_serve_cuda.json";
+  CliRun r = flashkv("serve --cp 1 --device cuda --requests 8 --check --quiet --json " + json);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("context par  1 rank, KV interleaved"), std::string::npos) << r.out;
+  JsonValue j = parse_json(slurp(json));
+  EXPECT_EQ(j.find("device")->string(), "cuda:0");
+  EXPECT_EQ(j.find("context_parallel")->find("ranks")->number(), 1);
+  EXPECT_GT(j.find("checked")->number(), 0);
+  EXPECT_EQ(j.find("check_failures")->number(), 0);
+  EXPECT_TRUE(j.find("invariants_ok")->boolean());
+
+  const std::string bench_json = ::testing::TempDir() + "flashkv_cp_bench_cuda.json";
+  r = flashkv("bench --cp 1 --device cuda --grid quick --min-seconds 0 --json " + bench_json);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+#if FLASHKV_WITH_NCCL
+  EXPECT_NE(r.out.find("context parallelism: 1 rank (NCCL)"), std::string::npos) << r.out;
+#endif
+  EXPECT_NE(r.out.find("    sharded: rank 0: local "), std::string::npos) << r.out;
+  j = parse_json(slurp(bench_json));
+  const JsonValue* cases = j.find("cp")->find("cases");
+  ASSERT_EQ(cases->items().size(), 2u);
+  for (const JsonValue& c : cases->items()) {
+    EXPECT_GT(c.find("speedup")->number(), 0);
+    EXPECT_EQ(c.find("sharded")->find("phases")->items().size(), 1u);
+  }
+}
+
 // bench --cp's mistakes: one line each, exit code 2.
 TEST(ServeCp, BenchCommandLineRefusals) {
   const std::pair<const char*, const char*> cases[] = {
@@ -362,7 +481,6 @@ TEST(ServeCp, BenchCommandLineRefusals) {
       {"bench --cp 1 --cp-exchange ring", "--cp-exchange ring: expected all_gather or all_to_all"},
       {"bench --cp 1 --cp-interleave 4 --cp-layout contiguous",
        "--cp-interleave is for --cp-layout interleaved"},
-      {"bench --cp 1 --device cuda", "cuda"},
       {"bench --cp 0", "--cp"},
   };
   for (const auto& [args, message] : cases) {

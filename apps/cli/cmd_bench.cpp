@@ -22,7 +22,7 @@ namespace {
 // bench --cp N: the context-parallel grid on every rank of the group (rank 0 prints and writes).
 int bench_cp(const Args& args, int ranks, const std::string& op, const std::string& grid,
              const bench::BenchOptions& timing, const bench::RooflineOptions& roof) {
-  const Device device = cp_device_from_flags(args);
+  Device device = cp_device_from_flags(args, ranks);
   if (op != "all" && op != "decode" && op != "extend")
     args.fail(str_cat("--op ", op, ": --cp times decode and extend (--op all, decode or extend)"));
   for (const char* flag : {"--model", "--csv", "--plot"})
@@ -38,8 +38,10 @@ int bench_cp(const Args& args, int ranks, const std::string& op, const std::stri
   parallel::CommOptions comm_options;
   comm_options.timeout_s = 0;
   std::string error;
-  std::unique_ptr<CpSession> session = CpSession::start(ranks, error, comm_options);
+  std::unique_ptr<CpSession> session = CpSession::start(ranks, device, error, comm_options);
   if (!session) args.fail(error);
+  device = session->device();  // on GPUs, this rank's
+  for (bench::BenchCase& c : cases) c.device = device;
   const bool rank0 = session->rank() == 0;
   bench::BenchReport report;
   report.cp.ranks = session->size();
@@ -106,10 +108,11 @@ int cmd_bench(int argc, char** argv) {
       "(bandwidth for decode, matrix rate for prefill and extend, the roofline at its\n"
       "intensity for verify), then the planner's host time for prefill and extend batches of\n"
       "256 requests.\n"
-      "With --cp N (under mpirun -np N, on the CPU): one long request's decode and extend on\n"
-      "rank 0 alone, then sharded across the N ranks, with the speed-up and where each rank's\n"
-      "time goes (local attention, communication, merge); --grid quick: 1 x 16384 tokens,\n"
-      "full: 1 x 262144 and 1 x 1048576 decode, extend on a 262144-token prefix.",
+      "With --cp N (under mpirun -np N; --device cuda: a GPU a rank, through NCCL): one long\n"
+      "request's decode and extend on rank 0 alone, then sharded across the N ranks, with the\n"
+      "speed-up and where each rank's time goes (local attention, communication, merge);\n"
+      "--grid quick: 1 x 16384 tokens, full: 1 x 262144 and 1 x 1048576 decode, extend on a\n"
+      "262144-token prefix.",
       std::move(flags));
   const int cp_ranks = cp_ranks_from_flags(args);
   const std::string& op = args.get("--op");

@@ -14,6 +14,7 @@
 #include "commands.h"
 #include "cp_session.h"
 #include "flashkv/core/thread_pool.h"
+#include "flashkv/parallel/host_collectives.h"
 #include "json.h"
 #include "model_flags.h"
 #include "scheduler.h"
@@ -50,7 +51,7 @@ void gather_cp_results(CpSession& session, const parallel::CpOptions& o, const S
                                  static_cast<int64_t>(stats.invariant_failures.size()),
                                  stats.nonfinite_passes, s.rank_share()->peak_slots()};
   std::vector<int64_t> all(static_cast<size_t>(kFields) * session.size());
-  session.comm().all_gather(mine, sizeof mine, all.data(), Stream{});
+  parallel::all_gather_host(session.comm(), mine, sizeof mine, all.data());
   const int me = session.rank();
   if (me != 0) {
     if (!stats.first_failure.empty())
@@ -107,7 +108,7 @@ int cmd_serve(int argc, char** argv) {
       "invariant fails.",
       std::move(flags));
   const int cp_ranks = cp_ranks_from_flags(args);
-  const Device device = cp_ranks > 0 ? cp_device_from_flags(args) : args.device();
+  Device device = cp_ranks > 0 ? cp_device_from_flags(args, cp_ranks) : args.device();
   const bool gpu = device.is_cuda();
   const uint64_t seed = static_cast<uint64_t>(args.get_int("--seed"));
   args.require_writable("--json");
@@ -149,8 +150,9 @@ int cmd_serve(int argc, char** argv) {
   std::unique_ptr<CpSession> session;
   if (cp_ranks > 0) {
     std::string error;
-    session = CpSession::start(cp_ranks, error);
+    session = CpSession::start(cp_ranks, device, error);
     if (!session) args.fail(error);
+    device = session->device();  // on GPUs, this rank's
   }
   const bool rank0 = !session || session->rank() == 0;
 

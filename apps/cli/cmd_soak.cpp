@@ -101,7 +101,7 @@ int cmd_soak(int argc, char** argv) {
       std::move(flags));
   SoakOptions o;
   const int cp_ranks = cp_ranks_from_flags(args);
-  o.device = cp_ranks > 0 ? cp_device_from_flags(args) : args.device();
+  o.device = cp_ranks > 0 ? cp_device_from_flags(args, cp_ranks) : args.device();
   o.steps = args.get_int("--steps", 0, 1 << 30, 0);
   o.seed = static_cast<uint64_t>(args.get_int("--seed"));
   o.model = model_from_flags(args, o.device.is_cuda(), small, small);
@@ -139,9 +139,10 @@ int cmd_soak(int argc, char** argv) {
   if (cp_ranks > 0) {
     o.scheduler.cp.options = cp_options_from_flags(args, cp_ranks, longest);
     std::string error;
-    session = CpSession::start(cp_ranks, error);
+    session = CpSession::start(cp_ranks, o.device, error);
     if (!session) args.fail(error);
     o.scheduler.cp.comm = &session->comm();
+    o.device = session->device();  // on GPUs, this rank's
   }
   const bool rank0 = !session || session->rank() == 0;
   const bool group = session && session->size() > 1;

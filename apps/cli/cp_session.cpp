@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <exception>
 
+#include "flashkv/core/cuda_runtime.h"
 #include "flashkv/core/error.h"
 
 #if FLASHKV_WITH_MPI
@@ -10,13 +12,19 @@
 
 #include "flashkv/parallel/mpi.h"
 #endif
+#if FLASHKV_WITH_NCCL
+#include <nccl.h>
+
+#include "flashkv/parallel/nccl.h"
+#endif
 
 namespace flashkv::app {
 
 std::vector<FlagSpec> cp_flags() {
   return {{"--cp", "N",
            "context parallelism: shard each request's KV across N ranks (run under mpirun -np N; "
-           "CPU; N = 1 runs the sharded path on one rank without MPI)",
+           "on GPUs one GPU a rank, through NCCL; N = 1 runs the sharded path on one rank "
+           "without MPI)",
            "off"},
           {"--cp-layout", "interleaved|contiguous", "--cp: how positions go to the ranks",
            "interleaved"},
@@ -27,23 +35,27 @@ std::vector<FlagSpec> cp_flags() {
            "longest request split evenly)",
            "auto"},
           {"--cp-exchange", "all_gather|all_to_all",
-           "--cp: how the ranks exchange partial attention states", "all_gather"}};
+           "--cp: how the ranks exchange partial attention states", "all_gather"},
+          {"--cp-kv-pass", "all_gather|ring",
+           "--cp: how an extend's new tokens' K/V reach the ranks (all-gathered, or passed round "
+           "a ring so that no rank holds them all)",
+           "all_gather"}};
 }
 
 int cp_ranks_from_flags(const Args& args) {
   const int ranks = args.get("--cp") == "off" ? 0 : args.get_int("--cp", 1, 1 << 16, 0);
-  for (const char* f : {"--cp-layout", "--cp-interleave", "--cp-block", "--cp-exchange"})
+  for (const char* f :
+       {"--cp-layout", "--cp-interleave", "--cp-block", "--cp-exchange", "--cp-kv-pass"})
     if (ranks == 0 && args.given(f)) args.fail(str_cat(f, " needs --cp N"));
   return ranks;
 }
 
-Device cp_device_from_flags(const Args& args) {
-  // Context parallelism runs on the CPU: --device auto picks it.
+Device cp_device_from_flags(const Args& args, int ranks) {
+  // --device auto picks the CPU: a GPU run is asked for, as it needs a GPU per rank.
   const Device device = args.given("--device") ? args.device() : Device::cpu();
-  if (device.is_cuda())
-    args.fail(
-        "--cp: context parallelism runs on the CPU only for now (--device cpu); the GPU "
-        "path (NCCL bootstrapped through MPI) is not done");
+  if (device.is_cuda() && ranks > 1 && args.get("--device").find(':') != std::string::npos)
+    args.fail(str_cat("--device ", args.get("--device"), ": with --cp ", ranks,
+                      " each rank runs on the GPU of its local rank; pass --device cuda"));
   return device;
 }
 
@@ -70,6 +82,13 @@ parallel::CpOptions cp_options_from_flags(const Args& args, int ranks, int64_t l
     o.exchange = parallel::CpExchange::all_to_all;
   else
     args.fail(str_cat("--cp-exchange ", exchange, ": expected all_gather or all_to_all"));
+  const std::string& kv_pass = args.get("--cp-kv-pass");
+  if (kv_pass == "all_gather")
+    o.kv_pass = parallel::CpKvPass::all_gather;
+  else if (kv_pass == "ring")
+    o.kv_pass = parallel::CpKvPass::ring;
+  else
+    args.fail(str_cat("--cp-kv-pass ", kv_pass, ": expected all_gather or ring"));
   return o;
 }
 
@@ -83,11 +102,40 @@ std::string cp_exchange_str(const parallel::CpOptions& o) {
   return o.exchange == parallel::CpExchange::all_gather ? "all_gather" : "all_to_all";
 }
 
-std::unique_ptr<CpSession> CpSession::start(int ranks, std::string& error,
+std::string cp_kv_pass_str(const parallel::CpOptions& o) {
+  return o.kv_pass == parallel::CpKvPass::ring ? "ring" : "all_gather";
+}
+
+namespace {
+
+#if FLASHKV_WITH_NCCL
+// Throws flashkv::Error naming the call when an NCCL call failed.
+void nccl_check(ncclResult_t r, const char* call) {
+  FLASHKV_CHECK(r == ncclSuccess, call, ": NCCL error ", static_cast<int>(r), " (",
+                ncclGetErrorString(r), ")");
+}
+#endif
+
+}  // namespace
+
+std::unique_ptr<CpSession> CpSession::start(int ranks, Device device, std::string& error,
                                             const parallel::CommOptions& options) {
   std::unique_ptr<CpSession> s(new CpSession());
   if (ranks == 1) {
-    s->comm_ = std::make_unique<parallel::OneRankCommunicator>();
+#if FLASHKV_WITH_NCCL
+    if (device.is_cuda()) {
+      // One rank on one GPU: a one-rank NCCL communicator, so that the GPU run takes the same
+      // communicator as a group's.
+      ncclComm_t comm = nullptr;
+      int index = device.index;
+      nccl_check(ncclCommInitAll(&comm, 1, &index), "ncclCommInitAll");
+      s->nccl_ = comm;
+      s->comm_ = parallel::make_nccl_communicator(comm, device, options);
+      return s;
+    }
+#endif
+    // The CPU (or a GPU in a build without NCCL): the one-rank communicator, on that device.
+    s->comm_ = std::make_unique<parallel::OneRankCommunicator>(device);
     return s;
   }
 #if FLASHKV_WITH_MPI
@@ -105,8 +153,43 @@ std::unique_ptr<CpSession> CpSession::start(int ranks, std::string& error,
                     rank, " of ", size, ")");
     return nullptr;  // the destructor of `s` finalizes MPI on every rank
   }
-  s->comm_ = parallel::make_mpi_communicator(MPI_Comm_c2f(MPI_COMM_WORLD), options);
+  if (device.is_cpu()) {
+    s->comm_ = parallel::make_mpi_communicator(MPI_Comm_c2f(MPI_COMM_WORLD), options);
+    return s;
+  }
+#if FLASHKV_WITH_NCCL
+  // Each rank takes the GPU of its rank among the ranks of its host; NCCL does not allow two
+  // ranks of a communicator on one GPU, so a host with fewer GPUs than ranks is refused (by
+  // every rank alike: they all count the same ranks and GPUs).
+  MPI_Comm host;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host);
+  int local_rank = 0, local_size = 0;
+  MPI_Comm_rank(host, &local_rank);
+  MPI_Comm_size(host, &local_size);
+  MPI_Comm_free(&host);
+  const int gpus = cuda_device_count();
+  if (local_size > gpus) {
+    error = str_cat("--cp ", ranks, " --device cuda: ", local_size,
+                    " ranks run on this host, which has ", gpus, " GPU", gpus == 1 ? "" : "s",
+                    "; NCCL needs a GPU for each rank (run at most ", gpus,
+                    " ranks a host, or --device cpu)");
+    return nullptr;
+  }
+  const Device gpu = Device::cuda(local_rank);
+  flashkv::detail::cuda_set_device(gpu);
+  ncclUniqueId id;
+  if (rank == 0) nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
+  ncclComm_t comm = nullptr;
+  nccl_check(ncclCommInitRank(&comm, size, id, rank), "ncclCommInitRank");
+  s->nccl_ = comm;
+  s->comm_ = parallel::make_nccl_communicator(comm, gpu, options);
   return s;
+#else
+  error = str_cat("--cp ", ranks, " --device cuda: this build has no NCCL (CMake found none), ",
+                  "which ranks on GPUs exchange through; --device cpu runs the ranks over MPI");
+  return nullptr;
+#endif
 #else
   error =
       str_cat("--cp ", ranks, ": this build has no MPI (CMake found none), which more than one ",
@@ -117,6 +200,12 @@ std::unique_ptr<CpSession> CpSession::start(int ranks, std::string& error,
 
 CpSession::~CpSession() {
   comm_.reset();  // frees its duplicate of the MPI communicator before MPI_Finalize
+#if FLASHKV_WITH_NCCL
+  // An exception on its way out may come from a synchronize() that timed out and aborted the
+  // NCCL communicator (which frees it): then it is left alone.
+  if (nccl_ != nullptr && std::uncaught_exceptions() == 0)
+    ncclCommDestroy(static_cast<ncclComm_t>(nccl_));
+#endif
 #if FLASHKV_WITH_MPI
   if (mpi_) MPI_Finalize();
 #endif

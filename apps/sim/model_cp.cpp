@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "flashkv/kvcache/req_to_token_pool.h"
+#include "flashkv/parallel/host_collectives.h"
 #include "model.h"
 
 namespace flashkv::app {
@@ -20,6 +21,24 @@ std::vector<size_t> offsets_of(const std::vector<size_t>& counts) {
   std::vector<size_t> displs(counts.size(), 0);
   for (size_t r = 1; r < counts.size(); ++r) displs[r] = displs[r - 1] + counts[r - 1];
   return displs;
+}
+
+// Appends the rows `slots` of a pool tensor [num_rows, ...] (on the host or a GPU) to `dst`, in
+// runs of consecutive slots, so that a device pool costs a few copies rather than one per row.
+void append_pool_rows(std::vector<char>& dst, const TensorView& pool,
+                      const std::vector<int32_t>& slots) {
+  const size_t bytes = row_bytes_of(pool);
+  size_t at = dst.size();
+  dst.resize(at + slots.size() * bytes);
+  for (size_t j = 0; j < slots.size();) {
+    size_t run = 1;
+    while (j + run < slots.size() && slots[j + run] == slots[j] + static_cast<int32_t>(run)) ++run;
+    copy_bytes(dst.data() + at, Device::cpu(),
+               static_cast<const char*>(pool.data) + static_cast<size_t>(slots[j]) * bytes,
+               pool.device, run * bytes);
+    at += run * bytes;
+    j += run;
+  }
 }
 
 }  // namespace
@@ -62,9 +81,12 @@ Tensor Model::cp_all_outputs(const StepBatch& step, const TensorView& own_out) {
     for (const auto& run : runs[r]) counts[r] += static_cast<size_t>(run.second) * row;
   }
   const std::vector<size_t> displs = offsets_of(counts);
-  // Never a null buffer, even when no rank has a row.
+  // This rank's rows on the host (the exchange is of host buffers, staged through the
+  // communicator's device where that is a GPU); never a null buffer, even when no rank has a row.
+  std::vector<char> mine(std::max<size_t>(counts[comm.rank()], 1));
+  copy_bytes(mine.data(), Device::cpu(), own_out.data, own_out.device, counts[comm.rank()]);
   std::vector<char> recv(std::max<size_t>(displs.back() + counts.back(), 1));
-  comm.all_gather_v(own_out.data, recv.data(), counts, displs, Stream{});
+  parallel::all_gather_v_host(comm, mine.data(), recv.data(), counts, displs);
   Tensor all = Tensor::empty({std::max<int64_t>(step.num_tokens(), 1), own_out.shape[1]},
                              own_out.dtype, own_out.device);
   for (int r = 0; r < world; ++r) {
@@ -94,11 +116,8 @@ std::unique_ptr<KVPool> Model::cp_gather_kv(int layer, const StepBatch& step,
     const BatchEntry& e = step.entries()[i];
     const int64_t n = shard.local_len(me, e.seq_len);
     const std::vector<int32_t> local = b.req_to_token_pool->read(e.seq->row, 0, n);
-    for (const auto& [pool, bytes] : {std::make_pair(&k_pool, kb), std::make_pair(&v_pool, vb)})
-      for (const int32_t s : local) {
-        const char* src = static_cast<const char*>(pool->data) + static_cast<size_t>(s) * bytes;
-        send.insert(send.end(), src, src + bytes);
-      }
+    append_pool_rows(send, k_pool, local);
+    append_pool_rows(send, v_pool, local);
   }
   std::vector<size_t> counts(static_cast<size_t>(world), 0);
   int64_t total = 0;
@@ -111,7 +130,7 @@ std::unique_ptr<KVPool> Model::cp_gather_kv(int layer, const StepBatch& step,
   const std::vector<size_t> displs = offsets_of(counts);
   std::vector<char> recv(std::max<size_t>(displs.back() + counts.back(), 1));
   if (send.empty()) send.resize(1);  // never a null buffer
-  comm.all_gather_v(send.data(), recv.data(), counts, displs, Stream{});
+  parallel::all_gather_v_host(comm, send.data(), recv.data(), counts, displs);
 
   // A one-layer host pool: request j's positions at slots base_j + 1 + position.
   KVPoolConfig pc;

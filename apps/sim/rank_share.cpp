@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "flashkv/core/error.h"
+#include "flashkv/parallel/host_collectives.h"
 
 namespace flashkv::app {
 
@@ -95,7 +96,7 @@ void RankShare::localize(StepBatch& step) {
     mix(e.num_new);
   }
   std::vector<uint64_t> digests(static_cast<size_t>(comm_.size()));
-  comm_.all_gather(&digest, sizeof digest, digests.data(), Stream{});
+  parallel::all_gather_host(comm_, &digest, sizeof digest, digests.data());
   for (int r = 0; r < comm_.size(); ++r)
     FLASHKV_CHECK(digests[r] == digests[0], "context parallelism: rank ", r, "'s ",
                   mode_name(b.mode),

@@ -1,6 +1,7 @@
 // Context-parallel benchmark (flashkv bench --cp N): one long request's KV sharded across the
 // ranks of a communicator, timed with CpDecode / CpExtend against the same case on rank 0 alone,
 // with each call's time split into local attention, communication and merge (parallel::CpTiming).
+// The case runs where the communicator's buffers live: the CPU (MPI, one rank) or a GPU (NCCL).
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include "attention_bench.h"
 #include "flashkv/core/error.h"
 #include "flashkv/ops/attention.h"
+#include "flashkv/parallel/host_collectives.h"
 
 namespace flashkv::bench {
 namespace {
@@ -26,10 +28,12 @@ struct Share {
   PagedKV paged;
 };
 
-Tensor random_tensor(std::initializer_list<int64_t> shape, DType dtype, uint64_t seed) {
+// Drawn on the host, then copied to `device`.
+Tensor random_tensor(std::initializer_list<int64_t> shape, DType dtype, uint64_t seed,
+                     Device device) {
   Tensor t = Tensor::empty(shape, dtype);
   fill_random(t, seed);
-  return t;
+  return device.is_cpu() ? t : t.to(device);
 }
 
 // Pages in order or shuffled, as the one-device benchmark lays them out. At least one page and
@@ -39,8 +43,8 @@ void make_pool(const BenchCase& c, int64_t local_len, uint64_t seed, Share& s) {
   const int64_t pages_per_request = (local_len + p - 1) / p;
   const int64_t num_pages = c.batch * pages_per_request;
   const int64_t rows = std::max<int64_t>(num_pages, 1) * p;
-  s.pool_k = random_tensor({rows, c.num_kv_heads, c.head_dim}, c.kv_dtype, seed);
-  s.pool_v = random_tensor({rows, c.num_kv_heads, c.head_dim}, c.kv_dtype, seed + 1);
+  s.pool_k = random_tensor({rows, c.num_kv_heads, c.head_dim}, c.kv_dtype, seed, c.device);
+  s.pool_v = random_tensor({rows, c.num_kv_heads, c.head_dim}, c.kv_dtype, seed + 1, c.device);
   std::vector<int32_t> order(std::max<int64_t>(num_pages, 1)), indptr(c.batch + 1), last(c.batch);
   std::iota(order.begin(), order.end(), 0);
   if (c.kv_layout == KvLayout::shuffled) {
@@ -50,9 +54,9 @@ void make_pool(const BenchCase& c, int64_t local_len, uint64_t seed, Share& s) {
   for (int i = 0; i <= c.batch; ++i) indptr[i] = static_cast<int32_t>(i * pages_per_request);
   for (int i = 0; i < c.batch; ++i)
     last[i] = static_cast<int32_t>(local_len == 0 ? 0 : local_len - (pages_per_request - 1) * p);
-  s.kv_indptr = Tensor::from_i32(indptr);
-  s.kv_indices = Tensor::from_i32(order);
-  s.last_page_len = Tensor::from_i32(last);
+  s.kv_indptr = Tensor::from_i32(indptr, c.device);
+  s.kv_indices = Tensor::from_i32(order, c.device);
+  s.last_page_len = Tensor::from_i32(last, c.device);
   s.paged = PagedKV{s.pool_k,
                     s.pool_v,
                     s.kv_indptr,
@@ -69,22 +73,27 @@ struct Calls {
 
 // Warm-up calls, then timed calls in lockstep: before each, every rank learns rank 0's decision
 // to go on from one all-gather of a byte, which also starts the ranks together. Rank 0 goes on
-// until it has timed min_runs calls and spent min_seconds (or timed max_runs).
+// until it has timed min_runs calls and spent min_seconds (or timed max_runs). On a GPU a call's
+// time runs until its stream's work has completed (comm.synchronize).
 Calls time_lockstep(parallel::Communicator& comm, const std::function<void()>& call,
                     CpTiming& timing, const BenchOptions& o) {
   using Clock = std::chrono::steady_clock;
-  for (int i = 0; i < o.warmup; ++i) call();
+  for (int i = 0; i < o.warmup; ++i) {
+    call();
+    comm.synchronize(Stream{});
+  }
   Calls t;
   std::vector<uint8_t> go(comm.size());
   const Clock::time_point start = Clock::now();
   for (;;) {
     const double spent = std::chrono::duration<double>(Clock::now() - start).count();
     const uint8_t mine = t.runs < o.min_runs || (spent < o.min_seconds && t.runs < o.max_runs);
-    comm.all_gather(&mine, 1, go.data(), Stream{});
+    parallel::all_gather_host(comm, &mine, 1, go.data());
     if (go[0] == 0) break;
     timing = CpTiming{};
     const Clock::time_point t0 = Clock::now();
     call();
+    comm.synchronize(Stream{});
     const Clock::time_point t1 = Clock::now();
     t.us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
     t.local.push_back(timing.local_us);
@@ -125,7 +134,7 @@ Calls time_case(const BenchCase& c, parallel::Communicator& comm,
   opt.logits_soft_cap = c.logit_cap;
   opt.causal = c.causal;
   if (c.sinks) {
-    s.sinks = random_tensor({c.num_qo_heads}, DType::f32, o.seed + 7);
+    s.sinks = random_tensor({c.num_qo_heads}, DType::f32, o.seed + 7, c.device);
     opt.sinks = s.sinks;
   }
   if (c.op == BenchOp::decode) {
@@ -142,8 +151,8 @@ Calls time_case(const BenchCase& c, parallel::Communicator& comm,
     // Every rank holds the same queries; the KV of its positions differs from rank to rank.
     make_pool(c, decode.local_kv_len().empty() ? 0 : decode.local_kv_len()[0],
               o.seed + 100 * (rank + 1), s);
-    s.q = random_tensor({c.batch, c.num_qo_heads, c.head_dim}, c.dtype, o.seed);
-    s.out = Tensor::empty({c.batch, c.num_qo_heads, c.head_dim}, c.dtype);
+    s.q = random_tensor({c.batch, c.num_qo_heads, c.head_dim}, c.dtype, o.seed, c.device);
+    s.out = Tensor::empty({c.batch, c.num_qo_heads, c.head_dim}, c.dtype, c.device);
     return time_lockstep(
         comm, [&] { decode.run(s.q, s.paged, opt, s.out, TensorView()); }, timing, o);
   }
@@ -164,10 +173,10 @@ Calls time_case(const BenchCase& c, parallel::Communicator& comm,
   // This rank's new tokens (its zigzag rows of every request).
   const int64_t own = extend.num_own_rows();
   const uint64_t seed = o.seed + 1000 * (rank + 1);
-  s.q = random_tensor({own, c.num_qo_heads, c.head_dim}, c.dtype, seed);
-  s.k = random_tensor({own, c.num_kv_heads, c.head_dim}, c.dtype, seed + 1);
-  s.v = random_tensor({own, c.num_kv_heads, c.head_dim}, c.dtype, seed + 2);
-  s.out = Tensor::empty({own, c.num_qo_heads, c.head_dim}, c.dtype);
+  s.q = random_tensor({own, c.num_qo_heads, c.head_dim}, c.dtype, seed, c.device);
+  s.k = random_tensor({own, c.num_kv_heads, c.head_dim}, c.dtype, seed + 1, c.device);
+  s.v = random_tensor({own, c.num_kv_heads, c.head_dim}, c.dtype, seed + 2, c.device);
+  s.out = Tensor::empty({own, c.num_qo_heads, c.head_dim}, c.dtype, c.device);
   return time_lockstep(
       comm, [&] { extend.run(s.q, s.k, s.v, s.paged, opt, s.out, TensorView()); }, timing, o);
 }
@@ -189,9 +198,9 @@ CpCaseResult run_cp_case(const BenchCase& c, parallel::Communicator& comm,
                 "op: the context-parallel cases are decode and extend, got ", op_name(c.op));
   FLASHKV_CHECK(c.window_left < 0, "window_left: the context-parallel cases take no window, got ",
                 c.window_left);
-  FLASHKV_CHECK(c.device.is_cpu() && comm.device() == c.device && machine.device == c.device,
-                "device: the context-parallel cases run on the CPU, with the communicator's "
-                "buffers and the roofline there; got the case on ",
+  FLASHKV_CHECK(comm.device() == c.device && machine.device == c.device,
+                "device: a context-parallel case runs where the communicator's buffers live, "
+                "with the roofline measured there; got the case on ",
                 c.device.str(), ", the communicator on ", comm.device().str(), ", the roofline on ",
                 machine.device.str());
   FLASHKV_CHECK(o.min_runs >= 1 && o.max_runs >= o.min_runs && o.warmup >= 0,
@@ -224,7 +233,7 @@ CpCaseResult run_cp_case(const BenchCase& c, parallel::Communicator& comm,
                                 one.phases.merge_us,
                                 double(r.one_rank.runs)};
   std::vector<double> all(size_t(kFields) * world);
-  comm.all_gather(send, sizeof send, all.data(), Stream{});
+  parallel::all_gather_host(comm, send, sizeof send, all.data());
   r.one_rank.c = c;
   r.one_rank.us = all[4];
   r.one_rank.runs = static_cast<int>(all[8]);

@@ -71,9 +71,10 @@ struct BackendOptions {
   // Context parallelism: each request's KV is sharded across the ranks of cp_comm (not owned;
   // it must outlive the backend) by cp's layout, and each batch carries this rank's share
   // (ForwardBatch, "Context parallelism"). Null: no sharding, the backend's ordinary path. With a
-  // communicator (of any size, one rank included), the backend runs on the CPU, without CUDA
-  // graphs, a sliding-window pool, cross attention, multimodal or encoder-only layers, or
-  // precomputed decode indices (each is refused with one line).
+  // communicator (of any size, one rank included; its buffers on `device`: MPI or one rank on the
+  // CPU, NCCL or one rank on a GPU), the backend runs without CUDA graphs, a sliding-window pool,
+  // cross attention, multimodal or encoder-only layers, or precomputed decode indices (each is
+  // refused with one line).
   parallel::Communicator* cp_comm = nullptr;
   parallel::CpOptions cp;
 };
