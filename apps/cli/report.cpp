@@ -104,6 +104,7 @@ void print_cp_case(std::ostream& os, const CpCaseResult& r) {
   os << table_columns(r.sharded) << buf << "\n";
   os << "  " << ranks << (ranks == 1 ? " rank, " : " ranks, ") << app::cp_layout_str(r.options)
      << ", " << app::cp_exchange_str(r.options)
+     << (r.options.kv_pass == parallel::CpKvPass::ring ? ", new K/V by ring" : "")
      << "; where each rank's median call spent its time:\n";
   auto line = [&](const char* who, int rank, const parallel::CpTiming& t) {
     const double sum = t.total_us() > 0 ? t.total_us() : 1;
@@ -204,6 +205,7 @@ std::string to_json(const BenchReport& report) {
                                                                             : "contiguous")
          << ", \"block\": " << r.options.block
          << ", \"exchange\": " << json_string(app::cp_exchange_str(r.options))
+         << ", \"kv_pass\": " << json_string(app::cp_kv_pass_str(r.options))
          << ", \"speedup\": " << json_number(r.speedup) << ",\n     \"one_rank\": ";
       run(r.one_rank, r.one_rank_phases);
       os << ",\n     \"sharded\": ";

@@ -11,7 +11,7 @@
 //    "cp": {"ranks", "communicator",                                  (bench --cp only)
 //           "cases": [{"op", "device", "batch", "qo_len", "kv_len", "prefix_len", "num_qo_heads",
 //                      "num_kv_heads", "head_dim", "page_size", "kv_layout", "dtype", "kv_dtype",
-//                      "mask", "layout", "block", "exchange", "speedup",
+//                      "mask", "layout", "block", "exchange", "kv_pass", "speedup",
 //                      "one_rank": {"us", "gbps", "tflops", "roofline_fraction", "runs",
 //                                   "phases": [{"rank", "local_us", "comm_us", "merge_us"}]},
 //                      "sharded": {... the same, "phases" with one entry a rank}}]}}
@@ -27,7 +27,8 @@
 // ("one_rank") and sharded across the ranks ("sharded": us is the slowest rank's median, the
 // roofline fraction is of ranks x the machine's), the sharding (layout "interleaved" or
 // "contiguous", block its tokens per run or per rank), the exchange ("all_gather" or
-// "all_to_all"), speedup = one_rank.us / sharded.us, and the phases of each rank's median call
+// "all_to_all"), how extend's new K/V reached the ranks (kv_pass "all_gather" or "ring"),
+// speedup = one_rank.us / sharded.us, and the phases of each rank's median call
 // (parallel::CpTiming: local attention, communication, merge; they add up to its time).
 #pragma once
 

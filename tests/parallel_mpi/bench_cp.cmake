@@ -2,8 +2,9 @@
 # prints every case's one-rank and sharded rows (with the speed-up) and every rank's breakdown
 # (local attention, communication, merge), and writes the JSON with one phase entry a rank.
 #   cmake -DMPIRUN=mpirun -DNP=2 -DFLAGS=--oversubscribe -DFLASHKV=.../flashkv -DJSON=out.json
-#         [-DARGS=--cp-exchange|all_to_all] -DLIMIT=120 -P bench_cp.cmake
-# FLAGS (mpirun's) and ARGS (more bench flags) are |-separated.
+#         [-DARGS=--cp-exchange|all_to_all] [-DKV_PASS=ring] -DLIMIT=120 -P bench_cp.cmake
+# FLAGS (mpirun's) and ARGS (more bench flags) are |-separated; KV_PASS, when given, is the
+# kv_pass every case's JSON must report (the ARGS' --cp-kv-pass).
 string(REPLACE "|" ";" _flags "${FLAGS}")
 string(REPLACE "|" ";" _args "${ARGS}")
 file(REMOVE "${JSON}")
@@ -37,6 +38,10 @@ endif()
 foreach(i 0 1)
   string(JSON _phases LENGTH "${_json}" cp cases ${i} sharded phases)
   string(JSON _speedup GET "${_json}" cp cases ${i} speedup)
+  string(JSON _kv_pass GET "${_json}" cp cases ${i} kv_pass)
+  if(KV_PASS AND NOT _kv_pass STREQUAL KV_PASS)
+    message(FATAL_ERROR "${JSON}: case ${i}: kv_pass ${_kv_pass}, expected ${KV_PASS}")
+  endif()
   if(NOT _phases EQUAL NP OR NOT _speedup GREATER 0)
     message(FATAL_ERROR "${JSON}: case ${i}: ${_phases} phase entries, speed-up ${_speedup}")
   endif()
