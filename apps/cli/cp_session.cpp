@@ -171,8 +171,8 @@ std::unique_ptr<CpSession> CpSession::start(int ranks, Device device, std::strin
   if (local_size > gpus) {
     error = str_cat("--cp ", ranks, " --device cuda: ", local_size,
                     " ranks run on this host, which has ", gpus, " GPU", gpus == 1 ? "" : "s",
-                    "; NCCL needs a GPU for each rank (run at most ", gpus,
-                    " ranks a host, or --device cpu)");
+                    "; NCCL needs a GPU for each rank (run at most ", gpus, " rank",
+                    gpus == 1 ? "" : "s", " a host, or --device cpu)");
     return nullptr;
   }
   const Device gpu = Device::cuda(local_rank);
