@@ -404,6 +404,7 @@ TEST(Bench, CpCasesOnOneRankReportTheirPhases) {
   EXPECT_EQ(e.find("op")->string(), "extend");
   EXPECT_EQ(e.find("prefix_len")->number(), 64);
   EXPECT_EQ(e.find("exchange")->string(), "all_gather");
+  EXPECT_EQ(e.find("kv_pass")->string(), "all_gather");
   const app::JsonValue* phases = e.find("sharded")->find("phases");
   ASSERT_EQ(phases->items().size(), 1u);
   EXPECT_GT(phases->items()[0].find("local_us")->number(), 0);

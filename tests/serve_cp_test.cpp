@@ -377,6 +377,27 @@ TEST(ServeCp, CommandLineOneRank) {
   EXPECT_TRUE(j.find("invariants_ok")->boolean());
 }
 
+// The new tokens' K/V passed round a ring (on one rank, its own block): checked clean, and named
+// in the report and the JSON.
+TEST(ServeCp, CommandLineOneRankRing) {
+  const std::string json = ::testing::TempDir() + "flashkv_cp_serve_ring.json";
+  const CliRun r = flashkv(
+      "serve --cp 1 --cp-kv-pass ring --window 24 --requests 6 --layers 2 --check --quiet "
+      "--json " +
+      json);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("states by all_gather, new K/V by ring"), std::string::npos) << r.out;
+  const JsonValue j = parse_json(slurp(json));
+  const JsonValue* cp = j.find("context_parallel");
+  ASSERT_TRUE(cp != nullptr && cp->find("kv_pass") != nullptr);
+  EXPECT_EQ(cp->find("kv_pass")->string(), "ring");
+  EXPECT_EQ(j.find("check_failures")->number(), 0);
+  EXPECT_TRUE(j.find("invariants_ok")->boolean());
+  const CliRun soak = flashkv("soak --cp 1 --cp-kv-pass ring --steps 100 --quiet");
+  ASSERT_EQ(soak.code, 0) << soak.out << soak.err;
+  EXPECT_NE(soak.out.find("new K/V by ring"), std::string::npos) << soak.out;
+}
+
 // soak --cp 1: the invariants after every step, the rank's share among them; speculative
 // decoding is off by default with --cp.
 TEST(ServeCp, SoakOneRank) {
@@ -393,6 +414,8 @@ TEST(ServeCp, CommandLineRefusals) {
       {"serve --cp 1 --cp-layout rows", "--cp-layout rows: expected interleaved or contiguous"},
       {"serve --cp 1 --cp-block 8", "--cp-block is for --cp-layout contiguous"},
       {"serve --cp 1 --cp-exchange ring", "--cp-exchange ring: expected all_gather or all_to_all"},
+      {"serve --cp 1 --cp-kv-pass tree", "--cp-kv-pass tree: expected all_gather or ring"},
+      {"serve --cp-kv-pass ring", "--cp-kv-pass needs --cp N"},
       {"serve --cp 1 --workload spec", "speculative decoding is not supported with --cp"},
       {"serve --cp 1 --model t5-base", "models with cross attention"},
       {"serve --cp 0", "--cp"},

@@ -63,6 +63,7 @@ void gather_cp_results(CpSession& session, const parallel::CpOptions& o, const S
   report.ranks = session.size();
   report.layout = cp_layout_str(o);
   report.exchange = cp_exchange_str(o);
+  report.kv_pass = cp_kv_pass_str(o);
   report.checked.clear();
   report.peak_slots.clear();
   for (int r = 0; r < session.size(); ++r) {

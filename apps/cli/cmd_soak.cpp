@@ -56,9 +56,10 @@ void print_summary(const SoakOptions& o, const SoakResult& r) {
               static_cast<long long>(st.check_failures));
   const CpConfig& cp = o.scheduler.cp;
   if (cp.enabled())
-    std::printf("context par  %d rank%s, KV %s, states by %s; every rank checks its share\n",
+    std::printf("context par  %d rank%s, KV %s, states by %s%s; every rank checks its share\n",
                 cp.comm->size(), cp.comm->size() == 1 ? "" : "s", cp_layout_str(cp.options).c_str(),
-                cp_exchange_str(cp.options).c_str());
+                cp_exchange_str(cp.options).c_str(),
+                cp.options.kv_pass == parallel::CpKvPass::ring ? ", new K/V by ring" : "");
   if (r.failure.empty())
     std::printf(
         "invariants   ok after every step: slot ownership, request rows, prefix cache, "

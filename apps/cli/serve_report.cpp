@@ -92,7 +92,9 @@ void print_serve_report(std::ostream& os, const ServeSetup& s, const ServeStats&
      << " running requests\n";
   if (s.cp.ranks > 0) {
     os << "context par  " << s.cp.ranks << (s.cp.ranks == 1 ? " rank" : " ranks") << ", KV "
-       << s.cp.layout << ", states by " << s.cp.exchange << "; each rank's own KV pool peaked at";
+       << s.cp.layout << ", states by " << s.cp.exchange
+       << (s.cp.kv_pass == "ring" ? ", new K/V by ring" : "")
+       << "; each rank's own KV pool peaked at";
     for (size_t r = 0; r < s.cp.peak_slots.size(); ++r)
       os << (r ? ", " : " ") << s.cp.peak_slots[r];
     os << " slots";
@@ -183,7 +185,8 @@ std::string serve_json(const ServeSetup& s, const ServeStats& st) {
   if (s.cp.ranks > 0) {
     os << ",\n  \"context_parallel\": {\"ranks\": " << s.cp.ranks
        << ", \"layout\": " << json_string(s.cp.layout)
-       << ", \"exchange\": " << json_string(s.cp.exchange) << ", \"peak_kv_slots_per_rank\": [";
+       << ", \"exchange\": " << json_string(s.cp.exchange)
+       << ", \"kv_pass\": " << json_string(s.cp.kv_pass) << ", \"peak_kv_slots_per_rank\": [";
     for (size_t r = 0; r < s.cp.peak_slots.size(); ++r) os << (r ? ", " : "") << s.cp.peak_slots[r];
     os << "]}";
   }

@@ -42,11 +42,11 @@ struct ServeSetup {
   // Encoder-decoder models: the longest encoder input (--encoder-len) and their total.
   int32_t encoder_len = 0;
   int64_t encoder_tokens = 0;
-  // Context parallelism (--cp): ranks (0: off), how positions and states are placed, and each
-  // rank's checked outputs and peak use of its own KV pool.
+  // Context parallelism (--cp): ranks (0: off), how positions and states are placed and the new
+  // tokens' K/V passed, and each rank's checked outputs and peak use of its own KV pool.
   struct CpReport {
     int ranks = 0;
-    std::string layout, exchange;
+    std::string layout, exchange, kv_pass;
     std::vector<int64_t> checked, peak_slots;
   } cp;
 };
