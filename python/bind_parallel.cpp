@@ -38,7 +38,8 @@ using parallel::CpOptions;
 //   all_gather(send, recv, stream)
 //   all_gather_v(send, recv, counts, displs, stream)
 //   all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, stream)
-//   broadcast(data, root, stream), barrier(), synchronize(stream)
+//   broadcast(data, root, stream), send_recv(send, dest, recv, source, stream), barrier(),
+//   synchronize(stream)
 // An exception a method raises (the process group's timeout, a peer that failed) becomes
 // flashkv::Error naming the collective, and breaks the communicator: the group's state is unknown
 // after a failed collective, so every later call throws at once, as communicator.h requires.
@@ -93,6 +94,14 @@ class CallbackCommunicator final : public Communicator {
                   size_);
     call("broadcast",
          [&] { transport_.attr("broadcast")(array(data, bytes), root, handle(stream)); });
+  }
+  void send_recv(const void* send, size_t send_bytes, int dest, void* recv, size_t recv_bytes,
+                 int source, Stream stream) override {
+    parallel::check_send_recv(*this, dest, source, send_bytes, recv_bytes);
+    call("send_recv", [&] {
+      transport_.attr("send_recv")(array(send, send_bytes), dest, array(recv, recv_bytes), source,
+                                   handle(stream));
+    });
   }
   void barrier() override {
     call("barrier", [&] { transport_.attr("barrier")(); });
@@ -232,6 +241,18 @@ void bind_communicator(nb::module_& m) {
           nb::arg("data"), nb::arg("root"), nb::arg("stream") = 0,
           "Copies root's data into data on every rank.")
       .def(
+          "send_recv",
+          [](Communicator& c, const Array& send, int dest, const Array& recv, int source,
+             uintptr_t stream) {
+            const TensorView s = comm_buffer(c, send, "send"), r = comm_buffer(c, recv, "recv");
+            nb::gil_scoped_release release;
+            c.send_recv(s.data, s.nbytes(), dest, r.data, r.nbytes(), source, stream_of(stream));
+          },
+          nb::arg("send"), nb::arg("dest"), nb::arg("recv"), nb::arg("source"),
+          nb::arg("stream") = 0,
+          "One ring step, called by every rank at once: send goes to rank dest, recv gets what "
+          "rank source sends this rank (its whole size).")
+      .def(
           "barrier",
           [](Communicator& c) {
             nb::gil_scoped_release release;
@@ -324,11 +345,19 @@ parallel::CpExchange parse_exchange(const std::string& s) {
   if (s == "all_to_all") return parallel::CpExchange::all_to_all;
   throw_error(str_cat("exchange: expected 'all_gather' or 'all_to_all', got '", s, "'"));
 }
+parallel::CpKvPass parse_kv_pass(const std::string& s) {
+  if (s == "all_gather") return parallel::CpKvPass::all_gather;
+  if (s == "ring") return parallel::CpKvPass::ring;
+  throw_error(str_cat("kv_pass: expected 'all_gather' or 'ring', got '", s, "'"));
+}
 const char* layout_name(parallel::CpLayout l) {
   return l == parallel::CpLayout::interleaved ? "interleaved" : "contiguous";
 }
 const char* exchange_name(parallel::CpExchange e) {
   return e == parallel::CpExchange::all_gather ? "all_gather" : "all_to_all";
+}
+const char* kv_pass_name(parallel::CpKvPass p) {
+  return p == parallel::CpKvPass::all_gather ? "all_gather" : "ring";
 }
 
 void bind_sharding(nb::module_& m) {
@@ -337,26 +366,31 @@ void bind_sharding(nb::module_& m) {
                         "(C++ parallel::CpOptions).")
       .def(
           "__init__",
-          [](CpOptions* self, const std::string& layout, int64_t block,
-             const std::string& exchange) {
+          [](CpOptions* self, const std::string& layout, int64_t block, const std::string& exchange,
+             const std::string& kv_pass) {
             CpOptions o;
             o.layout = parse_layout(layout);
             o.block = block;
             o.exchange = parse_exchange(exchange);
+            o.kv_pass = parse_kv_pass(kv_pass);
             parallel::CpShard(o, 1);  // validates the block
             new (self) CpOptions(o);
           },
           nb::kw_only(), nb::arg("layout") = "interleaved", nb::arg("block") = 1,
-          nb::arg("exchange") = "all_gather",
+          nb::arg("exchange") = "all_gather", nb::arg("kv_pass") = "all_gather",
           "layout 'interleaved' (runs of `block` tokens round robin: position t on rank (t // "
           "block) % P) or 'contiguous' (rank r holds [r * block, (r + 1) * block), the last rank "
-          "everything after); exchange 'all_gather' or 'all_to_all'.")
+          "everything after); exchange 'all_gather' or 'all_to_all'; kv_pass: how an extend's new "
+          "tokens' K/V reach the ranks, 'all_gather' or 'ring' (passed from rank to rank, each "
+          "block attended as it passes).")
       .def_prop_ro("layout", [](const CpOptions& o) { return layout_name(o.layout); })
       .def_ro("block", &CpOptions::block)
       .def_prop_ro("exchange", [](const CpOptions& o) { return exchange_name(o.exchange); })
+      .def_prop_ro("kv_pass", [](const CpOptions& o) { return kv_pass_name(o.kv_pass); })
       .def("__repr__", [](const CpOptions& o) {
         return str_cat("CpOptions(layout='", layout_name(o.layout), "', block=", o.block,
-                       ", exchange='", exchange_name(o.exchange), "')");
+                       ", exchange='", exchange_name(o.exchange), "', kv_pass='",
+                       kv_pass_name(o.kv_pass), "')");
       });
 
   nb::class_<parallel::CpShard>(m, "CpShard", "Where a request's positions live.")

@@ -369,6 +369,11 @@ class Communicator:
     def broadcast(self, data: NDArray, root: int, stream: int = 0) -> None:
         """Copies root's data into data on every rank."""
 
+    def send_recv(self, send: NDArray, dest: int, recv: NDArray, source: int, stream: int = 0) -> None:
+        """
+        One ring step, called by every rank at once: send goes to rank dest, recv gets what rank source sends this rank (its whole size).
+        """
+
     def barrier(self) -> None:
         """Returns once every rank has called it."""
 
@@ -412,9 +417,9 @@ class CpOptions:
     How a request's KV is sharded and how the states are exchanged (C++ parallel::CpOptions).
     """
 
-    def __init__(self, *, layout: str = 'interleaved', block: int = 1, exchange: str = 'all_gather') -> None:
+    def __init__(self, *, layout: str = 'interleaved', block: int = 1, exchange: str = 'all_gather', kv_pass: str = 'all_gather') -> None:
         """
-        layout 'interleaved' (runs of `block` tokens round robin: position t on rank (t // block) % P) or 'contiguous' (rank r holds [r * block, (r + 1) * block), the last rank everything after); exchange 'all_gather' or 'all_to_all'.
+        layout 'interleaved' (runs of `block` tokens round robin: position t on rank (t // block) % P) or 'contiguous' (rank r holds [r * block, (r + 1) * block), the last rank everything after); exchange 'all_gather' or 'all_to_all'; kv_pass: how an extend's new tokens' K/V reach the ranks, 'all_gather' or 'ring' (passed from rank to rank, each block attended as it passes).
         """
 
     @property
@@ -425,6 +430,9 @@ class CpOptions:
 
     @property
     def exchange(self) -> str: ...
+
+    @property
+    def kv_pass(self) -> str: ...
 
     def __repr__(self) -> str: ...
 

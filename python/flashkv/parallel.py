@@ -151,6 +151,22 @@ class _TorchTransport:
             self._wait(self.dist.broadcast(self._t(data), src=self.global_ranks[root], group=self.group,
                                            async_op=True))
 
+    def send_recv(self, send: Any, dest: int, recv: Any, source: int, stream: int) -> None:
+        s, r = self._t(send), self._t(recv)
+        with self._on(stream):
+            if dest == self.rank:  # then source is this rank too (checked by the caller)
+                r.copy_(s)
+                return
+            # An empty message is skipped on both sides: what a rank receives is what its source
+            # sends it.
+            ops = []
+            if s.numel():
+                ops.append(self.dist.P2POp(self.dist.isend, s, self.global_ranks[dest], group=self.group))
+            if r.numel():
+                ops.append(self.dist.P2POp(self.dist.irecv, r, self.global_ranks[source], group=self.group))
+            for work in self.dist.batch_isend_irecv(ops) if ops else []:
+                self._wait(work)
+
     def barrier(self) -> None:
         if self.device.type == "cuda":
             self._wait(self.dist.barrier(group=self.group, async_op=True, device_ids=[self.device.index]))
@@ -169,8 +185,8 @@ def from_process_group(group: Any = None, device: Optional[str] = None,
     """A communicator over a torch.distributed process group (None: the default group) that has
     been initialised on every rank. Its buffers live on `device`: default 'cpu' for gloo (and
     other non-NCCL backends), 'cuda:<current device>' for NCCL. Collective calls go through
-    torch.distributed (all_gather_into_tensor, all_to_all_single, broadcast, barrier) on tensors
-    over flashkv's buffers, so no copies but the ones uneven layouts need. timeout_s bounds each
+    torch.distributed (all_gather_into_tensor, all_to_all_single, broadcast, batch_isend_irecv,
+    barrier) on tensors over flashkv's buffers, so no copies but the ones uneven layouts need. timeout_s bounds each
     collective's wait on the CPU (None: the group's own timeout, set by init_process_group /
     new_group); a collective that fails or times out raises flashkv.Error naming it, and the
     communicator is then unusable (every later call raises at once)."""

@@ -1,8 +1,8 @@
 """Context parallelism from Python (flashkv.parallel): 2 and 3 ranks spawned with
 torch.multiprocessing over a gloo process group on the CPU. Every rank builds the same global
-batch from one seed and runs its share: the communicator's collectives (uneven ones included),
-CpDecode and CpExtend (with prefixes, a window, sinks, a tree mask) on both layouts and both
-exchanges, with NumPy float32 and PyTorch bfloat16 arrays, and FlashKVBackend given the process
+batch from one seed and runs its share: the communicator's collectives (uneven ones and a ring
+step included), CpDecode and CpExtend (with prefixes, a window, sinks, a tree mask) on both
+layouts, both exchanges and both passings of the new K/V, with NumPy float32 and PyTorch bfloat16 arrays, and FlashKVBackend given the process
 group. Each rank checks its output against the float64 reference and against the one-rank result
 (the same operator over all of the KV with a one-rank communicator), that a bad argument raises
 flashkv.Error naming it, and that a rank left alone in a collective gets flashkv.Error at the
@@ -37,9 +37,12 @@ from flashkv import parallel as P  # noqa: E402
 
 HQ, HKV, D = 4, 2, 64
 SEED = 2029
-# (layout, block, exchange, page size, array library): both layouts, both exchanges.
-SWEEP = [("interleaved", 1, "all_gather", 1, "numpy"), ("interleaved", 3, "all_to_all", 1, "torch"),
-         ("contiguous", 24, "all_gather", 16, "torch"), ("contiguous", 24, "all_to_all", 16, "numpy")]
+# (layout, block, exchange, passing of the new K/V, page size, array library): both layouts, both
+# exchanges, both passings (extend).
+SWEEP = [("interleaved", 1, "all_gather", "all_gather", 1, "numpy"),
+         ("interleaved", 3, "all_to_all", "ring", 1, "torch"),
+         ("contiguous", 24, "all_gather", "all_gather", 16, "torch"),
+         ("contiguous", 24, "all_to_all", "ring", 16, "numpy")]
 
 
 # --- helpers the ranks use ---------------------------------------------------------------------
@@ -125,6 +128,11 @@ def case_collectives(comm, group, rank: int, world: int) -> None:
     comm.all_to_all_v(send, sc, sd, recv, rc, rd)
     for r in range(world):
         assert (recv[rd[r]:rd[r] + rc[r]] == 16 * r + rank).all(), f"bytes from rank {r}"
+    # One ring step: rank r sends r + 2 bytes of value 100 + r to rank r + 1.
+    prev = (rank - 1) % world
+    recv = np.zeros(prev + 2, np.uint8)
+    comm.send_recv(np.full(rank + 2, 100 + rank, np.uint8), (rank + 1) % world, recv, prev)
+    assert (recv == 100 + prev).all(), recv
     data = np.full(5, rank, np.int32)
     comm.broadcast(data, world - 1)
     assert (data == world - 1).all()
@@ -138,7 +146,7 @@ def case_collectives(comm, group, rank: int, world: int) -> None:
 
 def case_decode(comm, group, rank: int, world: int) -> None:
     kv_len = [1, 37, 70]  # request 0 lives on rank 0 alone
-    for n, (layout, block, exchange, page_size, lib) in enumerate(SWEEP):
+    for n, (layout, block, exchange, kv_pass, page_size, lib) in enumerate(SWEEP):
         what = f"decode {layout}/{block}/{exchange}/page {page_size}/{lib}"
         rng = np.random.default_rng(SEED + n)  # the same on every rank
         options = P.CpOptions(layout=layout, block=block, exchange=exchange)
@@ -177,10 +185,11 @@ def case_extend(comm, group, rank: int, world: int) -> None:
     prefix_len, extend_len = [0, 30, 45], [6, 13, 1]  # one new token: some ranks own no row of it
     total = sum(extend_len)
     mine = own_rows(extend_len, world, rank)
-    for n, (layout, block, exchange, page_size, lib) in enumerate(SWEEP):
-        what = f"extend {layout}/{block}/{exchange}/page {page_size}/{lib}"
+    for n, (layout, block, exchange, kv_pass, page_size, lib) in enumerate(SWEEP):
+        what = f"extend {layout}/{block}/{exchange}/{kv_pass}/page {page_size}/{lib}"
         rng = np.random.default_rng(SEED + 10 + n)
-        options = P.CpOptions(layout=layout, block=block, exchange=exchange)
+        options = P.CpOptions(layout=layout, block=block, exchange=exchange, kv_pass=kv_pass)
+        assert options.kv_pass == kv_pass
         q = rounded(rng.standard_normal((total, HQ, D)), lib)
         ks = [rounded(rng.standard_normal((p + e, HKV, D)), lib) for p, e in zip(prefix_len, extend_len)]
         vs = [rounded(rng.standard_normal((p + e, HKV, D)), lib) for p, e in zip(prefix_len, extend_len)]
@@ -260,9 +269,10 @@ def case_backend(comm, group, rank: int, world: int) -> None:
     """FlashKVBackend given the process group: an extend on a prefix, then a decode step; each
     rank's rows equal the ordinary backend's over all of the KV, and its pool holds the new
     tokens of its positions."""
-    for n, (layout, block, exchange) in enumerate((("interleaved", 2, "all_to_all"), ("contiguous", 16, "all_gather"))):
+    for n, (layout, block, exchange, kv_pass) in enumerate((("interleaved", 2, "all_to_all", "all_gather"),
+                                                             ("contiguous", 16, "all_gather", "ring"))):
         rng = np.random.default_rng(SEED + 20 + n)
-        options = P.CpOptions(layout=layout, block=block, exchange=exchange)
+        options = P.CpOptions(layout=layout, block=block, exchange=exchange, kv_pass=kv_pass)
         shard = P.CpShard(options, world)
         kw = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, q_dtype="f32", device="cpu")
         plain = flashkv.FlashKVBackend(**kw)
@@ -321,7 +331,8 @@ def case_backend(comm, group, rank: int, world: int) -> None:
                 want = want[own]
             else:
                 got = sharded.forward(q, k, v, layer, batches[1])
-            close(got, want.double().numpy(), "numpy", f"backend {layout}/{block}/{exchange} {mode}", tol=1e-4)
+            close(got, want.double().numpy(), "numpy", f"backend {layout}/{block}/{exchange}/{kv_pass} {mode}",
+                  tol=1e-4)
             for i in range(2):
                 for p in range(first[i], first[i] + count[i]):
                     if shard.owner(p) == rank:
@@ -443,6 +454,10 @@ def test_communicator_arguments() -> None:
             P.nccl_communicator(1, "cuda:0")
     with pytest.raises(flashkv.Error, match="block"):
         P.CpOptions(block=0)
+    with pytest.raises(flashkv.Error, match="kv_pass: expected 'all_gather' or 'ring', got 'tree'"):
+        P.CpOptions(kv_pass="tree")
+    assert repr(P.CpOptions(layout="contiguous", block=8, exchange="all_to_all", kv_pass="ring")) == (
+        "CpOptions(layout='contiguous', block=8, exchange='all_to_all', kv_pass='ring')")
     with pytest.raises(flashkv.Error, match="rank: expected 0 <= rank < size"):
         P.CallbackCommunicator(object(), 2, 2, "cpu", "test")
     if not dist.is_initialized():
