@@ -466,7 +466,8 @@ TEST(ServeCpCuda, CommandLineOneRank) {
     GTEST_SKIP() << "no GPU";
   }
   const std::string json = ::testing::TempDir() + "flashkv_cp_serve_cuda.json";
-  CliRun r = flashkv("serve --cp 1 --device cuda --requests 8 --check --quiet --json " + json);
+  CliRun r =
+      flashkv("serve --cp 1 --device cuda --requests 8 --layers 4 --check --quiet --json " + json);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("context par  1 rank, KV interleaved"), std::string::npos) << r.out;
   JsonValue j = parse_json(slurp(json));

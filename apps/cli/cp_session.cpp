@@ -13,7 +13,10 @@
 #include "flashkv/parallel/mpi.h"
 #endif
 #if FLASHKV_WITH_NCCL
+#include <cuda_runtime.h>
 #include <nccl.h>
+
+#include <cstring>
 
 #include "flashkv/parallel/nccl.h"
 #endif
@@ -158,24 +161,45 @@ std::unique_ptr<CpSession> CpSession::start(int ranks, Device device, std::strin
     return s;
   }
 #if FLASHKV_WITH_NCCL
-  // Each rank takes the GPU of its rank among the ranks of its host; NCCL does not allow two
-  // ranks of a communicator on one GPU, so a host with fewer GPUs than ranks is refused (by
-  // every rank alike: they all count the same ranks and GPUs).
+  // Rank r of its host takes GPU r % (the GPUs it sees). NCCL does not allow two ranks of a
+  // communicator on one GPU, so the ranks of each host compare their GPUs' PCI bus ids (a launcher
+  // may show each rank a different GPU under the same index), and every rank refuses, before any
+  // NCCL call, when a host has two ranks on one GPU.
   MPI_Comm host;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host);
   int local_rank = 0, local_size = 0;
   MPI_Comm_rank(host, &local_rank);
   MPI_Comm_size(host, &local_size);
-  MPI_Comm_free(&host);
   const int gpus = cuda_device_count();
-  if (local_size > gpus) {
-    error = str_cat("--cp ", ranks, " --device cuda: ", local_size,
-                    " ranks run on this host, which has ", gpus, " GPU", gpus == 1 ? "" : "s",
-                    "; NCCL needs a GPU for each rank (run at most ", gpus, " rank",
-                    gpus == 1 ? "" : "s", " a host, or --device cpu)");
+  constexpr int kBusIdBytes = 32;
+  char bus[kBusIdBytes] = {};
+  if (gpus > 0)
+    flashkv::detail::cuda_check(cudaDeviceGetPCIBusId(bus, kBusIdBytes, local_rank % gpus),
+                                "cudaDeviceGetPCIBusId");
+  std::vector<char> buses(static_cast<size_t>(kBusIdBytes) * local_size);
+  MPI_Allgather(bus, kBusIdBytes, MPI_CHAR, buses.data(), kBusIdBytes, MPI_CHAR, host);
+  MPI_Comm_free(&host);
+  int shared_here = gpus == 0 ? 1 : 0;
+  for (int a = 0; a < local_size; ++a)
+    for (int b = a + 1; b < local_size; ++b)
+      if (std::strncmp(&buses[static_cast<size_t>(a) * kBusIdBytes],
+                       &buses[static_cast<size_t>(b) * kBusIdBytes], kBusIdBytes) == 0)
+        shared_here = 1;
+  int shared_anywhere = 0;
+  MPI_Allreduce(&shared_here, &shared_anywhere, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (shared_anywhere != 0) {
+    const int distinct = std::min(gpus, local_size);
+    error = shared_here != 0
+                ? str_cat("--cp ", ranks, " --device cuda: ", local_size,
+                          " ranks run on this host, which has ", distinct, " GPU",
+                          distinct == 1 ? "" : "s", " for them; NCCL needs a GPU for each rank ",
+                          "(run at most ", distinct, " rank", distinct == 1 ? "" : "s",
+                          " a host, or --device cpu)")
+                : str_cat("--cp ", ranks, " --device cuda: another host runs more ranks than it ",
+                          "has GPUs; NCCL needs a GPU for each rank");
     return nullptr;
   }
-  const Device gpu = Device::cuda(local_rank);
+  const Device gpu = Device::cuda(local_rank % gpus);
   flashkv::detail::cuda_set_device(gpu);
   ncclUniqueId id;
   if (rank == 0) nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
