@@ -59,16 +59,25 @@ const char* compiled_head_dims() {
       ;
 }
 
-// The sm_90a kernel runs what it supports on a compute capability 9.0 device when this build
-// has sm_90a code (FLASHKV_SM90A), unless FLASHKV_PREFILL_SM90=0 (read at every call, so a test
-// or a benchmark can compare both kernels in one process).
+// The sm_90a kernels run what they support (16-bit KV at head dims 64 and 128) on a compute
+// capability 9.0 device when this build has sm_90a code (FLASHKV_SM90A), unless
+// FLASHKV_PREFILL_SM90=0 (read at every call, so a test or a benchmark can compare the kernels in
+// one process).
 LaunchFn pick_sm90(const AttentionParams& p) {
-#if defined(FLASHKV_SM90A) && defined(FLASHKV_HEAD_DIM_128)
-  if (p.head_dim_qk != 128 || p.head_dim_v != 128 || p.kv_dtype != p.q_dtype) return nullptr;
+#if defined(FLASHKV_SM90A)
+  if (p.head_dim_qk != p.head_dim_v || p.kv_dtype != p.q_dtype) return nullptr;
   if (!env_prefill_sm90()) return nullptr;  // FLASHKV_PREFILL_SM90=0 (core/options.h)
   if (current_device_cc() != 90) return nullptr;
-  return p.q_dtype == DType::bf16 ? &launch_prefill_sm90<__nv_bfloat16>
-                                  : &launch_prefill_sm90<__half>;
+  const bool bf16 = p.q_dtype == DType::bf16;
+#if defined(FLASHKV_HEAD_DIM_128)
+  if (p.head_dim_qk == 128)
+    return bf16 ? &launch_prefill_sm90<__nv_bfloat16, 128> : &launch_prefill_sm90<__half, 128>;
+#endif
+#if defined(FLASHKV_HEAD_DIM_64)
+  if (p.head_dim_qk == 64)
+    return bf16 ? &launch_prefill_sm90<__nv_bfloat16, 64> : &launch_prefill_sm90<__half, 64>;
+#endif
+  return nullptr;
 #else
   (void)p;
   return nullptr;

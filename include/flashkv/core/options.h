@@ -32,13 +32,14 @@ inline constexpr EnvSwitch kEnvSwitches[] = {
      "software prefetch on the AVX2 decode path; unset: off on AMD cores before Zen 4, on "
      "elsewhere"},
     {"FLASHKV_PREFILL_SM90", "0",
-     "0: prefill at head dim 128 runs the sm_80 kernel where the sm_90a kernel would be chosen"},
+     "0: prefill at head dims 64 and 128 runs the sm_80 kernel where an sm_90a kernel would be "
+     "chosen"},
     {"FLASHKV_PREFILL_SM90_WS", "0",
-     "0: ragged and paged K/V run the cp.async sm_90a prefill kernel instead of the "
-     "warp-specialized one"},
+     "0: ragged and paged K/V skip the warp-specialized sm_90a prefill kernel (head dim 128: the "
+     "cp.async sm_90a kernel runs instead; 64: the sm_80 kernel)"},
     {"FLASHKV_PREFILL_SM90_WS_PAGED", "0",
-     "0: paged K/V runs the cp.async sm_90a prefill kernel instead of the warp-specialized one "
-     "(ragged K/V keeps it)"},
+     "0: paged K/V skips the warp-specialized sm_90a prefill kernel, as with "
+     "FLASHKV_PREFILL_SM90_WS=0 (ragged K/V keeps it)"},
     {"FLASHKV_DECODE_PDL", "0", "0: decode launches without programmatic dependent launch (sm_90)"},
 };
 inline constexpr size_t kNumEnvSwitches = sizeof(kEnvSwitches) / sizeof(kEnvSwitches[0]);
@@ -55,7 +56,7 @@ const char* env_cpu_isa_cap();
 // Throws flashkv::Error for any other value.
 std::optional<bool> env_cpu_prefetch();
 
-// FLASHKV_PREFILL_SM90: false only for "0" (the sm_90a prefill kernel is not chosen).
+// FLASHKV_PREFILL_SM90: false only for "0" (the sm_90a prefill kernels are not chosen).
 bool env_prefill_sm90();
 
 // FLASHKV_PREFILL_SM90_WS: false only for "0" (prefill skips the warp-specialized kernel).

@@ -1,4 +1,5 @@
-// The Hopper (sm_90a) prefill kernel for 16-bit Q/K/V at head dim 128: the same work split,
+// The Hopper (sm_90a) prefill kernel for 16-bit Q/K/V at head dim 128 (the cp.async one; the
+// warp-specialized kernel of kernel_sm90_ws.cuh runs first where it applies): the same work split,
 // masks, softmax and stores as the sm_80 kernel (kernel.cuh), with both products on warpgroup
 // MMAs (wgmma.cuh). A CTA is two warpgroups of 64 packed query rows each (128 rows, the plan's
 // row tile at head dim 128); Q.K^T reads Q and K straight from shared memory, and P.V takes P from
@@ -8,7 +9,7 @@
 // the mma.sync layout of 16 rows, so the sm_80 kernel's masks, online softmax and epilogue apply
 // as they are (one 16-row tile a warp).
 //
-// Included only by cuda/inst/prefill_sm90_d128.cu.
+// Included only by cuda/inst/prefill_sm90_d*.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -202,19 +203,24 @@ __global__ void __launch_bounds__(256, 1)
   if (p.merge_o) ptx::grid_dependency_wait();  // see prefill_kernel
 }
 
-template <typename QT>
+template <typename QT, int D>
 void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream) {
-  using Cfg = Sm90Config<QT>;
   // The warp-specialized kernel (kernel_sm90_ws.cuh) unless FLASHKV_PREFILL_SM90_WS=0, or for
-  // paged K/V FLASHKV_PREFILL_SM90_WS_PAGED=0 (core/options.h).
-  if (env_prefill_sm90_ws() && launch_prefill_sm90_ws<QT>(p, stream)) return;
-  const auto kernel = prefill_sm90_kernel<QT>;
-  detail::cuda_check(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
-      "prefill: cudaFuncSetAttribute");
-  const bool programmatic = p.merge_o && p.overlap_previous;
-  launch_kernel(kernel, dim3(p.num_workers, p.num_kv_heads, 1), dim3(Cfg::kThreads, 1, 1),
-                Cfg::kSmemBytes, stream, programmatic, "prefill: kernel launch", p);
+  // paged K/V FLASHKV_PREFILL_SM90_WS_PAGED=0 (core/options.h), or where it does not apply;
+  // then at head dim 128 the cp.async kernel above, at 64 the sm_80 kernel.
+  if (env_prefill_sm90_ws() && launch_prefill_sm90_ws<QT, D>(p, stream)) return;
+  if constexpr (D != 128) {
+    launch_prefill<D, D, QT, KvFormat::kSame>(p, stream);
+  } else {
+    using Cfg = Sm90Config<QT>;
+    const auto kernel = prefill_sm90_kernel<QT>;
+    detail::cuda_check(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
+        "prefill: cudaFuncSetAttribute");
+    const bool programmatic = p.merge_o && p.overlap_previous;
+    launch_kernel(kernel, dim3(p.num_workers, p.num_kv_heads, 1), dim3(Cfg::kThreads, 1, 1),
+                  Cfg::kSmemBytes, stream, programmatic, "prefill: kernel launch", p);
+  }
 }
 
 }  // namespace flashkv::cuda::prefill_detail

@@ -1,5 +1,5 @@
-// The warp-specialized Hopper (sm_90a) prefill kernel for 16-bit K/V at head dim 128, ragged
-// (contiguous) or paged. A CTA is three warpgroups:
+// The warp-specialized Hopper (sm_90a) prefill kernel for 16-bit K/V at head dims 64 and 128,
+// ragged (contiguous) or paged. A CTA is three warpgroups:
 //   - a producer, which fills two-stage rings of 128-key K and V tiles, each stage handed over on
 //     mbarriers (full: the bytes landed; empty: every consumer warp is done reading it), and
 //     copies the block's packed Q rows (two Q stages, so the next block's Q arrives while this
@@ -17,7 +17,7 @@
 // No barrier spans the CTA inside the KV loop: the warpgroups only meet through the rings.
 // Masks, the online softmax and the epilogue are the sm_80 kernel's, one 16-row tile a warp.
 //
-// Included only by cuda/inst/prefill_sm90_d128.cu.
+// Included only by cuda/inst/prefill_sm90_d*.cu.
 #pragma once
 
 #include <cuda.h>
@@ -40,27 +40,30 @@
 
 namespace flashkv::cuda::prefill_detail {
 
-// What both sm_90a kernels share: 16-bit Q/K/V at head dim 128, 128-row blocks of 16 rows a
-// consumer warp (one mma.sync-layout tile, so the sm_80 masks, softmax and epilogue apply), and
-// 128-key tiles of 32 KB.
-template <typename QT>
+// What both sm_90a kernels share: 16-bit Q/K/V at head dim D (the warp-specialized kernel: 64 or
+// 128; the cp.async one: 128), 128-row blocks of 16 rows a consumer warp (one mma.sync-layout
+// tile, so the sm_80 masks, softmax and epilogue apply), and 128-key tiles of D / 64 halves, each
+// [128, 64] half 16 KB.
+template <typename QT, int D = 128>
 struct Sm90Shape {
+  static_assert(D == 64 || D == 128, "the sm_90a kernels take head dims 64 and 128");
   using Q = QT;
   static constexpr KvFormat kKvFormat = KvFormat::kSame;
   static constexpr bool kFp8 = false;
-  static constexpr int kDqk = 128, kDv = 128;
-  static constexpr int kMTiles = 1;  // 16 rows a warp
+  static constexpr int kDqk = D, kDv = D;
+  static constexpr int kHalves = D / 64;  // 64-dim halves of a row (128-byte swizzle lines)
+  static constexpr int kMTiles = 1;       // 16 rows a warp
   static constexpr int kRowsPerWarp = 16;
   static constexpr int kCtaRows = 128;
   static constexpr int kKvTile = 128;
   static constexpr int kQkChunks = kDqk / 8, kVChunks = kDv / 8;
-  static constexpr int kTileBytes = 128 * 128 * 2;  // Q, or one stage of K or V
-  static_assert(kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile at head dim 128");
+  static constexpr int kTileBytes = 128 * D * 2;  // Q, or one stage of K or V
+  static_assert(kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile");
 };
 
-template <typename QT>
-struct Sm90WsConfig : Sm90Shape<QT> {
-  using Base = Sm90Shape<QT>;
+template <typename QT, int D>
+struct Sm90WsConfig : Sm90Shape<QT, D> {
+  using Base = Sm90Shape<QT, D>;
   static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
   static constexpr int kWgRows = 64;    // a consumer warpgroup's rows
   using Base::kTileBytes;
@@ -69,7 +72,7 @@ struct Sm90WsConfig : Sm90Shape<QT> {
   static constexpr int kQStages = 2;
   static constexpr int kKvStages = 2;
   // Offsets from a Q stage (the epilogue stages a merge state in its warp's 16 Q rows, which
-  // lie inside its warpgroup's own [64, 128] Q tile: warp w's 4 KB at w * 4 KB).
+  // lie inside its warpgroup's own [64, D] Q tile: warp w's 32 D bytes at w * 32 D).
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQStages * kTileBytes;
   static constexpr int kVOffset = kKOffset + kKvStages * kTileBytes;
@@ -80,7 +83,7 @@ struct Sm90WsConfig : Sm90Shape<QT> {
   static_assert(kSmemBytes <= 227 * 1024, "an SM's shared memory");
 };
 
-// The two tensor maps of the TMA copies: K and V as [rows, Hkv, 128] with the 128-byte swizzle,
+// The two tensor maps of the TMA copies: K and V as [rows, Hkv, D] with the 128-byte swizzle,
 // boxes of 128 rows x 64 dims (one half of a tile).
 struct Sm90TmaMaps {
   CUtensorMap k, v;
@@ -172,9 +175,10 @@ __device__ __forceinline__ int num_kv_tiles(const RowBlock& b) {
 }
 
 // Byte offset of 16-byte chunk `chunk` of packed row `row` in a Q stage: the consumer warpgroup
-// row / 64's own swizzled [64, 128] tile.
+// row / 64's own swizzled [64, D] tile.
+template <int D>
 __device__ __forceinline__ uint32_t q_stage_offset(int row, int chunk) {
-  return (row >> 6) * (64 * 128 * 2) + sm90::tile_offset(64, row & 63, chunk);
+  return (row >> 6) * (64 * D * 2) + sm90::tile_offset(64, row & 63, chunk);
 }
 
 // Paged K/V: producer thread t's key of a tile, key t (its kv_indices entry is loaded a tile
@@ -197,7 +201,7 @@ struct PagedKey {
 
 // Copies one operand (K or V) of a paged tile into a stage: warp w of the producer copies keys
 // 32w .. 32w + 31, whose rows its own lanes hold (`key_row`, -1: zero-fill), 4 rows a pass and 8
-// threads a row, each thread the row's 16-byte chunks c and c + 8 (c = lane % 8).
+// threads a row, each thread the row's 16-byte chunk c of each 64-dim half (c = lane % 8).
 template <typename Cfg>
 __device__ __forceinline__ void copy_paged_operand(const typename Cfg::Q* src, int64_t stride_n,
                                                    int64_t head_off, int32_t key_row,
@@ -211,7 +215,7 @@ __device__ __forceinline__ void copy_paged_operand(const typename Cfg::Q* src, i
     const bool valid = r >= 0;
     const typename Cfg::Q* row_src = src + (valid ? r * stride_n + head_off + c * 8 : 0);
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < Cfg::kHalves; ++h)
       cp_async_16(stage + sm90::tile_offset(Cfg::kKvTile, key, c + 8 * h), row_src + 64 * h,
                   valid ? 16 : 0);
   }
@@ -237,13 +241,16 @@ __device__ __forceinline__ void produce_ragged_tiles(const AttentionParams& p,
     if (j0 + Cfg::kKvTile <= b.kv_hi) {
       if (tid == 0) {
         sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
+        constexpr uint32_t kHalfBytes = Cfg::kTileBytes / Cfg::kHalves;
         ws::arrive_expect_tx(bars.k_full(s), Cfg::kTileBytes);
-        ws::tma_load_3d(k_dst, &maps.k, 0, kv_head, row, bars.k_full(s));
-        ws::tma_load_3d(k_dst + Cfg::kTileBytes / 2, &maps.k, 64, kv_head, row, bars.k_full(s));
+#pragma unroll
+        for (int h = 0; h < Cfg::kHalves; ++h)
+          ws::tma_load_3d(k_dst + h * kHalfBytes, &maps.k, 64 * h, kv_head, row, bars.k_full(s));
         sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
         ws::arrive_expect_tx(bars.v_full(s), Cfg::kTileBytes);
-        ws::tma_load_3d(v_dst, &maps.v, 0, kv_head, row, bars.v_full(s));
-        ws::tma_load_3d(v_dst + Cfg::kTileBytes / 2, &maps.v, 64, kv_head, row, bars.v_full(s));
+#pragma unroll
+        for (int h = 0; h < Cfg::kHalves; ++h)
+          ws::tma_load_3d(v_dst + h * kHalfBytes, &maps.v, 64 * h, kv_head, row, bars.v_full(s));
       }
       continue;
     }
@@ -265,7 +272,7 @@ __device__ __forceinline__ void produce_ragged_tiles(const AttentionParams& p,
       const QT* k_src = k + r * p.k_stride_n + (tid & 7) * 8;
       const QT* v_src = v + r * p.v_stride_n + (tid & 7) * 8;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < Cfg::kHalves; ++h) {
         const uint32_t off = sm90::tile_offset(Cfg::kKvTile, key, (tid & 7) + 8 * h);
         cp_async_16(smem + (k_dst - base) + off, k_src + 64 * h, valid ? 16 : 0);
         cp_async_16(smem + (v_dst - base) + off, v_src + 64 * h, valid ? 16 : 0);
@@ -336,8 +343,8 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
       bool valid;
       const QT* src = q_row_source<QT>(p, b, kv_head, group, row, (tid & 7) * 8, valid);
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        cp_async_16(smem + qs * Cfg::kTileBytes + q_stage_offset(row, (tid & 7) + 8 * h),
+      for (int h = 0; h < Cfg::kHalves; ++h)
+        cp_async_16(smem + qs * Cfg::kTileBytes + q_stage_offset<Cfg::kDqk>(row, (tid & 7) + 8 * h),
                     valid ? src + 64 * h : src, valid ? 16 : 0);
     }
     cp_async_commit();
@@ -386,7 +393,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     const int num_tiles = num_kv_tiles(b);
     float o[1][Cfg::kDv / 8][4];
     zero_output(o);
-    float(&o_acc)[64] = reinterpret_cast<float(&)[64]>(o);
+    float(&o_acc)[Cfg::kDv / 2] = reinterpret_cast<float(&)[Cfg::kDv / 2]>(o);
     OnlineSoftmax<1> softmax;
     softmax.init();
     const int qs = QRing::stage(block_n);
@@ -490,11 +497,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
 
 // grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h. `maps` is
 // unused with paged K/V.
-template <typename QT, bool kPaged>
+template <typename QT, int D, bool kPaged>
 __global__ void __launch_bounds__(384, 1)
     prefill_sm90_ws_kernel(const __grid_constant__ AttentionParams p,
                            const __grid_constant__ Sm90TmaMaps maps) {
-  using Cfg = Sm90WsConfig<QT>;
+  using Cfg = Sm90WsConfig<QT, D>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   const WsBarriers<Cfg> bars{smem_addr(smem + Cfg::kBarOffset)};
@@ -540,16 +547,17 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// K or V (16-bit, [num_kv_rows, Hkv, 128] with the given element strides) as a TMA tensor map
-// of 128-row x 64-dim boxes; false where the layout does not allow one (the caller then runs
-// the sm_90a kernel that copies with cp.async).
+// K or V (16-bit, [num_kv_rows, Hkv, head_dim] with the given element strides) as a TMA tensor
+// map of 128-row x 64-dim boxes; false where the layout does not allow one (the caller then runs
+// a kernel that copies with cp.async).
 inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataType type,
-                          const AttentionParams& p, int64_t stride_n, int64_t stride_h) {
+                          const AttentionParams& p, int head_dim, int64_t stride_n,
+                          int64_t stride_h) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr || p.num_kv_rows <= 0 || p.num_kv_rows > (int64_t{1} << 31) - 1)
     return false;
   if (reinterpret_cast<uintptr_t>(data) % 16 != 0) return false;
-  const uint64_t dims[3] = {128, static_cast<uint64_t>(p.num_kv_heads),
+  const uint64_t dims[3] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(p.num_kv_heads),
                             static_cast<uint64_t>(p.num_kv_rows)};
   const uint64_t strides[2] = {static_cast<uint64_t>(stride_h) * 2,
                                static_cast<uint64_t>(stride_n) * 2};
@@ -566,9 +574,9 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
 // Launches the warp-specialized kernel; false (nothing launched) where it does not apply: paged
 // K/V with FLASHKV_PREFILL_SM90_WS_PAGED=0 or a pool of 2^31 rows or more (the producer addresses
 // rows with 32 bits), or ragged K/V in a layout no tensor map can describe.
-template <typename QT>
+template <typename QT, int D>
 bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
-  using Cfg = Sm90WsConfig<QT>;
+  using Cfg = Sm90WsConfig<QT, D>;
   Sm90TmaMaps maps{};
   if (p.paged) {
     if (!env_prefill_sm90_ws_paged() || p.num_kv_rows > (int64_t{1} << 31) - 1) return false;
@@ -576,12 +584,12 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
     const CUtensorMapDataType type = std::is_same<QT, __half>::value
                                          ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                          : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-    if (!encode_kv_map(&maps.k, p.k, type, p, p.k_stride_n, p.k_stride_h) ||
-        !encode_kv_map(&maps.v, p.v, type, p, p.v_stride_n, p.v_stride_h))
+    if (!encode_kv_map(&maps.k, p.k, type, p, D, p.k_stride_n, p.k_stride_h) ||
+        !encode_kv_map(&maps.v, p.v, type, p, D, p.v_stride_n, p.v_stride_h))
       return false;
   }
   const auto kernel =
-      p.paged ? prefill_sm90_ws_kernel<QT, true> : prefill_sm90_ws_kernel<QT, false>;
+      p.paged ? prefill_sm90_ws_kernel<QT, D, true> : prefill_sm90_ws_kernel<QT, D, false>;
   detail::cuda_check(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");

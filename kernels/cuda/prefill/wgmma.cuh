@@ -1,6 +1,7 @@
 // Warpgroup matrix multiply-accumulate (sm_90a wgmma) for the Hopper prefill kernel: shared-memory
 // matrix descriptors of 128-byte-swizzled tiles, the m64n128k16 instructions it uses (A from
-// shared memory or from registers, B from shared memory), and the fences that order them.
+// shared memory or from registers, B from shared memory; m64n64k16 for P.V at head dim 64), and
+// the fences that order them.
 //
 // Tile layout (both operands of Q.K^T and the V of P.V): a [rows, 128] 16-bit tile is stored as
 // two [rows, 64] halves (dims 0-63, then 64-127), each row of a half one 128-byte line whose
@@ -102,9 +103,10 @@ __device__ __forceinline__ void mbar_wait(uint32_t, uint32_t) {}
 // Pins accumulators at this point of the program: an empty asm that reads and rewrites each one.
 // The compiler sees an MMA's accumulators as ready when its asm returns, so without a pin after
 // the wgmma.wait_group that makes them valid it may move their readers above it.
-__device__ __forceinline__ void pin(float (&r)[64]) {
+template <int N>
+__device__ __forceinline__ void pin(float (&r)[N]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(r[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
 #define FLASHKV_WG_ACC8(a, i)                                                                 \
@@ -114,6 +116,11 @@ __device__ __forceinline__ void pin(float (&r)[64]) {
   FLASHKV_WG_ACC8(a, 0), FLASHKV_WG_ACC8(a, 8), FLASHKV_WG_ACC8(a, 16), FLASHKV_WG_ACC8(a, 24), \
       FLASHKV_WG_ACC8(a, 32), FLASHKV_WG_ACC8(a, 40), FLASHKV_WG_ACC8(a, 48),                   \
       FLASHKV_WG_ACC8(a, 56)
+#define FLASHKV_WG_ACC32(a) \
+  FLASHKV_WG_ACC8(a, 0), FLASHKV_WG_ACC8(a, 8), FLASHKV_WG_ACC8(a, 16), FLASHKV_WG_ACC8(a, 24)
+#define FLASHKV_WG_REGS32                                                                       \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define FLASHKV_WG_REGS64                                                                       \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
@@ -127,6 +134,9 @@ template <typename T>
 __device__ __forceinline__ void mma_ss(float (&d)[64], uint64_t a, uint64_t b, bool accumulate);
 template <typename T>
 __device__ __forceinline__ void mma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b);
+// The same with B[16, 64] (m64n64k16): P.V at head dim 64, d[32] in the same layout.
+template <typename T>
+__device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b);
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FLASHKV_WG_SS(TYPE)                                                               \
@@ -164,6 +174,23 @@ template <>
 __device__ __forceinline__ void mma_rs<__half>(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
   FLASHKV_WG_RS("f16");
 }
+#define FLASHKV_WG_RS32(TYPE)                                                            \
+  asm volatile(                                                                          \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                       \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n" FLASHKV_WG_REGS32 \
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                    \
+      : FLASHKV_WG_ACC32(d)                                                              \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1))
+template <>
+__device__ __forceinline__ void mma_rs<__nv_bfloat16>(float (&d)[32], const uint32_t (&a)[4],
+                                                      uint64_t b) {
+  FLASHKV_WG_RS32("bf16");
+}
+template <>
+__device__ __forceinline__ void mma_rs<__half>(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+  FLASHKV_WG_RS32("f16");
+}
+#undef FLASHKV_WG_RS32
 #undef FLASHKV_WG_SS
 #undef FLASHKV_WG_RS
 #else
@@ -176,9 +203,15 @@ template <typename T>
 __device__ __forceinline__ void mma_rs(float (&)[64], const uint32_t (&)[4], uint64_t) {
   __trap();
 }
+template <typename T>
+__device__ __forceinline__ void mma_rs(float (&)[32], const uint32_t (&)[4], uint64_t) {
+  __trap();
+}
 #endif
 #undef FLASHKV_WG_ACC8
 #undef FLASHKV_WG_ACC64
+#undef FLASHKV_WG_ACC32
 #undef FLASHKV_WG_REGS64
+#undef FLASHKV_WG_REGS32
 
 }  // namespace flashkv::cuda::sm90
