@@ -451,8 +451,9 @@ TEST(ServeCp, BenchOneRank) {
   EXPECT_EQ(c.find("sharded")->find("phases")->items().size(), 1u);
 }
 
-// serve / bench --cp 1 --device cuda on the GPU: the one-rank session's communicator (NCCL where
-// the build has it) serves the workload clean against the reference and times the quick grid.
+// serve / soak / bench --cp 1 --device cuda on the GPU: the one-rank session's communicator (NCCL
+// where the build has it) serves the workload clean against the reference, soaks with the
+// invariants after every step, and times the quick grid.
 // Without a GPU, --device cuda is refused with one line.
 TEST(ServeCpCuda, CommandLineOneRank) {
   if (!cuda_available()) {
@@ -476,6 +477,10 @@ TEST(ServeCpCuda, CommandLineOneRank) {
   EXPECT_GT(j.find("checked")->number(), 0);
   EXPECT_EQ(j.find("check_failures")->number(), 0);
   EXPECT_TRUE(j.find("invariants_ok")->boolean());
+
+  r = flashkv("soak --cp 1 --device cuda --steps 100 --quiet");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("context par  1 rank, KV interleaved"), std::string::npos) << r.out;
 
   const std::string bench_json = ::testing::TempDir() + "flashkv_cp_bench_cuda.json";
   r = flashkv("bench --cp 1 --device cuda --grid quick --min-seconds 0 --json " + bench_json);
