@@ -109,6 +109,17 @@ TEST(ServeCp, RefusesWhatItDoesNotSupport) {
     EXPECT_NE(error_of([&] { FlashKVBackend x(e); }).find("does not support cross attention"),
               std::string::npos);
   }
+  {
+    // The communicator's buffers must live where the backend runs (here, a GPU's for a CPU
+    // backend: refused before anything touches a GPU).
+    parallel::OneRankCommunicator gpu_comm(Device::cuda(0));
+    BackendOptions e = b;
+    e.cp_comm = &gpu_comm;
+    EXPECT_NE(error_of([&] {
+                FlashKVBackend x(e);
+              }).find("needs a communicator on cpu, got one on cuda:0"),
+              std::string::npos);
+  }
   FlashKVBackend backend(b);
   EXPECT_NE(error_of([&] {
               backend.init_cuda_graph_state(4, 4);
