@@ -37,6 +37,7 @@ enum ExtendBuf : size_t {
   kLocalNewV,
   kRingA,  // the ring's two blocks: the one this rank attends and sends, the one it receives
   kRingB,
+  kRingScratch,  // the partial states of the ring steps' split work, shared (one step at a time)
   kNumExtendBufs
 };
 
@@ -76,9 +77,10 @@ struct CpExtend::PassLists {
 };
 
 // Plans `pass` from its lists (the batch's heads and dims from `shape`) and puts its index
-// tensors, mask and uploaded plan on the communicator's device.
+// tensors and mask on the communicator's device; upload_pass() then sizes its workspace (its
+// partial states in `scratch` when given: one run at a time uses it) and uploads the plan.
 void CpExtend::build_pass(NewPass& pass, const PassLists& lists, const BatchShape& shape,
-                          const DeviceInfo& info, const PlanOptions& plan_options, Stream stream) {
+                          const DeviceInfo& info, const PlanOptions& plan_options) {
   const Device dev = comm_.device();
   BatchShape nb = shape;
   nb.batch_size = static_cast<int32_t>(lists.kv_len.size());
@@ -96,7 +98,11 @@ void CpExtend::build_pass(NewPass& pass, const PassLists& lists, const BatchShap
       Tensor::from_i32(lists.kv_indices.empty() ? std::vector<int32_t>{0} : lists.kv_indices), dev);
   pass.mask = lists.masked ? mask_tensor(lists.bits, dev) : Tensor();
   pass.mask_indptr = lists.masked ? on_device(Tensor::from_i32(lists.mask_indptr), dev) : Tensor();
-  pass.ws.reserve(pass.ws.bytes_needed(pass.plan), dev);
+}
+
+void CpExtend::upload_pass(NewPass& pass, void* scratch, size_t scratch_bytes, Stream stream) {
+  pass.ws.set_external_scratch(scratch, scratch_bytes);
+  pass.ws.reserve(pass.ws.bytes_needed(pass.plan), comm_.device());
   pass.ws.upload(pass.plan, stream);
 }
 
@@ -276,7 +282,7 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
         });
       }
     }
-    build_pass(new_pass_, lists, pb, info, plan_options, stream);
+    build_pass(new_pass_, lists, pb, info, plan_options);
     ring_passes_.clear();
     ring_keep_.clear();
   } else {
@@ -349,8 +355,7 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
     for (int j = 0; j < world; ++j)
       FLASHKV_CHECK(lists[j].kv_indices.size() <= static_cast<size_t>(INT32_MAX),
                     "CpExtendShape: a ring step's entries on this rank exceed 2^31");
-    for (int j = 0; j < world; ++j)
-      build_pass(ring_passes_[j], lists[j], pb, info, plan_options, stream);
+    for (int j = 0; j < world; ++j) build_pass(ring_passes_[j], lists[j], pb, info, plan_options);
   }
 
   // Device memory: index tensors, masks, workspaces, exchange buffers.
@@ -361,6 +366,15 @@ void CpExtend::plan(const CpExtendShape& shape, const PlanOptions& plan_options,
       prefix_masked ? on_device(Tensor::from_i32(prefix_mask_indptr), dev) : Tensor();
   prefix_ws_.reserve(prefix_ws_.bytes_needed(prefix_plan), dev);
   prefix_ws_.upload(prefix_plan, stream);
+  if (!ring) {
+    upload_pass(new_pass_, nullptr, 0, stream);
+  } else {  // 256 bytes more: the workspace aligns the scratch's start
+    size_t scratch = 0;
+    for (const NewPass& p : ring_passes_)
+      scratch = std::max(scratch, p.plan.layout.total_bytes - p.plan.layout.plan_bytes);
+    void* at = detail::reserve(bufs_, kRingScratch, scratch + 256, dev);
+    for (NewPass& p : ring_passes_) upload_pass(p, at, bufs_[kRingScratch].bytes(), stream);
+  }
 
   const int64_t total = new_indptr.back(), own = rank_rows[rank];
   const size_t es = dtype_size(shape.dtype);

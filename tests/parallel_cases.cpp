@@ -128,7 +128,8 @@ std::string CpExtendCase::str() const {
   return str_cat("extend prefix ", lens_str(prefix_len), " new ", lens_str(extend_len), " hq ", hq,
                  " hkv ", hkv, " d ", head_dim, " page ", page_size, " ", dtype_name(dtype),
                  causal ? " causal" : " non-causal", " window ", window_left,
-                 tree_mask ? " tree mask" : "", sinks ? " sinks" : "", " seed ", seed);
+                 tree_mask ? " tree mask" : "", sinks ? " sinks" : "", " split ", fixed_split_size,
+                 " seed ", seed);
 }
 
 std::string str(const CpOptions& o) {
@@ -295,8 +296,10 @@ void check_cp_extend(Communicator& comm, const CpOptions& options, const CpExten
     shape.custom_mask = mask;
     shape.mask_indptr = mask_indptr;
   }
+  PlanOptions plan_options;
+  plan_options.fixed_split_size = c.fixed_split_size;
   parallel::CpExtend cp(comm, options);
-  cp.plan(shape);
+  cp.plan(shape, plan_options);
   const int64_t own = static_cast<int64_t>(own_q_rows.size());
   ASSERT_EQ(cp.num_own_rows(), own);
   for (int64_t i = 0; i < b; ++i)
@@ -344,7 +347,7 @@ void check_cp_extend(Communicator& comm, const CpOptions& options, const CpExten
   // One rank: every new token, the whole prefix.
   parallel::OneRankCommunicator one;
   parallel::CpExtend cp1(one, options);
-  cp1.plan(shape);
+  cp1.plan(shape, plan_options);
   std::vector<int64_t> all_q(total), all_kv;
   std::iota(all_q.begin(), all_q.end(), 0);
   for (int64_t i = 0; i < b; ++i)

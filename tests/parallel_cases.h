@@ -33,6 +33,9 @@ struct CpExtendCase {
   // itself, and most of the prefix).
   bool tree_mask = false;
   bool sinks = false;
+  // PlanOptions::fixed_split_size of every pass's plan (0: the planner's choice): > 0 cuts the KV
+  // into chunks whose partial states the kernels merge (the ring's steps share their memory).
+  int32_t fixed_split_size = 0;
   uint64_t seed = 1;
   std::string str() const;
 };

@@ -166,6 +166,11 @@ TEST(CpOneRank, ExtendMatchesReference) {
       c.window_left = page == 1 ? -1 : 7;
       c.seed = ++seed;
       check_cp_extend(comm, o, c);
+      c.causal = true;
+      c.extend_len = {50, 70, 9};
+      c.fixed_split_size = 16;
+      c.seed = ++seed;
+      check_cp_extend(comm, o, c);
     }
   }
 }

@@ -185,6 +185,14 @@ TEST(CpMpi, Extend) {
     c.causal = false;
     c.seed = ++seed;
     check_cp_extend(*comm, o, c);
+    // Every pass's KV split into 16-token chunks, merged in the kernels.
+    c.causal = true;
+    c.window_left = -1;
+    c.prefix_len = {90, 0};
+    c.extend_len = {150, 77};
+    c.fixed_split_size = 16;
+    c.seed = ++seed;
+    check_cp_extend(*comm, o, c);
   }
 }
 

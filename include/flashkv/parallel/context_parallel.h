@@ -213,7 +213,8 @@ class CpExtend {
   };
   struct PassLists;  // a NewPass's host arrays while it is planned
   void build_pass(NewPass& pass, const PassLists& lists, const BatchShape& shape,
-                  const DeviceInfo& info, const PlanOptions& plan_options, Stream stream);
+                  const DeviceInfo& info, const PlanOptions& plan_options);
+  void upload_pass(NewPass& pass, void* scratch, size_t scratch_bytes, Stream stream);
   void keep_ring_rows(int step, const void* k, const void* v, size_t row_k, size_t row_v,
                       Stream stream);
   void copy_segments(void* dst, int64_t dst_base, const void* src, int64_t src_base,
