@@ -25,6 +25,35 @@ __device__ __forceinline__ uint32_t pack2<half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Stores N consecutive values of an output row (N = 2, 4 or 8) at element `at` of `o`: as they
+// are when the output is f32 (`f32_out`), else rounded to QT (bf16 / f16) and packed in pairs.
+// `at` must be a multiple of N (one vector store of 8, 16 or 32 bytes).
+template <typename QT, int N>
+__device__ __forceinline__ void store_o(void* o, bool f32_out, int64_t at, const float (&x)[N]) {
+  static_assert(N == 2 || N == 4 || N == 8, "2, 4 or 8 values");
+  if (f32_out) {
+    float* dst = static_cast<float*>(o) + at;
+    if constexpr (N == 2) {
+      *reinterpret_cast<float2*>(dst) = make_float2(x[0], x[1]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; i += 4)
+        *reinterpret_cast<float4*>(dst + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+    }
+    return;
+  }
+  uint32_t w[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) w[i] = pack2<QT>(x[2 * i], x[2 * i + 1]);
+  QT* dst = static_cast<QT*>(o) + at;
+  if constexpr (N == 2)
+    *reinterpret_cast<uint32_t*>(dst) = w[0];
+  else if constexpr (N == 4)
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  else
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t x);
 template <>

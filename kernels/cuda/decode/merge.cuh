@@ -41,16 +41,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::store(const ItemView& v, const float* in
     }
     if (v.partial < 0) {
       const int64_t at = int64_t{v.row} * p.o_stride_n + int64_t{qh0 + h} * p.o_stride_h + d;
-      if (p.o_dtype == DType::f32) {
-        float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.o) + at);
-        dst[0] = make_float4(x[0], x[1], x[2], x[3]);
-        dst[1] = make_float4(x[4], x[5], x[6], x[7]);
-      } else {
-        uint4 w;
-        w.x = pack2<QT>(x[0], x[1]), w.y = pack2<QT>(x[2], x[3]);
-        w.z = pack2<QT>(x[4], x[5]), w.w = pack2<QT>(x[6], x[7]);
-        *reinterpret_cast<uint4*>(static_cast<QT*>(p.o) + at) = w;
-      }
+      store_o<QT>(p.o, p.o_dtype == DType::f32, at, x);
     } else {
       float4* dst = reinterpret_cast<float4*>(
           p.partial_o + (int64_t{v.partial} * p.num_qo_heads + qh0 + h) * D + d);
@@ -195,15 +186,8 @@ __device__ void DecodeCta<Tr, QT, kKv>::merge_units(const TileMerge* done, int n
       const float inv = st[j].inv_sum();
       const int64_t at =
           int64_t{out_row[j]} * p.o_stride_n + int64_t{qh0 + h[j]} * p.o_stride_h + d[j];
-      if (p.o_dtype == DType::f32) {
-        *reinterpret_cast<float4*>(static_cast<float*>(p.o) + at) =
-            make_float4(acc[j].x * inv, acc[j].y * inv, acc[j].z * inv, acc[j].w * inv);
-      } else {
-        uint2 packed;
-        packed.x = pack2<QT>(acc[j].x * inv, acc[j].y * inv);
-        packed.y = pack2<QT>(acc[j].z * inv, acc[j].w * inv);
-        *reinterpret_cast<uint2*>(static_cast<QT*>(p.o) + at) = packed;
-      }
+      const float x[4] = {acc[j].x * inv, acc[j].y * inv, acc[j].z * inv, acc[j].w * inv};
+      store_o<QT>(p.o, p.o_dtype == DType::f32, at, x);
       if (d[j] == 0 && p.lse)
         p.lse[int64_t{out_row[j]} * p.num_qo_heads + qh0 + h[j]] = st[j].lse();
     }

@@ -13,16 +13,6 @@
 
 namespace flashkv::cuda::prefill_detail {
 
-// Writes the pair (lo, hi) of O at dst (an element offset into p.o) in O's dtype.
-template <typename QT>
-__device__ __forceinline__ void store_o_pair(const AttentionParams& p, int64_t dst, float lo,
-                                             float hi) {
-  if (p.o_dtype == DType::f32)
-    *reinterpret_cast<float2*>(static_cast<float*>(p.o) + dst) = make_float2(lo, hi);
-  else
-    *reinterpret_cast<uint32_t*>(static_cast<QT*>(p.o) + dst) = pack2<QT>(lo, hi);
-}
-
 // The row's merge weights over p's merge state (prev_lse), the block's state (cur_lse) and p's
 // sink (if any, a third state with O = 0, counted here once): O = a * prev + c * cur, where c
 // includes the block's own normalisation `scale`. Returns the merged LSE.
@@ -208,8 +198,10 @@ __device__ __forceinline__ void store_block(const AttentionParams& p, const RowB
         const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
         const int64_t dst = row * p.o_stride_n + head * p.o_stride_h + col0;
 #pragma unroll
-        for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
-          store_o_pair<QT>(p, dst + dt * 8, o[mt][dt][2 * h] * sc, o[mt][dt][2 * h + 1] * sc);
+        for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
+          const float pair[2] = {o[mt][dt][2 * h] * sc, o[mt][dt][2 * h + 1] * sc};
+          store_o<QT>(p.o, p.o_dtype == DType::f32, dst + dt * 8, pair);
+        }
         if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = row_lse;
       } else {
         const int64_t prow = static_cast<int64_t>(b.partial) + tok;
