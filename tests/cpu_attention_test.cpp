@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -89,7 +90,10 @@ struct Case {
   // (nan_v), are NaN; the output is then checked for NaN where it must be and nowhere else,
   // instead of against the reference.
   bool nan_k = false, nan_v = false;
-  bool sinks = false;    // random per-query-head sinks (AttentionOptions::sinks)
+  bool sinks = false;  // random per-query-head sinks (AttentionOptions::sinks)
+  // With sinks: query heads 0, 1 and 2 (of at least 3) take the sinks -inf (none), +60 (the sink
+  // outweighs every score) and -60 (it weighs nothing), the ends a row's normalisation must take.
+  bool extreme_sinks = false;
   bool f32_out = false;  // out in f32 instead of q's dtype
 
   std::string str() const {
@@ -164,6 +168,11 @@ Tensor run_case(const Case& c, Rng& rng) {
   if (c.sinks) {
     // Spread wide enough that a sink sometimes dominates a row and sometimes vanishes.
     sinks = test::random_tensor(rng, {c.hq}, DType::f32, 3.0);
+    if (c.extreme_sinks) {
+      sinks.ptr<float>()[0] = -std::numeric_limits<float>::infinity();
+      sinks.ptr<float>()[1] = 60.0f;
+      sinks.ptr<float>()[2] = -60.0f;
+    }
     opt.sinks = sinks;
   }
   Tensor mask, mask_indptr;
@@ -895,6 +904,21 @@ TEST(CpuAttention, SinksOnEmptyRows) {
     d.sinks = true;
     d.fixed_split = 32;
     run_case(d, rng);
+    // The extreme sinks, on rows with keys and without, whole and split.
+    for (const int split : {0, 32}) {
+      Case x;
+      x.op = Op::decode;
+      x.kv_lens = {0, 7, 1, 300};
+      x.hq = 8;
+      x.hkv = 2;
+      x.sinks = x.extreme_sinks = true;
+      x.fixed_split = split;
+      run_case(x, rng);
+      x.op = Op::ragged;
+      x.q_lens = {3, 5, 1, 40};
+      x.kv_lens = {0, 5, 1, 60};
+      run_case(x, rng);
+    }
   }
 }
 

@@ -425,8 +425,15 @@ class ItemTask {
         const int qo_head = (head0_ + h) * group_ + (row0 + r) % group_;
         const float l = T::reduce_add(T::load(t.lsum + r * W));
         // l == 0: nothing visible. A NaN l (a NaN score) makes O and LSE NaN.
-        float scale = l != 0 ? p_.v_scale / l : 0.0f;
-        float lse = l != 0 ? t.m[r] + std::log2(l) : kNegInf;
+        // A final row written here (no merge state) takes the sink in its normalisation.
+        const bool sink_here = p_.sinks && item_.partial < 0 && !p_.merge_o;
+        float scale, lse;
+        if (sink_here) {
+          finish_row_with_sink(l, t.m[r], p_.sinks[qo_head], p_.v_scale, scale, lse);
+        } else {
+          scale = l != 0 ? p_.v_scale / l : 0.0f;
+          lse = l != 0 ? t.m[r] + std::log2(l) : kNegInf;
+        }
         const float* o = t.o + r * t.dv_pad;
         if (item_.partial < 0) {
           const int64_t row = item_.q_begin + qi;
@@ -434,7 +441,6 @@ class ItemTask {
             store_merged_row<T>(p_, row, qo_head, o, scale, lse);
             continue;
           }
-          if (p_.sinks) add_sink(p_.sinks[qo_head], scale, lse);
           store_row<T>(
               p_.o_dtype, o, scale, dv,
               static_cast<char*>(p_.o) + (row * p_.o_stride_n + qo_head * p_.o_stride_h) * o_esz_);

@@ -265,6 +265,30 @@ inline void add_sink(float sink, float& scale, float& lse) {
   lse = merged_lse(m, sum);
 }
 
+// A row's final normalisation and LSE with its head's sink merged in: what add_sink gives after
+// the sink-free normalisation (scale = v_scale / l, lse = m + log2 l), with one exp2 a row more
+// than that normalisation instead of three more transcendental calls. The row's unnormalised
+// state has maximum m and sum l (base 2), the sink the natural-base logit `sink`. Each case is
+// worked in the frame of the larger of m and the sink's base-2 logit, so no term overflows; NaN
+// on any side makes both results NaN.
+inline void finish_row_with_sink(float l, float m, float sink, float v_scale, float& scale,
+                                 float& lse) {
+  const float s = sink * kLog2e;
+  if (m == kNegInf && s == kNegInf && l == 0) {  // nothing visible and no sink: an empty row
+    scale = 0.0f;
+    lse = kNegInf;
+  } else if (s > m) {  // the sink's frame: the row's keys weigh 2^(m - s) <= 1 (0 if none)
+    const float r = std::exp2(m - s);
+    const float sum = l * r + 1.0f;
+    scale = v_scale * r / sum;
+    lse = s + std::log2(sum);
+  } else {  // the row's frame (a NaN m, l or sink lands here too, and propagates)
+    const float sum = l + std::exp2(s - m);
+    scale = sum != 0 ? v_scale / sum : 0.0f;  // 0: no key visible and no sink
+    lse = m + std::log2(sum);
+  }
+}
+
 // Writes output row `row`, query head `head` of p (O and, when wanted, LSE) as the merge of the
 // state (cur * cur_scale, cur_lse), cur [D_v] fp32, with p's merge state (p.merge_o / p.merge_lse,
 // SEMANTICS.md "Merging partial states") and p's sink (if any); an empty state (LSE -inf) weighs
