@@ -326,8 +326,11 @@ void bind_communicator(nb::module_& m) {
             reinterpret_cast<ncclComm*>(comm),  // NOLINT(performance-no-int-to-ptr): see above
             dev, o);
 #else
-        throw_error(str_cat("nccl_communicator: this flashkv was built without NCCL (comm ", comm,
-                            " on ", dev.str(), ", timeout_s ", timeout_s, ")"));
+        throw_error(
+            str_cat("nccl_communicator: this flashkv module was built without NCCL (comm ", comm,
+                    " on ", dev.str(), ", timeout_s ", timeout_s,
+                    "; configure with -DFLASHKV_PYTHON_NCCL=ON, or pass a torch.distributed "
+                    "NCCL group to from_process_group, which needs no NCCL here)"));
 #endif
       },
       nb::arg("comm"), nb::arg("device"), nb::arg("timeout_s") = parallel::CommOptions().timeout_s,

@@ -47,3 +47,17 @@ def test_cpp_errors_are_python_exceptions():
 def test_sglang_style_example_runs():
     pytest.importorskip("torch")
     runpy.run_path(os.path.join(HERE, "..", "examples", "sglang_style_decode.py"), run_name="__main__")
+
+
+def test_torch_imports_after_flashkv():
+    """flashkv loads no library that PyTorch loads too in another version (NCCL): `import torch`
+    after `import flashkv` works. A fresh interpreter, since this one may have torch already."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    r = subprocess.run([sys.executable, "-c", "import flashkv, torch; print(torch.__version__)"],
+                       capture_output=True, text=True, env=os.environ.copy(), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
