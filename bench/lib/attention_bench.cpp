@@ -465,10 +465,37 @@ CaseResult result_of(const BenchCase& c, const detail::TimedRuns& t, const Roofl
   return r;
 }
 
+// CPU: times a and b call by call in turn (a, b, a, b, ...) for the time budget of both, so that
+// what changes in the machine from one millisecond to the next falls on both alike. Returns their
+// runs and the median of the calls' ratios b / a.
+double time_cpu_interleaved(const std::function<void(Stream)>& a,
+                            const std::function<void(Stream)>& b, const BenchOptions& o,
+                            detail::TimedRuns& ta, detail::TimedRuns& tb) {
+  using Clock = std::chrono::steady_clock;
+  for (int i = 0; i < o.warmup; ++i) {
+    a(Stream{});
+    b(Stream{});
+  }
+  std::vector<double> ratios;
+  const auto start = Clock::now();
+  for (;;) {
+    for (auto [run, t] : {std::pair{&a, &ta}, std::pair{&b, &tb}}) {
+      const auto t0 = Clock::now();
+      (*run)(Stream{});
+      t->us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      t->runs++;
+    }
+    ratios.push_back(tb.us.back() / ta.us.back());
+    const double spent = std::chrono::duration<double>(Clock::now() - start).count();
+    if (ta.runs >= o.min_runs && (spent >= 2 * o.min_seconds || ta.runs >= o.max_runs)) break;
+  }
+  return median(ratios);
+}
+
 // Times a case and its twin (b.paired) in alternating rounds, each round giving each side
-// 1/kRounds of the time budget: what changes in the machine during the pair's timing (clocks,
-// heat, a neighbour's load) then falls on both, and the rounds' ratios show the spread that is
-// left.
+// 1/kRounds of the time budget (on the CPU, their calls alternate inside a round too): what
+// changes in the machine during the pair's timing (clocks, heat, a neighbour's load) then falls
+// on both, and the rounds' ratios show the spread that is left.
 std::pair<CaseResult, CaseResult> run_pair(const BenchCase& a, const BenchCase& b,
                                            const Roofline& machine, const BenchOptions& o) {
   constexpr int kRounds = 7;
@@ -480,9 +507,14 @@ std::pair<CaseResult, CaseResult> run_pair(const BenchCase& a, const BenchCase& 
   detail::TimedRuns ta, tb;
   std::vector<double> ratios;
   for (int i = 0; i < kRounds; ++i) {
-    const detail::TimedRuns ra = time_run(a.device, run_a, round);
-    const detail::TimedRuns rb = time_run(b.device, run_b, round);
-    ratios.push_back(median(rb.us) / median(ra.us));
+    detail::TimedRuns ra, rb;
+    if (a.device.is_cpu()) {
+      ratios.push_back(time_cpu_interleaved(run_a, run_b, round, ra, rb));
+    } else {
+      ra = time_run(a.device, run_a, round);
+      rb = time_run(b.device, run_b, round);
+      ratios.push_back(median(rb.us) / median(ra.us));
+    }
     for (auto [to, from] : {std::pair{&ta, &ra}, std::pair{&tb, &rb}}) {
       to->us.insert(to->us.end(), from->us.begin(), from->us.end());
       to->runs += from->runs;
