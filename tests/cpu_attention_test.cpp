@@ -1010,33 +1010,51 @@ TEST(CpuAttention, SinksCountOnceInExtendMerge) {
   }
 }
 
+// A small bf16 decode (2 requests of 5 and 9 tokens, 4/2 heads, head dim 64) planned and
+// uploaded on the CPU, for the tests of one argument's checks.
+struct SmallDecode {
+  static constexpr int hq = 4, hkv = 2, d = 64;
+  const std::vector<int32_t> lens = {5, 9};
+  Tensor kc, vc, q, indptr, indices;
+  PagedKV kv;
+  DecodePlan plan;
+  Workspace ws;
+
+  explicit SmallDecode(Rng& rng)
+      : kc(test::random_tensor(rng, {16, hkv, d}, DType::bf16)),
+        vc(test::random_tensor(rng, {16, hkv, d}, DType::bf16)),
+        q(test::random_tensor(rng, {2, hq, d}, DType::bf16)),
+        indptr(Tensor::from_i32({0, 5, 14})) {
+    std::vector<int32_t> idx(14);
+    std::iota(idx.begin(), idx.end(), 0);
+    indices = Tensor::from_i32(idx);
+    kv = PagedKV{kc, vc, indptr, indices, TensorView(), 1};
+    BatchShape bs;
+    bs.batch_size = 2;
+    bs.kv_len = lens.data();
+    bs.num_qo_heads = hq;
+    bs.num_kv_heads = hkv;
+    bs.head_dim_qk = bs.head_dim_v = d;
+    plan = plan_decode(bs, device_info(Device::cpu()), PlanOptions());
+    ws.reserve(plan.layout.total_bytes, Device::cpu());
+    ws.upload(plan);
+  }
+  // The error message of paged_decode with these options into `out` ("" when it runs).
+  std::string error(const AttentionOptions& opt, const Tensor& out) {
+    return test::error_of([&] { paged_decode(plan, q, kv, opt, out, TensorView(), ws); });
+  }
+};
+
 // sinks: dtype, shape, layout and device checked, each error naming it.
 TEST(CpuAttention, SinksBadInput) {
   FLASHKV_SEEDED_RNG(rng, 134);
-  const int hq = 4, hkv = 2, d = 64;
-  const std::vector<int32_t> lens = {5, 9};
-  Tensor kc = test::random_tensor(rng, {16, hkv, d}, DType::bf16);
-  Tensor vc = test::random_tensor(rng, {16, hkv, d}, DType::bf16);
-  Tensor q = test::random_tensor(rng, {2, hq, d}, DType::bf16);
-  Tensor out = Tensor::empty({2, hq, d}, DType::bf16);
-  Tensor indptr = Tensor::from_i32({0, 5, 14});
-  std::vector<int32_t> idx(14);
-  std::iota(idx.begin(), idx.end(), 0);
-  Tensor idx_t = Tensor::from_i32(idx);
-  PagedKV kv{kc, vc, indptr, idx_t, TensorView(), 1};
-  BatchShape bs;
-  bs.batch_size = 2;
-  bs.kv_len = lens.data();
-  bs.num_qo_heads = hq;
-  bs.num_kv_heads = hkv;
-  bs.head_dim_qk = bs.head_dim_v = d;
-  DecodePlan plan = plan_decode(bs, device_info(Device::cpu()), PlanOptions());
-  Workspace ws(plan.layout.total_bytes, Device::cpu());
-  ws.upload(plan);
+  SmallDecode call(rng);
+  const int hq = SmallDecode::hq;
+  Tensor out = Tensor::empty({2, hq, SmallDecode::d}, DType::bf16);
   auto error_with = [&](const TensorView& sinks) {
     AttentionOptions opt;
     opt.sinks = sinks;
-    return test::error_of([&] { paged_decode(plan, q, kv, opt, out, TensorView(), ws); });
+    return call.error(opt, out);
   };
   Tensor f16 = test::random_tensor(rng, {hq}, DType::f16);
   EXPECT_NE(error_with(f16).find("sinks: expected dtype f32"), std::string::npos)
@@ -1061,28 +1079,9 @@ TEST(CpuAttention, SinksBadInput) {
 // out: q's dtype or f32 (o_data_type); another dtype is refused naming out and what it takes.
 TEST(CpuAttention, OutDtypeBadInput) {
   FLASHKV_SEEDED_RNG(rng, 135);
-  const int hq = 4, hkv = 2, d = 64;
-  const std::vector<int32_t> lens = {5, 9};
-  Tensor kc = test::random_tensor(rng, {16, hkv, d}, DType::bf16);
-  Tensor vc = test::random_tensor(rng, {16, hkv, d}, DType::bf16);
-  Tensor q = test::random_tensor(rng, {2, hq, d}, DType::bf16);
-  Tensor indptr = Tensor::from_i32({0, 5, 14});
-  std::vector<int32_t> idx(14);
-  std::iota(idx.begin(), idx.end(), 0);
-  Tensor idx_t = Tensor::from_i32(idx);
-  PagedKV kv{kc, vc, indptr, idx_t, TensorView(), 1};
-  BatchShape bs;
-  bs.batch_size = 2;
-  bs.kv_len = lens.data();
-  bs.num_qo_heads = hq;
-  bs.num_kv_heads = hkv;
-  bs.head_dim_qk = bs.head_dim_v = d;
-  DecodePlan plan = plan_decode(bs, device_info(Device::cpu()), PlanOptions());
-  Workspace ws(plan.layout.total_bytes, Device::cpu());
-  ws.upload(plan);
+  SmallDecode call(rng);
   auto error_with = [&](DType out_dtype) {
-    Tensor out = Tensor::empty({2, hq, d}, out_dtype);
-    return test::error_of([&] { paged_decode(plan, q, kv, {}, out, TensorView(), ws); });
+    return call.error({}, Tensor::empty({2, SmallDecode::hq, SmallDecode::d}, out_dtype));
   };
   EXPECT_EQ(error_with(DType::bf16), "");
   EXPECT_EQ(error_with(DType::f32), "");
