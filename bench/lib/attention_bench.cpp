@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <initializer_list>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <utility>
 
 #include "cuda_timing.h"
 #include "flashkv/core/buffer.h"
@@ -246,20 +248,34 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-detail::TimedRuns time_cpu(const std::function<void(Stream)>& run, const BenchOptions& o) {
+// Times the callables of `runs` on the CPU in turns (run 0, run 1, ..., then run 0 again), one
+// sample a call into times[i], after o.warmup untimed turns: until each has o.min_runs samples
+// and the turns took o.min_seconds for each callable, or each has o.max_runs.
+void time_cpu_turns(std::initializer_list<const std::function<void(Stream)>*> runs,
+                    const BenchOptions& o, detail::TimedRuns* times) {
   using Clock = std::chrono::steady_clock;
-  for (int i = 0; i < o.warmup; ++i) run(Stream{});
-  detail::TimedRuns t;
+  for (int i = 0; i < o.warmup; ++i)
+    for (const auto* run : runs) (*run)(Stream{});
   const auto start = Clock::now();
   for (;;) {
-    const auto t0 = Clock::now();
-    run(Stream{});
-    const auto t1 = Clock::now();
-    t.us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-    t.runs++;
-    const double spent = std::chrono::duration<double>(t1 - start).count();
-    if (t.runs >= o.min_runs && (spent >= o.min_seconds || t.runs >= o.max_runs)) break;
+    detail::TimedRuns* t = times;
+    for (const auto* run : runs) {
+      const auto t0 = Clock::now();
+      (*run)(Stream{});
+      t->us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      t->runs++;
+      ++t;
+    }
+    const double spent = std::chrono::duration<double>(Clock::now() - start).count();
+    if (times->runs >= o.min_runs &&
+        (spent >= static_cast<double>(runs.size()) * o.min_seconds || times->runs >= o.max_runs))
+      break;
   }
+}
+
+detail::TimedRuns time_cpu(const std::function<void(Stream)>& run, const BenchOptions& o) {
+  detail::TimedRuns t;
+  time_cpu_turns({&run}, o, &t);
   return t;
 }
 
@@ -466,29 +482,17 @@ CaseResult result_of(const BenchCase& c, const detail::TimedRuns& t, const Roofl
 }
 
 // CPU: times a and b call by call in turn (a, b, a, b, ...) for the time budget of both, so that
-// what changes in the machine from one millisecond to the next falls on both alike. Returns their
-// runs and the median of the calls' ratios b / a.
+// what changes in the machine from one millisecond to the next falls on both alike. Returns the
+// median of the calls' ratios b / a.
 double time_cpu_interleaved(const std::function<void(Stream)>& a,
                             const std::function<void(Stream)>& b, const BenchOptions& o,
                             detail::TimedRuns& ta, detail::TimedRuns& tb) {
-  using Clock = std::chrono::steady_clock;
-  for (int i = 0; i < o.warmup; ++i) {
-    a(Stream{});
-    b(Stream{});
-  }
-  std::vector<double> ratios;
-  const auto start = Clock::now();
-  for (;;) {
-    for (auto [run, t] : {std::pair{&a, &ta}, std::pair{&b, &tb}}) {
-      const auto t0 = Clock::now();
-      (*run)(Stream{});
-      t->us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-      t->runs++;
-    }
-    ratios.push_back(tb.us.back() / ta.us.back());
-    const double spent = std::chrono::duration<double>(Clock::now() - start).count();
-    if (ta.runs >= o.min_runs && (spent >= 2 * o.min_seconds || ta.runs >= o.max_runs)) break;
-  }
+  detail::TimedRuns t[2];
+  time_cpu_turns({&a, &b}, o, t);
+  std::vector<double> ratios(t[0].us.size());
+  for (size_t i = 0; i < ratios.size(); ++i) ratios[i] = t[1].us[i] / t[0].us[i];
+  ta = std::move(t[0]);
+  tb = std::move(t[1]);
   return median(ratios);
 }
 
