@@ -18,4 +18,14 @@ __device__ __forceinline__ int32_t page_offset(const AttentionParams& p, int32_t
   return p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size;
 }
 
+// The pool row of token j whose kv_indices entry (slot, or page) is `entry`, clamped into the
+// pool [0, num_kv_rows) so that a bad index can never address outside it.
+__device__ __forceinline__ int64_t paged_pool_row(const AttentionParams& p, int32_t entry,
+                                                  int32_t j) {
+  const int64_t row = p.page_size == 1
+                          ? int64_t{entry}
+                          : static_cast<int64_t>(entry) * p.page_size + page_offset(p, j);
+  return min(max(row, int64_t{0}), p.num_kv_rows - 1);
+}
+
 }  // namespace flashkv::cuda

@@ -192,10 +192,7 @@ struct PagedKey {
   // The pool row of key j (fetched last), clamped into the pool so that a bad index can never
   // address outside it; -1 past the block's keys.
   __device__ __forceinline__ int32_t row(const AttentionParams& p, const RowBlock& b, int j) const {
-    if (j >= b.kv_hi) return -1;
-    const int64_t r =
-        p.page_size == 1 ? entry : static_cast<int64_t>(entry) * p.page_size + page_offset(p, j);
-    return static_cast<int32_t>(min(max(r, int64_t{0}), p.num_kv_rows - 1));
+    return j < b.kv_hi ? static_cast<int32_t>(paged_pool_row(p, entry, j)) : -1;
   }
 };
 

@@ -126,14 +126,9 @@ struct KvTileRows {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int j = j0 + first_row(tid) + i * kRowsPerPass;
-      int64_t row;
-      if (!p.paged)
-        row = static_cast<int64_t>(b.kv_base) + j;
-      else if (p.page_size == 1)
-        row = entry[i];
-      else
-        row = static_cast<int64_t>(entry[i]) * p.page_size + page_offset(p, j);
-      row = min(max(row, int64_t{0}), p.num_kv_rows - 1);
+      const int64_t row =
+          p.paged ? paged_pool_row(p, entry[i], j)
+                  : min(max(static_cast<int64_t>(b.kv_base) + j, int64_t{0}), p.num_kv_rows - 1);
       out[i] = j < b.kv_hi ? row * stride_n + head_off : -1;
     }
   }
