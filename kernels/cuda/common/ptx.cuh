@@ -120,6 +120,14 @@ __device__ __forceinline__ float ld_global_now(const float* addr) {
   asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(x) : "l"(addr));
   return x;
 }
+// The same, only where `load` holds: `x` keeps its value otherwise. One predicated load into x's
+// own register, so that nothing (a select between the loaded value and the old one) reads the
+// load's result before the caller's first use.
+__device__ __forceinline__ void ld_global_now_if(bool load, const float* addr, float& x) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p ld.global.nc.f32 %0, [%1];\n}\n"
+               : "+f"(x)
+               : "l"(addr), "r"(static_cast<int>(load)));
+}
 
 __device__ __forceinline__ void prefetch_l2(const void* addr) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(addr));

@@ -106,9 +106,10 @@ struct DecodeCta {
   uint32_t q_frag[Tr::kKSteps][NT][2];
   float m[NT][2], l[NT][2];
   float o[Tr::kMTiles][NT][4];
-  // Warp 0: the sinks (base 2; -inf: none) of this lane's heads 8n + 2c + j, which finalize folds
-  // in. Loaded once at the start, with a load the compiler cannot move to its use, so that its
-  // latency overlaps the first item instead of delaying the end of every item.
+  // Warp 0: the sink logits (as stored, natural base; -inf: none) of this lane's heads
+  // 8n + 2c + j, which finalize folds in (in base 2). Loaded once at the start by a predicated load
+  // into this register, which nothing reads before finalize, so that its latency overlaps the
+  // first item instead of delaying the CTA's start or the end of every item.
   float sink[NT][2];
 
   __device__ unsigned char* stage_ptr(int s) const { return smem + s * Tr::kStageBytes; }

@@ -202,8 +202,8 @@ __device__ void DecodeCta<Tr, QT, kKv>::load_sinks() {
     for (int j = 0; j < 2; ++j) {
       const int h = 8 * n + 2 * c + j;
       sink[n][j] = -INFINITY;
-      if (p.sinks != nullptr && warp == 0 && h < heads)
-        sink[n][j] = ptx::ld_global_now(p.sinks + qh0 + h) * kLog2e;
+      ptx::ld_global_now_if(p.sinks != nullptr && warp == 0 && h < heads, p.sinks + qh0 + h,
+                            sink[n][j]);
     }
 }
 
@@ -255,7 +255,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::finalize(const ItemView& v, unsigned cha
           // A final row: the sink (O = 0) is one more state, folded after the warps'.
           MergeState</*kFastExp2=*/true> st{mx, sum};
           float rescale, weight;
-          st.fold(sink[n][j], rescale, weight);
+          st.fold(sink[n][j] * kLog2e, rescale, weight);
           fin_inv[h] = p.v_scale * rescale * st.inv_sum();
           fin_lse[h] = st.lse();
         } else {  // != 0, not > 0: a NaN sum stays NaN
