@@ -106,8 +106,9 @@ struct DecodeCta {
   uint32_t q_frag[Tr::kKSteps][NT][2];
   float m[NT][2], l[NT][2];
   float o[Tr::kMTiles][NT][4];
-  // Warp 0: the sink logits (as stored, natural base; -inf: none) of this lane's heads
-  // 8n + 2c + j, which finalize folds in (in base 2). Loaded once at the start by a predicated load
+  // The sink logits (as stored, natural base; -inf: none) of this lane's heads 8n + 2c + j, which
+  // finalize merges in (in base 2); every warp needs them, since the sink can raise the row's
+  // maximum that each warp rescales its output to. Loaded once at the start by a predicated load
   // into this register, which nothing reads before finalize, so that its latency overlaps the
   // first item instead of delaying the CTA's start or the end of every item.
   float sink[NT][2];

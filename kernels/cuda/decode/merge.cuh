@@ -202,8 +202,7 @@ __device__ void DecodeCta<Tr, QT, kKv>::load_sinks() {
     for (int j = 0; j < 2; ++j) {
       const int h = 8 * n + 2 * c + j;
       sink[n][j] = -INFINITY;
-      ptx::ld_global_now_if(p.sinks != nullptr && warp == 0 && h < heads, p.sinks + qh0 + h,
-                            sink[n][j]);
+      ptx::ld_global_now_if(p.sinks != nullptr && h < heads, p.sinks + qh0 + h, sink[n][j]);
     }
 }
 
@@ -238,30 +237,26 @@ __device__ void DecodeCta<Tr, QT, kKv>::finalize(const ItemView& v, unsigned cha
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int h = 8 * n + 2 * c + j;
-      float mx = -INFINITY;
+      // A final row's sink (O = 0; -inf: none, or a split chunk's row, which must not count it)
+      // is one more state beside the warps': it joins their maximum and their sum, so that it
+      // adds no step to the chain that every warp waits for (fmaxf leaves a NaN sink to its
+      // weight, which makes the sum, O and LSE NaN).
+      const float sink_state = v.partial < 0 ? sink[n][j] * kLog2e : -INFINITY;
+      float mx = sink_state;
 #pragma unroll
       for (int w = 0; w < Tr::kWarps; ++w) mx = fmaxf(mx, red_m[w * Tr::kHeads + h]);
       // A warp whose maximum is still -inf adds its l as it is: 0 when it saw no token, NaN
       // when its only visible scores were NaN (NaN in K), which must reach O and LSE.
-      float sum = 0.0f;
+      float sum = sink_state == -INFINITY ? 0.0f : ptx::exp2_fast(sink_state - mx);
 #pragma unroll
       for (int w = 0; w < Tr::kWarps; ++w) {
         const float mw = red_m[w * Tr::kHeads + h], lw = red_l[w * Tr::kHeads + h];
         sum += mw == -INFINITY ? lw : lw * ptx::exp2_fast(mw - mx);
       }
       scale[n][j] = m[n][j] == -INFINITY ? 0.0f : ptx::exp2_fast(m[n][j] - mx);
-      if (warp == 0 && r == 0) {
-        if (p.sinks != nullptr && v.partial < 0 && h < heads) {
-          // A final row: the sink (O = 0) is one more state, folded after the warps'.
-          MergeState</*kFastExp2=*/true> st{mx, sum};
-          float rescale, weight;
-          st.fold(sink[n][j] * kLog2e, rescale, weight);
-          fin_inv[h] = p.v_scale * rescale * st.inv_sum();
-          fin_lse[h] = st.lse();
-        } else {  // != 0, not > 0: a NaN sum stays NaN
-          fin_inv[h] = sum != 0.0f ? p.v_scale / sum : 0.0f;
-          fin_lse[h] = sum != 0.0f ? mx + __log2f(sum) : -INFINITY;
-        }
+      if (warp == 0 && r == 0) {  // != 0, not > 0: a NaN sum stays NaN
+        fin_inv[h] = sum != 0.0f ? p.v_scale / sum : 0.0f;
+        fin_lse[h] = sum != 0.0f ? mx + __log2f(sum) : -INFINITY;
       }
     }
   if constexpr (Tr::kWarps * Tr::kOutBytes <= Tr::kStageBytes) {
