@@ -5,6 +5,8 @@
 // pairs straight from registers.
 #pragma once
 
+#include <type_traits>
+
 #include "common/merge.cuh"
 #include "common/ptx.cuh"
 #include "flashkv/kernels/params.h"
@@ -197,11 +199,19 @@ __device__ __forceinline__ void store_block(const AttentionParams& p, const RowB
         }
         const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
         const int64_t dst = row * p.o_stride_n + head * p.o_stride_h + col0;
+        // The output type is chosen once a row, not at each store: with it fixed, the row's
+        // stores share one address and differ by immediate offsets.
+        const auto store_row = [&](auto f32_out) {
 #pragma unroll
-        for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
-          const float pair[2] = {o[mt][dt][2 * h] * sc, o[mt][dt][2 * h + 1] * sc};
-          store_o<QT>(p.o, p.o_dtype == DType::f32, dst + dt * 8, pair);
-        }
+          for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
+            const float pair[2] = {o[mt][dt][2 * h] * sc, o[mt][dt][2 * h + 1] * sc};
+            store_o<QT>(p.o, decltype(f32_out)::value, dst + dt * 8, pair);
+          }
+        };
+        if (p.o_dtype == DType::f32)
+          store_row(std::true_type{});
+        else
+          store_row(std::false_type{});
         if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = row_lse;
       } else {
         const int64_t prow = static_cast<int64_t>(b.partial) + tok;
