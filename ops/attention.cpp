@@ -288,6 +288,16 @@ void check_device_support(const AttentionParams& p, Device dev, bool decode) {
 #endif
 }
 
+// The checks that end every prepare_*: the mask's extent and what the device's kernels take. The
+// parameters, once checked, are shared by the prepared call.
+std::shared_ptr<const AttentionParams> checked(const AttentionParams& p,
+                                               const AttentionOptions& opt, Device dev,
+                                               bool decode) {
+  check_mask_extent(p, opt);
+  check_device_support(p, dev, decode);
+  return std::make_shared<const AttentionParams>(p);
+}
+
 }  // namespace
 
 int64_t paged_kv_len(const PagedKV& kv, int64_t i) {
@@ -366,9 +376,7 @@ PreparedAttention prepare_ragged_prefill(const PrefillPlan& plan, const TensorVi
   }
   p.qo_indptr = static_cast<const int32_t*>(qo_indptr.data);
   p.kv_indptr = static_cast<const int32_t*>(kv_indptr.data);
-  check_mask_extent(p, opt);
-  check_device_support(p, q.device, false);
-  return PreparedAttention(std::make_shared<const AttentionParams>(p), q.device, false);
+  return PreparedAttention(checked(p, opt, q.device, false), q.device, false);
 }
 
 PreparedAttention prepare_paged_prefill(const PrefillPlan& plan, const TensorView& q,
@@ -385,9 +393,7 @@ PreparedAttention prepare_paged_prefill(const PrefillPlan& plan, const TensorVie
                      kv.v.shape[2], ws);
   check_query_rows(qo_indptr, q.shape[0]);
   p.qo_indptr = static_cast<const int32_t*>(qo_indptr.data);
-  check_mask_extent(p, opt);
-  check_device_support(p, q.device, false);
-  return PreparedAttention(std::make_shared<const AttentionParams>(p), q.device, false);
+  return PreparedAttention(checked(p, opt, q.device, false), q.device, false);
 }
 
 PreparedAttention prepare_paged_decode(const DecodePlan& plan, const TensorView& q,
@@ -404,9 +410,7 @@ PreparedAttention prepare_paged_decode(const DecodePlan& plan, const TensorView&
   set_paged(p, kv, q, q.shape[0]);
   check_plan_matches(plan, "paged_decode", q, q.shape[0], kv.k.shape[1], q.shape[2], kv.v.shape[2],
                      ws);
-  check_mask_extent(p, opt);
-  check_device_support(p, q.device, true);
-  return PreparedAttention(std::make_shared<const AttentionParams>(p), q.device, true);
+  return PreparedAttention(checked(p, opt, q.device, true), q.device, true);
 }
 
 int normalize_window_left(int window_left) { return window_left < 0 ? -1 : window_left; }

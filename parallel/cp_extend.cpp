@@ -43,6 +43,14 @@ enum ExtendBuf : size_t {
 
 Tensor on_device(const Tensor& host, Device dev) { return dev.is_cpu() ? host : host.to(dev); }
 
+// A rank's contiguous [rows, heads, dim] tensor of the extend's dtype on its device (q, k, v).
+void expect_rows(const TensorView& t, const char* name, Device dev, DType dtype, int64_t rows,
+                 int64_t heads, int64_t dim) {
+  Expect e(t, name);
+  e.ndim(3).device(dev).dtype(dtype).contiguous();
+  e.dim(0, rows).dim(1, heads).dim(2, dim);
+}
+
 Tensor mask_tensor(const std::vector<uint8_t>& bits, Device dev) {
   Tensor t = Tensor::empty({std::max<int64_t>(static_cast<int64_t>(bits.size()), 1)}, DType::u8);
   t.ptr<uint8_t>()[0] = 0;
@@ -465,30 +473,9 @@ void CpExtend::run(const TensorView& q, const TensorView& k, const TensorView& v
                 "(CpExtendShape::custom_mask)");
   FLASHKV_CHECK(!opt.merge_o.defined() && !opt.merge_lse.defined(),
                 "opt.merge_o: the sharded extend takes no merge state");
-  Expect(q, "q")
-      .ndim(3)
-      .device(dev)
-      .dtype(shape_.dtype)
-      .contiguous()
-      .dim(0, own)
-      .dim(1, hq)
-      .dim(2, dqk);
-  Expect(k, "k")
-      .ndim(3)
-      .device(dev)
-      .dtype(shape_.dtype)
-      .contiguous()
-      .dim(0, own)
-      .dim(1, hkv)
-      .dim(2, dqk);
-  Expect(v, "v")
-      .ndim(3)
-      .device(dev)
-      .dtype(shape_.dtype)
-      .contiguous()
-      .dim(0, own)
-      .dim(1, hkv)
-      .dim(2, dv);
+  expect_rows(q, "q", dev, shape_.dtype, own, hq, dqk);
+  expect_rows(k, "k", dev, shape_.dtype, own, hkv, dqk);
+  expect_rows(v, "v", dev, shape_.dtype, own, hkv, dv);
   Expect(out, "out").ndim(3).device(dev).dtype(shape_.dtype).dim(0, own).dim(1, hq).dim(2, dv);
   if (lse.defined())
     Expect(lse, "lse").ndim(2).device(dev).dtype(DType::f32).contiguous().dim(0, own).dim(1, hq);
@@ -715,22 +702,8 @@ void CpExtend::append_local_kv(const TensorView& k, const TensorView& v,
   const int world = comm_.size();
   const int64_t own = rank_rows_[comm_.rank()];
   const int64_t hkv = shape_.num_kv_heads, dqk = shape_.head_dim_qk, dv = shape_.head_dim_v;
-  Expect(k, "k")
-      .ndim(3)
-      .device(dev)
-      .dtype(shape_.dtype)
-      .contiguous()
-      .dim(0, own)
-      .dim(1, hkv)
-      .dim(2, dqk);
-  Expect(v, "v")
-      .ndim(3)
-      .device(dev)
-      .dtype(shape_.dtype)
-      .contiguous()
-      .dim(0, own)
-      .dim(1, hkv)
-      .dim(2, dv);
+  expect_rows(k, "k", dev, shape_.dtype, own, hkv, dqk);
+  expect_rows(v, "v", dev, shape_.dtype, own, hkv, dv);
   Expect(out_cache_loc, "out_cache_loc").ndim(1).dim(0, num_local_new_);
   if (num_local_new_ == 0) return;
   if (world == 1) {  // the rank keeps every new token, in the order given
