@@ -883,16 +883,16 @@ TEST(CpuPrefill, MergeStateOptionBadInputsThrow) {
 // A prefill captured into a CUDA graph with a graph-mode plan replays correctly after a new plan
 // (same batch size and token count, other lengths, split differently) is uploaded.
 
-// Runs fn(head_dim) on each prefill kernel a call with 16-bit KV at head dim 64 or 128 can take on
-// compute capability 9.0, chosen by the environment switches: the sm_80 kernel
-// (FLASHKV_PREFILL_SM90=0), at 128 the cp.async sm_90a one (FLASHKV_PREFILL_SM90_WS=0; at 64 this
-// is the sm_80 kernel again), and the warp-specialized one, for ragged and for paged K/V; with
-// FLASHKV_PREFILL_SM90_WS_PAGED=0, paged K/V on the kernel below the warp-specialized one while
-// ragged K/V keeps it. Elsewhere every run takes the sm_80 kernel.
+// Runs fn(head_dim) on each prefill kernel a call with 16-bit KV at head dim 64, 128 or 256 can
+// take on compute capability 9.0, chosen by the environment switches: the sm_80 kernel
+// (FLASHKV_PREFILL_SM90=0), at 128 the cp.async sm_90a one (FLASHKV_PREFILL_SM90_WS=0; at 64 and
+// 256 this is the sm_80 kernel again), and the warp-specialized one, for ragged and for paged K/V;
+// with FLASHKV_PREFILL_SM90_WS_PAGED=0, paged K/V on the kernel below the warp-specialized one
+// while ragged K/V keeps it. Elsewhere every run takes the sm_80 kernel.
 template <typename Fn>
 void for_each_prefill_kernel(Fn&& fn) {
   const char* configs[][3] = {{"0", "0", "1"}, {"1", "0", "1"}, {"1", "1", "1"}, {"1", "1", "0"}};
-  for (const int head_dim : {64, 128})
+  for (const int head_dim : {64, 128, 256})
     for (const auto& config : configs) {
       SCOPED_TRACE(testing::Message() << "head dim " << head_dim << " FLASHKV_PREFILL_SM90="
                                       << config[0] << " FLASHKV_PREFILL_SM90_WS=" << config[1]
@@ -904,11 +904,11 @@ void for_each_prefill_kernel(Fn&& fn) {
     }
 }
 
-// On Hopper, head dims 64 and 128 with 16-bit KV run an sm_90a kernel (the warp-specialized one,
-// ragged and paged), and the other tests cover the sm_80 kernel through the other head dims and
-// fp8 only. Every kernel at both head dims (for_each_prefill_kernel), over the variants they
-// share; elsewhere every run uses the sm_80 kernel.
-TEST(CudaPrefill, AllKernelsAtHeadDims64And128) {
+// On Hopper, head dims 64, 128 and 256 with 16-bit KV run an sm_90a kernel (the warp-specialized
+// one, ragged and paged), and the other tests cover the sm_80 kernel through the other head dims
+// and fp8 only. Every kernel at each of those head dims (for_each_prefill_kernel), over the
+// variants they share; elsewhere every run uses the sm_80 kernel.
+TEST(CudaPrefill, AllKernelsAtHeadDims64To256) {
   FLASHKV_REQUIRE_GPU();
   for_each_prefill_kernel([&](int d) {
     FLASHKV_SEEDED_RNG(rng, 1790);
@@ -959,7 +959,7 @@ TEST(CudaPrefill, AllKernelsAtHeadDims64And128) {
   });
 }
 
-// Attention sinks (SEMANTICS.md) on every prefill kernel (as AllKernelsAtHeadDims64And128 selects
+// Attention sinks (SEMANTICS.md) on every prefill kernel (as AllKernelsAtHeadDims64To256 selects
 // them) and path: ragged and paged, causal or not, window and soft cap, rows that see nothing (a
 // custom mask, a request without KV: O = 0, LSE = the sink), split KV (the sink added once, in the
 // merge pass), the extend's prefix pass merging the ragged state (once, in the fused merge; split

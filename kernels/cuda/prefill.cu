@@ -59,7 +59,7 @@ const char* compiled_head_dims() {
       ;
 }
 
-// The sm_90a kernels run what they support (16-bit KV at head dims 64 and 128) on a compute
+// The sm_90a kernels run what they support (16-bit KV at head dims 64, 128 and 256) on a compute
 // capability 9.0 device when this build has sm_90a code (FLASHKV_SM90A), unless
 // FLASHKV_PREFILL_SM90=0 (read at every call, so a test or a benchmark can compare the kernels in
 // one process).
@@ -76,6 +76,10 @@ LaunchFn pick_sm90(const AttentionParams& p) {
 #if defined(FLASHKV_HEAD_DIM_64)
   if (p.head_dim_qk == 64)
     return bf16 ? &launch_prefill_sm90<__nv_bfloat16, 64> : &launch_prefill_sm90<__half, 64>;
+#endif
+#if defined(FLASHKV_HEAD_DIM_256)
+  if (p.head_dim_qk == 256)
+    return bf16 ? &launch_prefill_sm90<__nv_bfloat16, 256> : &launch_prefill_sm90<__half, 256>;
 #endif
   return nullptr;
 #else

@@ -32,7 +32,9 @@ template <typename QT>
 struct Sm90Config : Sm90Shape<QT> {
   using Base = Sm90Shape<QT>;
   static constexpr int kWarps = 8, kThreads = kWarps * 32;
-  using Base::kTileBytes;
+  // Q and every K / V stage are [128, 128] tiles at this kernel's one head dim.
+  static constexpr int kTileBytes = Base::kQTileBytes;
+  static_assert(Base::kKvTileBytes == kTileBytes, "128-key tiles");
   // K is read by tile t's Q.K^T while V is read by tile t - 1's P.V: two K stages, three V.
   static constexpr int kKStages = 2, kVStages = 3;
   static constexpr int kQOffset = 0;

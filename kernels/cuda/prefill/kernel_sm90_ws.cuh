@@ -1,14 +1,15 @@
-// The warp-specialized Hopper (sm_90a) prefill kernel for 16-bit K/V at head dims 64 and 128,
-// ragged (contiguous) or paged. A CTA is three warpgroups:
-//   - a producer, which fills two-stage rings of 128-key K and V tiles, each stage handed over on
-//     mbarriers (full: the bytes landed; empty: every consumer warp is done reading it), and
-//     copies the block's packed Q rows (two Q stages, so the next block's Q arrives while this
-//     one runs). Ragged K/V: one thread issues the tensor-memory-access (TMA) copies of whole
-//     tiles, and the warpgroup copies a tile that runs past the block's keys with zero-filled
-//     cp.async copies, so that no key outside the range can put a NaN into P.V. Paged K/V: the
-//     128 threads gather every tile's rows with cp.async (thread t looks up key t's slot a tile
-//     ahead), and the copies themselves arrive on the full barrier as they land
-//     (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own copies;
+// The warp-specialized Hopper (sm_90a) prefill kernel for 16-bit K/V at head dims 64, 128 and
+// 256, ragged (contiguous) or paged. A CTA is three warpgroups:
+//   - a producer, which fills two-stage rings of K and V tiles (128 keys; 64 at head dim 256),
+//     each stage handed over on mbarriers (full: the bytes landed; empty: every consumer warp is
+//     done reading it), and copies the block's packed Q rows (two Q stages, so the next block's Q
+//     arrives while this one runs; one at head dim 256, whose Q tile is 64 KB, and there the
+//     block's first K/V tiles go ahead of its Q). Ragged K/V: one thread issues the
+//     tensor-memory-access (TMA) copies of whole tiles, and the warpgroup copies a tile that runs
+//     past the block's keys with zero-filled cp.async copies, so that no key outside the range can
+//     put a NaN into P.V. Paged K/V: the threads gather every tile's rows with cp.async (thread t
+//     looks up key t's slot a tile ahead), and the copies themselves arrive on the full barrier as
+//     they land (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own copies;
 //   - two consumers of 64 packed query rows each (the plan's 128-row tile), issuing as
 //     kernel_sm90.cuh does S_t = Q.K_t^T with P_{t-1}.V_{t-1} behind it. They take turns to issue
 //     their products (two named barriers), so one warpgroup's softmax runs under the other's
@@ -40,13 +41,15 @@
 
 namespace flashkv::cuda::prefill_detail {
 
-// What both sm_90a kernels share: 16-bit Q/K/V at head dim D (the warp-specialized kernel: 64 or
-// 128; the cp.async one: 128), 128-row blocks of 16 rows a consumer warp (one mma.sync-layout
-// tile, so the sm_80 masks, softmax and epilogue apply), and 128-key tiles of D / 64 halves, each
-// [128, 64] half 16 KB.
+// What both sm_90a kernels share: 16-bit Q/K/V at head dim D (the warp-specialized kernel: 64,
+// 128 or 256; the cp.async one: 128), 128-row blocks of 16 rows a consumer warp (one
+// mma.sync-layout tile, so the sm_80 masks, softmax and epilogue apply), and K/V tiles of D / 64
+// halves, each [kKvTile, 64] half one 128-byte line a key. The tiles are 128 keys, 64 at head dim
+// 256: there a consumer thread's O is already 128 registers (64 rows x 256 dims over 128
+// threads), and a 128-key stage would be 64 KB.
 template <typename QT, int D = 128>
 struct Sm90Shape {
-  static_assert(D == 64 || D == 128, "the sm_90a kernels take head dims 64 and 128");
+  static_assert(D == 64 || D == 128 || D == 256, "the sm_90a kernels take head dims 64 to 256");
   using Q = QT;
   static constexpr KvFormat kKvFormat = KvFormat::kSame;
   static constexpr bool kFp8 = false;
@@ -55,10 +58,13 @@ struct Sm90Shape {
   static constexpr int kMTiles = 1;       // 16 rows a warp
   static constexpr int kRowsPerWarp = 16;
   static constexpr int kCtaRows = 128;
-  static constexpr int kKvTile = 128;
+  static constexpr int kKvTile = D == 256 ? 64 : 128;
   static constexpr int kQkChunks = kDqk / 8, kVChunks = kDv / 8;
-  static constexpr int kTileBytes = 128 * D * 2;  // Q, or one stage of K or V
-  static_assert(kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile");
+  static constexpr int kQTileBytes = kCtaRows * D * 2;  // one Q stage
+  static constexpr int kKvTileBytes = kKvTile * D * 2;  // one stage of K or V
+  // The plan's row tile is 128 packed rows at every head dim (plan.cpp, q_tile_of); the sm_80
+  // kernel walks it in blocks of its own 64 rows at head dim 256.
+  static_assert(D == 256 || kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile");
 };
 
 template <typename QT, int D>
@@ -66,17 +72,19 @@ struct Sm90WsConfig : Sm90Shape<QT, D> {
   using Base = Sm90Shape<QT, D>;
   static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
   static constexpr int kWgRows = 64;    // a consumer warpgroup's rows
-  using Base::kTileBytes;
+  using Base::kKvTileBytes;
+  using Base::kQTileBytes;
   // Two stages of Q, of K and of V. (One Q stage and three of K and V were slower, see
-  // docs/perf/prefill.md: the next block's Q then waits for this block's epilogue.)
-  static constexpr int kQStages = 2;
+  // docs/perf/prefill.md: the next block's Q then waits for this block's epilogue.) At head dim
+  // 256 a second 64 KB Q stage does not fit beside the K and V rings: one.
+  static constexpr int kQStages = D == 256 ? 1 : 2;
   static constexpr int kKvStages = 2;
   // Offsets from a Q stage (the epilogue stages a merge state in its warp's 16 Q rows, which
   // lie inside its warpgroup's own [64, D] Q tile: warp w's 32 D bytes at w * 32 D).
   static constexpr int kQOffset = 0;
-  static constexpr int kKOffset = kQStages * kTileBytes;
-  static constexpr int kVOffset = kKOffset + kKvStages * kTileBytes;
-  static constexpr int kBarOffset = kVOffset + kKvStages * kTileBytes;
+  static constexpr int kKOffset = kQStages * kQTileBytes;
+  static constexpr int kVOffset = kKOffset + kKvStages * kKvTileBytes;
+  static constexpr int kBarOffset = kVOffset + kKvStages * kKvTileBytes;
   static constexpr int kBars = 2 * kQStages + 4 * kKvStages;
   // Tiles must start on 1024-byte swizzle atoms: the dynamic allocation has that much slack.
   static constexpr int kSmemBytes = kBarOffset + kBars * 8 + 1024;
@@ -84,7 +92,7 @@ struct Sm90WsConfig : Sm90Shape<QT, D> {
 };
 
 // The two tensor maps of the TMA copies: K and V as [rows, Hkv, D] with the 128-byte swizzle,
-// boxes of 128 rows x 64 dims (one half of a tile).
+// boxes of kKvTile rows x 64 dims (one half of a tile).
 struct Sm90TmaMaps {
   CUtensorMap k, v;
 };
@@ -170,8 +178,9 @@ struct WsBarriers {
   __device__ __forceinline__ uint32_t v_empty(int s) const { return kv(3, s); }
 };
 
+template <typename Cfg>
 __device__ __forceinline__ int num_kv_tiles(const RowBlock& b) {
-  return b.kv_hi > b.kv_lo ? (b.kv_hi - b.kv_lo + 127) / 128 : 0;
+  return b.kv_hi > b.kv_lo ? (b.kv_hi - b.kv_lo + Cfg::kKvTile - 1) / Cfg::kKvTile : 0;
 }
 
 // Byte offset of 16-byte chunk `chunk` of packed row `row` in a Q stage: the consumer warpgroup
@@ -218,33 +227,34 @@ __device__ __forceinline__ void copy_paged_operand(const typename Cfg::Q* src, i
   }
 }
 
-// The producer's K/V tiles of one row block, ragged K/V: TMA copies of whole tiles by thread 0;
-// the warpgroup copies a tile that runs past the block's keys. `tile_n` counts the ring's uses.
+// The producer's K/V tiles [t_begin, t_end) of one row block, ragged K/V: TMA copies of whole
+// tiles by thread 0; the warpgroup copies a tile that runs past the block's keys. `tile_n` counts
+// the ring's uses.
 template <typename Cfg>
 __device__ __forceinline__ void produce_ragged_tiles(const AttentionParams& p,
                                                      const Sm90TmaMaps& maps, unsigned char* smem,
                                                      const WsBarriers<Cfg>& bars, const RowBlock& b,
-                                                     int kv_head, int num_tiles, int& tile_n,
-                                                     int tid) {
+                                                     int kv_head, int t_begin, int t_end,
+                                                     int& tile_n, int tid) {
   using QT = typename Cfg::Q;
   using Ring = ws::Ring<Cfg::kKvStages>;
   const uint32_t base = smem_addr(smem);
-  for (int t = 0; t < num_tiles; ++t, ++tile_n) {
+  for (int t = t_begin; t < t_end; ++t, ++tile_n) {
     const int j0 = b.kv_lo + t * Cfg::kKvTile;
     const int s = Ring::stage(tile_n);
-    const uint32_t k_dst = base + Cfg::kKOffset + s * Cfg::kTileBytes;
-    const uint32_t v_dst = base + Cfg::kVOffset + s * Cfg::kTileBytes;
+    const uint32_t k_dst = base + Cfg::kKOffset + s * Cfg::kKvTileBytes;
+    const uint32_t v_dst = base + Cfg::kVOffset + s * Cfg::kKvTileBytes;
     const int row = b.kv_base + j0;  // ragged: K/V row of key j0
     if (j0 + Cfg::kKvTile <= b.kv_hi) {
       if (tid == 0) {
         sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
-        constexpr uint32_t kHalfBytes = Cfg::kTileBytes / Cfg::kHalves;
-        ws::arrive_expect_tx(bars.k_full(s), Cfg::kTileBytes);
+        constexpr uint32_t kHalfBytes = Cfg::kKvTileBytes / Cfg::kHalves;
+        ws::arrive_expect_tx(bars.k_full(s), Cfg::kKvTileBytes);
 #pragma unroll
         for (int h = 0; h < Cfg::kHalves; ++h)
           ws::tma_load_3d(k_dst + h * kHalfBytes, &maps.k, 64 * h, kv_head, row, bars.k_full(s));
         sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
-        ws::arrive_expect_tx(bars.v_full(s), Cfg::kTileBytes);
+        ws::arrive_expect_tx(bars.v_full(s), Cfg::kKvTileBytes);
 #pragma unroll
         for (int h = 0; h < Cfg::kHalves; ++h)
           ws::tma_load_3d(v_dst + h * kHalfBytes, &maps.v, 64 * h, kv_head, row, bars.v_full(s));
@@ -286,14 +296,14 @@ __device__ __forceinline__ void produce_ragged_tiles(const AttentionParams& p,
   }
 }
 
-// The producer's K/V tiles of one row block, paged K/V: every thread waits for every use of a
-// stage itself (so none skips a phase), copies its part of the tile, and its copies arrive on the
-// stage's full barrier when they land.
+// The producer's K/V tiles [t_begin, t_end) of one row block, paged K/V: every thread waits for
+// every use of a stage itself (so none skips a phase), copies its part of the tile, and its copies
+// arrive on the stage's full barrier when they land.
 template <typename Cfg>
 __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, unsigned char* smem,
                                                     const WsBarriers<Cfg>& bars, const RowBlock& b,
-                                                    int kv_head, int num_tiles, int& tile_n,
-                                                    int tid) {
+                                                    int kv_head, int t_begin, int t_end,
+                                                    int& tile_n, int tid) {
   using QT = typename Cfg::Q;
   using Ring = ws::Ring<Cfg::kKvStages>;
   const int warp = tid >> 5, lane = tid & 31;
@@ -301,20 +311,26 @@ __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, un
   const QT* v = static_cast<const QT*>(p.v);
   const int64_t k_head = static_cast<int64_t>(kv_head) * p.k_stride_h;
   const int64_t v_head = static_cast<int64_t>(kv_head) * p.v_stride_h;
+  // Thread t holds key t of each tile; with 64-key tiles the upper two warps hold none and copy
+  // nothing, but still arrive on the full barriers (which count all 128 threads).
+  const bool holds_key = tid < Cfg::kKvTile;
+  const bool copies = warp < Cfg::kKvTile / 32;
   PagedKey key;
-  if (num_tiles > 0) key.fetch(p, b, b.kv_lo + tid);
-  for (int t = 0; t < num_tiles; ++t, ++tile_n) {
+  if (t_begin < t_end && holds_key) key.fetch(p, b, b.kv_lo + t_begin * Cfg::kKvTile + tid);
+  for (int t = t_begin; t < t_end; ++t, ++tile_n) {
     const int j = b.kv_lo + t * Cfg::kKvTile + tid;
-    const int32_t key_row = key.row(p, b, j);
-    if (t + 1 < num_tiles) key.fetch(p, b, j + Cfg::kKvTile);
+    const int32_t key_row = holds_key ? key.row(p, b, j) : -1;
+    if (holds_key && t + 1 < t_end) key.fetch(p, b, j + Cfg::kKvTile);
     const int s = Ring::stage(tile_n);
     sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
-    copy_paged_operand<Cfg>(k, p.k_stride_n, k_head, key_row,
-                            smem + Cfg::kKOffset + s * Cfg::kTileBytes, warp, lane);
+    if (copies)
+      copy_paged_operand<Cfg>(k, p.k_stride_n, k_head, key_row,
+                              smem + Cfg::kKOffset + s * Cfg::kKvTileBytes, warp, lane);
     ws::cp_async_arrive_noinc(bars.k_full(s));
     sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
-    copy_paged_operand<Cfg>(v, p.v_stride_n, v_head, key_row,
-                            smem + Cfg::kVOffset + s * Cfg::kTileBytes, warp, lane);
+    if (copies)
+      copy_paged_operand<Cfg>(v, p.v_stride_n, v_head, key_row,
+                              smem + Cfg::kVOffset + s * Cfg::kKvTileBytes, warp, lane);
     ws::cp_async_arrive_noinc(bars.v_full(s));
   }
 }
@@ -329,7 +345,17 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
   const uint32_t base = smem_addr(smem);
   int block_n = 0, tile_n = 0;
   for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
-    const int num_tiles = num_kv_tiles(b);
+    const int num_tiles = num_kv_tiles<Cfg>(b);
+    const auto tiles = [&](int t_begin, int t_end) {
+      if constexpr (kPaged)
+        produce_paged_tiles<Cfg>(p, smem, bars, b, kv_head, t_begin, t_end, tile_n, tid);
+      else
+        produce_ragged_tiles<Cfg>(p, maps, smem, bars, b, kv_head, t_begin, t_end, tile_n, tid);
+    };
+    // With one Q stage, this block's Q can only land after the previous block's epilogue: its
+    // first K/V tiles (as many as the ring holds) go first, so that they land meanwhile.
+    const int early = Cfg::kQStages == 1 ? min(num_tiles, Cfg::kKvStages) : 0;
+    tiles(0, early);
     // Q: 128 packed rows, 8 threads a row, 16 chunks each; padding rows zero-filled. A block
     // without keys takes a Q stage too, unfilled (its epilogue may stage a merge state there).
     const int qs = QRing::stage(block_n);
@@ -341,8 +367,9 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
       const QT* src = q_row_source<QT>(p, b, kv_head, group, row, (tid & 7) * 8, valid);
 #pragma unroll
       for (int h = 0; h < Cfg::kHalves; ++h)
-        cp_async_16(smem + qs * Cfg::kTileBytes + q_stage_offset<Cfg::kDqk>(row, (tid & 7) + 8 * h),
-                    valid ? src + 64 * h : src, valid ? 16 : 0);
+        cp_async_16(
+            smem + qs * Cfg::kQTileBytes + q_stage_offset<Cfg::kDqk>(row, (tid & 7) + 8 * h),
+            valid ? src + 64 * h : src, valid ? 16 : 0);
     }
     cp_async_commit();
     cp_async_wait<0>();
@@ -350,11 +377,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
     sm90::barrier_sync(ws::kProducerBarrier, 128);
     if (tid == 0) sm90::mbar_arrive(bars.q_full(qs));
     ++block_n;
-
-    if constexpr (kPaged)
-      produce_paged_tiles<Cfg>(p, smem, bars, b, kv_head, num_tiles, tile_n, tid);
-    else
-      produce_ragged_tiles<Cfg>(p, maps, smem, bars, b, kv_head, num_tiles, tile_n, tid);
+    tiles(early, num_tiles);
   });
 }
 
@@ -387,19 +410,19 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   if (wg == 1) pass_turn(1);
   int block_n = 0, tile_n = 0;
   for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
-    const int num_tiles = num_kv_tiles(b);
+    const int num_tiles = num_kv_tiles<Cfg>(b);
     float o[1][Cfg::kDv / 8][4];
     zero_output(o);
     float(&o_acc)[Cfg::kDv / 2] = reinterpret_cast<float(&)[Cfg::kDv / 2]>(o);
     OnlineSoftmax<1> softmax;
     softmax.init();
     const int qs = QRing::stage(block_n);
-    unsigned char* q_stage = smem + qs * Cfg::kTileBytes;
+    unsigned char* q_stage = smem + qs * Cfg::kQTileBytes;
     sm90::mbar_wait(bars.q_full(qs), QRing::full_parity(block_n));
     if (num_tiles > 0) {
-      const uint32_t q_tile = base + qs * Cfg::kTileBytes + wg * (Cfg::kTileBytes / 2);
+      const uint32_t q_tile = base + qs * Cfg::kQTileBytes + wg * (Cfg::kQTileBytes / 2);
       float s[1][kNTiles][4];
-      float(&s_acc)[64] = reinterpret_cast<float(&)[64]>(s);
+      float(&s_acc)[kNTiles * 4] = reinterpret_cast<float(&)[kNTiles * 4]>(s);
       PFragments<Cfg> pf;  // P of the previous tile, the A operand of its P.V
       // S_t = Q.K_t^T into s (K stage n, once it has landed).
       const auto issue_qk = [&](int n) {
@@ -407,7 +430,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         // Paged tiles were written by cp.async (the generic proxy); wgmma reads through the async
         // proxy. (TMA writes through the async proxy itself.)
         if constexpr (kPaged) sm90::fence_async_shared();
-        const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kTileBytes;
+        const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKvTileBytes;
         sm90::fence();
 #pragma unroll
         for (int k = 0; k < Cfg::kDqk / 16; ++k)
@@ -415,12 +438,20 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
                            sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
         sm90::commit();
       };
-      // O += P_{n}.V_{n} (pf, V stage n).
+      // O += P_{n}.V_{n} (pf, V stage n). N is 64 dims at head dim 64; else O goes in parts of
+      // 128 dims (two 64-dim halves of the V tile each), two parts at head dim 256.
+      constexpr int kParts = Cfg::kDv >= 128 ? Cfg::kDv / 128 : 1;
+      constexpr int kPartAcc = Cfg::kDv / 2 / kParts;
+      float(&o_parts)[kParts][kPartAcc] = reinterpret_cast<float(&)[kParts][kPartAcc]>(o);
       const auto issue_pv = [&](int n) {
-        const uint32_t v_tile = base + Cfg::kVOffset + Ring::stage(n) * Cfg::kTileBytes;
+        const uint32_t v_tile = base + Cfg::kVOffset + Ring::stage(n) * Cfg::kKvTileBytes;
 #pragma unroll
         for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
-          sm90::mma_rs<QT>(o_acc, pf[0][kk], sm90::n_major(v_tile, Cfg::kKvTile, kk));
+#pragma unroll
+          for (int part = 0; part < kParts; ++part)
+            sm90::mma_rs<QT>(
+                o_parts[part], pf[0][kk],
+                sm90::n_major(v_tile + part * 2 * Cfg::kKvTile * 128, Cfg::kKvTile, kk));
         sm90::commit();
       };
       // The soft cap, the mask and the online softmax of tile t: s becomes P (in place).
@@ -545,10 +576,10 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // K or V (16-bit, [num_kv_rows, Hkv, head_dim] with the given element strides) as a TMA tensor
-// map of 128-row x 64-dim boxes; false where the layout does not allow one (the caller then runs
-// a kernel that copies with cp.async).
+// map of box_rows-row x 64-dim boxes; false where the layout does not allow one (the caller then
+// runs a kernel that copies with cp.async).
 inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataType type,
-                          const AttentionParams& p, int head_dim, int64_t stride_n,
+                          const AttentionParams& p, int head_dim, int box_rows, int64_t stride_n,
                           int64_t stride_h) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr || p.num_kv_rows <= 0 || p.num_kv_rows > (int64_t{1} << 31) - 1)
@@ -560,7 +591,7 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
                                static_cast<uint64_t>(stride_n) * 2};
   for (const uint64_t st : strides)
     if (st % 16 != 0 || st >= (uint64_t{1} << 40)) return false;
-  const uint32_t box[3] = {64, 1, 128};
+  const uint32_t box[3] = {64, 1, static_cast<uint32_t>(box_rows)};
   const uint32_t element_strides[3] = {1, 1, 1};
   return encode(map, type, 3, const_cast<void*>(data), dims, strides, box, element_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -581,8 +612,8 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
     const CUtensorMapDataType type = std::is_same<QT, __half>::value
                                          ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                          : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-    if (!encode_kv_map(&maps.k, p.k, type, p, D, p.k_stride_n, p.k_stride_h) ||
-        !encode_kv_map(&maps.v, p.v, type, p, D, p.v_stride_n, p.v_stride_h))
+    if (!encode_kv_map(&maps.k, p.k, type, p, D, Cfg::kKvTile, p.k_stride_n, p.k_stride_h) ||
+        !encode_kv_map(&maps.v, p.v, type, p, D, Cfg::kKvTile, p.v_stride_n, p.v_stride_h))
       return false;
   }
   const auto kernel =

@@ -1,7 +1,7 @@
 // Warpgroup matrix multiply-accumulate (sm_90a wgmma) for the Hopper prefill kernel: shared-memory
 // matrix descriptors of 128-byte-swizzled tiles, the m64n128k16 instructions it uses (A from
-// shared memory or from registers, B from shared memory; m64n64k16 for P.V at head dim 64), and
-// the fences that order them.
+// shared memory or from registers, B from shared memory; m64n64k16 for P.V at head dim 64 and
+// for S over 64-key tiles), and the fences that order them.
 //
 // Tile layout (both operands of Q.K^T and the V of P.V): a [rows, 128] 16-bit tile is stored as
 // two [rows, 64] halves (dims 0-63, then 64-127), each row of a half one 128-byte line whose
@@ -134,7 +134,10 @@ template <typename T>
 __device__ __forceinline__ void mma_ss(float (&d)[64], uint64_t a, uint64_t b, bool accumulate);
 template <typename T>
 __device__ __forceinline__ void mma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b);
-// The same with B[16, 64] (m64n64k16): P.V at head dim 64, d[32] in the same layout.
+// The same with B[16, 64] (m64n64k16), d[32] in the same layout: P.V at head dim 64, and S for
+// 64-key tiles (head dim 256).
+template <typename T>
+__device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t a, uint64_t b, bool accumulate);
 template <typename T>
 __device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b);
 
@@ -181,6 +184,24 @@ __device__ __forceinline__ void mma_rs<__half>(float (&d)[64], const uint32_t (&
       ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                    \
       : FLASHKV_WG_ACC32(d)                                                              \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1))
+#define FLASHKV_WG_SS32(TYPE)                                                            \
+  asm volatile(                                                                          \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                       \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n" FLASHKV_WG_REGS32 \
+      ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                  \
+      : FLASHKV_WG_ACC32(d)                                                              \
+      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+template <>
+__device__ __forceinline__ void mma_ss<__nv_bfloat16>(float (&d)[32], uint64_t a, uint64_t b,
+                                                      bool accumulate) {
+  FLASHKV_WG_SS32("bf16");
+}
+template <>
+__device__ __forceinline__ void mma_ss<__half>(float (&d)[32], uint64_t a, uint64_t b,
+                                               bool accumulate) {
+  FLASHKV_WG_SS32("f16");
+}
+#undef FLASHKV_WG_SS32
 template <>
 __device__ __forceinline__ void mma_rs<__nv_bfloat16>(float (&d)[32], const uint32_t (&a)[4],
                                                       uint64_t b) {
@@ -201,6 +222,10 @@ __device__ __forceinline__ void mma_ss(float (&)[64], uint64_t, uint64_t, bool) 
 }
 template <typename T>
 __device__ __forceinline__ void mma_rs(float (&)[64], const uint32_t (&)[4], uint64_t) {
+  __trap();
+}
+template <typename T>
+__device__ __forceinline__ void mma_ss(float (&)[32], uint64_t, uint64_t, bool) {
   __trap();
 }
 template <typename T>
