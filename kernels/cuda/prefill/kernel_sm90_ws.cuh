@@ -13,8 +13,8 @@
 //   - two consumers of 64 packed query rows each (the plan's 128-row tile), issuing as
 //     kernel_sm90.cuh does S_t = Q.K_t^T with P_{t-1}.V_{t-1} behind it. They take turns to issue
 //     their products (two named barriers), so one warpgroup's softmax runs under the other's
-//     products. (Inside a warpgroup ptxas retires P.V before the softmax rewrites S in place: it
-//     counts both products as one pipeline stage.)
+//     products. (Inside a warpgroup ptxas waits for P.V before the softmax's exponentials: with
+//     S, O and P live at once it is short of registers otherwise; docs/perf/prefill.md.)
 // No barrier spans the CTA inside the KV loop: the warpgroups only meet through the rings.
 // Masks, the online softmax and the epilogue are the sm_80 kernel's, one 16-row tile a warp.
 //
@@ -475,9 +475,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         scores(0, corr);  // O is still 0: nothing to rescale
         pack_p<Cfg>(s, pf);
       }
-      // Tile t: S_t, then P_{t-1}.V_{t-1} behind it, which runs while S_t is read.
-      // (ptxas retires P.V before the softmax writes S in place: the two products form one
-      // pipeline stage for it, so the overlap left is between the warpgroups.)
+      // Tile t: S_t, then P_{t-1}.V_{t-1} behind it, which runs while S_t is read. (ptxas waits
+      // for P.V before the softmax's exponentials, short of registers otherwise, so the overlap
+      // left is between the warpgroups.)
       for (int t = 1; t < num_tiles; ++t) {
         const int n = tile_n + t;
         sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
