@@ -13,6 +13,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/swizzle.cuh"
 
@@ -127,21 +128,23 @@ __device__ __forceinline__ void pin(float (&r)[N]) {
   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
   "%56, %57, %58, %59, %60, %61, %62, %63}"
 
+// The wgmma products, bf16 or f16 (T), as one asm each. Other targets: never launched (the host
+// selects the sm_90a kernels only where sm_90a code was built), so the products trap there.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FLASHKV_WG_TYPED(ASM)                                                            \
+  static_assert(std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value, \
+                "16-bit operands");                                                      \
+  if constexpr (std::is_same<T, __half>::value)                                          \
+    ASM("f16");                                                                          \
+  else                                                                                   \
+    ASM("bf16")
+#else
+#define FLASHKV_WG_TYPED(ASM) __trap()
+#endif
+
 // d[64 rows of the warpgroup, 128] (+)= A[64, 16] . B[16, 128], fp32 accumulators in the
 // mma.sync layout per warp (d[4 j + e]: row lane / 4 (+ 8 for e >= 2) of the warp's 16, column
 // 8 j + 2 (lane % 4) + e % 2). A and B K-major in shared memory; accumulate = false overwrites d.
-template <typename T>
-__device__ __forceinline__ void mma_ss(float (&d)[64], uint64_t a, uint64_t b, bool accumulate);
-template <typename T>
-__device__ __forceinline__ void mma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b);
-// The same with B[16, 64] (m64n64k16), d[32] in the same layout: P.V at head dim 64, and S for
-// 64-key tiles (head dim 256).
-template <typename T>
-__device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t a, uint64_t b, bool accumulate);
-template <typename T>
-__device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b);
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FLASHKV_WG_SS(TYPE)                                                               \
   asm volatile(                                                                           \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                        \
@@ -149,6 +152,12 @@ __device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], u
       ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                   \
       : FLASHKV_WG_ACC64(d)                                                               \
       : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+template <typename T>
+__device__ __forceinline__ void mma_ss([[maybe_unused]] float (&d)[64], [[maybe_unused]] uint64_t a,
+                                       [[maybe_unused]] uint64_t b,
+                                       [[maybe_unused]] bool accumulate) {
+  FLASHKV_WG_TYPED(FLASHKV_WG_SS);
+}
 // A from registers (the mma.sync A fragment of rows lane / 4 (+8), k 2 (lane % 4) (+8)); B
 // N-major (transposed: imm-trans-b 1); always accumulates.
 #define FLASHKV_WG_RS(TYPE)                                                               \
@@ -158,24 +167,26 @@ __device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], u
       ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                     \
       : FLASHKV_WG_ACC64(d)                                                               \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1))
-template <>
-__device__ __forceinline__ void mma_ss<__nv_bfloat16>(float (&d)[64], uint64_t a, uint64_t b,
-                                                      bool accumulate) {
-  FLASHKV_WG_SS("bf16");
+template <typename T>
+__device__ __forceinline__ void mma_rs([[maybe_unused]] float (&d)[64],
+                                       [[maybe_unused]] const uint32_t (&a)[4],
+                                       [[maybe_unused]] uint64_t b) {
+  FLASHKV_WG_TYPED(FLASHKV_WG_RS);
 }
-template <>
-__device__ __forceinline__ void mma_ss<__half>(float (&d)[64], uint64_t a, uint64_t b,
-                                               bool accumulate) {
-  FLASHKV_WG_SS("f16");
-}
-template <>
-__device__ __forceinline__ void mma_rs<__nv_bfloat16>(float (&d)[64], const uint32_t (&a)[4],
-                                                      uint64_t b) {
-  FLASHKV_WG_RS("bf16");
-}
-template <>
-__device__ __forceinline__ void mma_rs<__half>(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-  FLASHKV_WG_RS("f16");
+// The same two with B[16, 64] (m64n64k16), d[32] in the same layout: S for 64-key tiles (head dim
+// 256), and P.V at head dim 64.
+#define FLASHKV_WG_SS32(TYPE)                                                            \
+  asm volatile(                                                                          \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                       \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n" FLASHKV_WG_REGS32 \
+      ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                  \
+      : FLASHKV_WG_ACC32(d)                                                              \
+      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+template <typename T>
+__device__ __forceinline__ void mma_ss([[maybe_unused]] float (&d)[32], [[maybe_unused]] uint64_t a,
+                                       [[maybe_unused]] uint64_t b,
+                                       [[maybe_unused]] bool accumulate) {
+  FLASHKV_WG_TYPED(FLASHKV_WG_SS32);
 }
 #define FLASHKV_WG_RS32(TYPE)                                                            \
   asm volatile(                                                                          \
@@ -184,55 +195,17 @@ __device__ __forceinline__ void mma_rs<__half>(float (&d)[64], const uint32_t (&
       ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                    \
       : FLASHKV_WG_ACC32(d)                                                              \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1))
-#define FLASHKV_WG_SS32(TYPE)                                                            \
-  asm volatile(                                                                          \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                       \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n" FLASHKV_WG_REGS32 \
-      ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                  \
-      : FLASHKV_WG_ACC32(d)                                                              \
-      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
-template <>
-__device__ __forceinline__ void mma_ss<__nv_bfloat16>(float (&d)[32], uint64_t a, uint64_t b,
-                                                      bool accumulate) {
-  FLASHKV_WG_SS32("bf16");
+template <typename T>
+__device__ __forceinline__ void mma_rs([[maybe_unused]] float (&d)[32],
+                                       [[maybe_unused]] const uint32_t (&a)[4],
+                                       [[maybe_unused]] uint64_t b) {
+  FLASHKV_WG_TYPED(FLASHKV_WG_RS32);
 }
-template <>
-__device__ __forceinline__ void mma_ss<__half>(float (&d)[32], uint64_t a, uint64_t b,
-                                               bool accumulate) {
-  FLASHKV_WG_SS32("f16");
-}
-#undef FLASHKV_WG_SS32
-template <>
-__device__ __forceinline__ void mma_rs<__nv_bfloat16>(float (&d)[32], const uint32_t (&a)[4],
-                                                      uint64_t b) {
-  FLASHKV_WG_RS32("bf16");
-}
-template <>
-__device__ __forceinline__ void mma_rs<__half>(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-  FLASHKV_WG_RS32("f16");
-}
-#undef FLASHKV_WG_RS32
+#undef FLASHKV_WG_TYPED
 #undef FLASHKV_WG_SS
 #undef FLASHKV_WG_RS
-#else
-// Other targets: never launched (the host selects this path only where sm_90a code was built).
-template <typename T>
-__device__ __forceinline__ void mma_ss(float (&)[64], uint64_t, uint64_t, bool) {
-  __trap();
-}
-template <typename T>
-__device__ __forceinline__ void mma_rs(float (&)[64], const uint32_t (&)[4], uint64_t) {
-  __trap();
-}
-template <typename T>
-__device__ __forceinline__ void mma_ss(float (&)[32], uint64_t, uint64_t, bool) {
-  __trap();
-}
-template <typename T>
-__device__ __forceinline__ void mma_rs(float (&)[32], const uint32_t (&)[4], uint64_t) {
-  __trap();
-}
-#endif
+#undef FLASHKV_WG_SS32
+#undef FLASHKV_WG_RS32
 #undef FLASHKV_WG_ACC8
 #undef FLASHKV_WG_ACC64
 #undef FLASHKV_WG_ACC32
