@@ -51,9 +51,7 @@ __device__ __forceinline__ void store_merged_block_f32(
     for (int h = 0; h < 2; ++h) {
       const int x = warp_row0 + mt * 16 + (lane >> 2) + h * 8;
       if (x >= b.rows) continue;
-      const int item_row = b.row0 + x;
-      const int tok = item_row / group;
-      const int head = kv_head * group + (item_row - tok * group);
+      const auto [tok, head] = b.packed(x, kv_head, group);
       const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
       const float prev_lse = p.merge_lse[row * p.num_qo_heads + head];
       float a, c;
@@ -107,9 +105,7 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
     const int r = i / kChunks, c = i - r * kChunks;
     const int x = warp_row0 + r;
     const bool valid = x < b.rows;
-    const int item_row = b.row0 + x;
-    const int tok = item_row / group;
-    const int head = kv_head * group + (item_row - tok * group);
+    const auto [tok, head] = b.packed(x, kv_head, group);
     const QT* src = static_cast<const QT*>(p.merge_o);
     if (valid)
       src += (static_cast<int64_t>(b.q_begin) + tok) * p.merge_stride_n +
@@ -125,9 +121,7 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
       const int x = warp_row0 + mt * 16 + (lane >> 2) + h * 8;
       prev_lse[mt][h] = neg_inf;
       if (x >= b.rows) continue;
-      const int item_row = b.row0 + x;
-      const int tok = item_row / group;
-      const int head = kv_head * group + (item_row - tok * group);
+      const auto [tok, head] = b.packed(x, kv_head, group);
       prev_lse[mt][h] =
           p.merge_lse[(static_cast<int64_t>(b.q_begin) + tok) * p.num_qo_heads + head];
     }
@@ -140,9 +134,7 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
       const int r = mt * 16 + (lane >> 2) + h * 8;
       const int x = warp_row0 + r;
       if (x >= b.rows) continue;
-      const int item_row = b.row0 + x;
-      const int tok = item_row / group;
-      const int head = kv_head * group + (item_row - tok * group);
+      const auto [tok, head] = b.packed(x, kv_head, group);
       float a, c;
       const float row_lse =
           merged_weights(p, head, prev_lse[mt][h], lse[mt][h], scale[mt][h], a, c);
@@ -183,9 +175,7 @@ __device__ __forceinline__ void store_block(const AttentionParams& p, const RowB
     for (int h = 0; h < 2; ++h) {
       const int x = warp_row0 + mt * 16 + (lane >> 2) + h * 8;
       if (merge || x >= b.rows) continue;
-      const int item_row = b.row0 + x;
-      const int tok = item_row / group;
-      const int head = kv_head * group + (item_row - tok * group);
+      const auto [tok, head] = b.packed(x, kv_head, group);
       const int col0 = (lane & 3) * 2;
       float sc = scale[mt][h];
       if (b.partial < 0) {

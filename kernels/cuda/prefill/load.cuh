@@ -32,9 +32,7 @@ __device__ __forceinline__ const QT* q_row_source(const AttentionParams& p, cons
   const QT* q = static_cast<const QT*>(p.q);
   valid = row < b.rows;
   if (!valid) return q;
-  const int x = b.row0 + row;
-  const int tok = x / group;
-  const int head = kv_head * group + (x - tok * group);
+  const auto [tok, head] = b.packed(row, kv_head, group);
   return q + (static_cast<int64_t>(b.q_begin) + tok) * p.q_stride_n +
          static_cast<int64_t>(head) * p.q_stride_h + col;
 }

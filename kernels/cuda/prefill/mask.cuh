@@ -33,6 +33,17 @@ struct RowBlock {
   int kv_lo, kv_hi;   // keys [kv_lo, kv_hi) can be visible to some row of the block
   int64_t mask_base;  // custom mask: element of (local query 0, key 0) of the request
   int local_q0;       // request-local query index of the item's first token
+
+  // Packed row x of the block (its group query heads a token, token-major): the row's token
+  // within the item (its Q/O row is q_begin + tok) and its query head.
+  struct Packed {
+    int tok, head;
+  };
+  __device__ __forceinline__ Packed packed(int x, int kv_head, int group) const {
+    const int item_row = row0 + x;
+    const int tok = item_row / group;
+    return {tok, kv_head * group + (item_row - tok * group)};
+  }
 };
 
 // Builds the block geometry; kv_hi <= kv_lo when no row of the block sees any key.
