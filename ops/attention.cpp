@@ -14,6 +14,10 @@ namespace {
 [[noreturn]] void no_cuda_build(const char* op) {
   throw_error(str_cat(op, ": CUDA tensors given, but this flashkv was built without CUDA"));
 }
+// The same, naming the attention operator of `p`.
+[[noreturn]] void no_cuda_build(const AttentionParams& p, bool decode) {
+  no_cuda_build(decode ? "paged_decode" : p.paged ? "paged_prefill" : "ragged_prefill");
+}
 #endif
 
 void check_plan_matches(const Plan& plan, const char* op, const TensorView& q, int64_t batch,
@@ -282,9 +286,7 @@ void check_device_support(const AttentionParams& p, Device dev, bool decode) {
   else
     cuda::check_prefill(p);
 #else
-  (void)p;
-  (void)decode;
-  no_cuda_build(p.paged ? "paged attention" : "ragged_prefill");
+  no_cuda_build(p, decode);
 #endif
 }
 
@@ -427,7 +429,7 @@ void PreparedAttention::run(Stream stream) const {
     cuda::prefill(*params_, stream);
 #else
   (void)stream;
-  no_cuda_build(params_->paged ? "paged attention" : "ragged_prefill");
+  no_cuda_build(*params_, decode_);
 #endif
 }
 
