@@ -539,6 +539,30 @@ std::vector<OpCase> op_case_grid(bool quick, uint64_t seed) {
     x.seed = gen();
     cases.push_back(x);
   }
+  // Head dims 192 / 128 (Q.K^T over 192 dims, V of 128: DeepSeek's prefill, one KV head a query
+  // head), which only prefill and extend take. Last, so that the cases above keep their draws.
+  {
+    const int scale = quick ? 1 : 4;
+    OpCase x = base;
+    x.hq = x.hkv = 8;
+    x.head_dim = 192;
+    x.head_dim_v = 128;
+    x.op = OpKind::ragged_prefill;
+    x.qo_lens = lens(3, 1, 40 * scale);
+    x.kv_lens = x.qo_lens;
+    x.seed = gen();
+    cases.push_back(x);
+    x.op = OpKind::paged_prefill;
+    x.page_size = 16;
+    for (int32_t& kv : x.kv_lens) kv += lens(1, 0, 90 * scale)[0];
+    x.seed = gen();
+    cases.push_back(x);
+    x.op = OpKind::extend;
+    x.page_size = 1;
+    x.kv_lens = lens(3, 0, 100 * scale);  // prefix lengths
+    x.seed = gen();
+    cases.push_back(x);
+  }
   return cases;
 }
 
