@@ -577,6 +577,7 @@ struct FusedExtendCase {
   std::vector<int32_t> q_lens, prefix;
   int hq = 8, hkv = 2, page_size = 16;
   int head_dim = 128;
+  int head_dim_v = 0;  // 0: head_dim
   DType dtype = DType::bf16;
   PlanOptions prefix_plan;            // e.g. fixed_split_size: split prefix items
   bool expect_merges = false;         // the prefix plan must split
@@ -596,7 +597,8 @@ void check_fused_extend(const FusedExtendCase& c, Device dev, Rng& rng) {
   full.q_lens = c.q_lens;
   full.hq = c.hq;
   full.hkv = c.hkv;
-  full.dqk = full.dv = c.head_dim;
+  full.dqk = c.head_dim;
+  full.dv = c.head_dim_v > 0 ? c.head_dim_v : c.head_dim;
   full.page_size = c.page_size;
   full.dtype = full.kv_dtype = c.dtype;
   full.nan_k = c.nan_k;
@@ -883,37 +885,41 @@ TEST(CpuPrefill, MergeStateOptionBadInputsThrow) {
 // A prefill captured into a CUDA graph with a graph-mode plan replays correctly after a new plan
 // (same batch size and token count, other lengths, split differently) is uploaded.
 
-// Runs fn(head_dim) on each prefill kernel a call with 16-bit KV at head dim 64, 128 or 256 can
-// take on compute capability 9.0, chosen by the environment switches: the sm_80 kernel
-// (FLASHKV_PREFILL_SM90=0), at 128 the cp.async sm_90a one (FLASHKV_PREFILL_SM90_WS=0; at 64 and
-// 256 this is the sm_80 kernel again), and the warp-specialized one, for ragged and for paged K/V;
-// with FLASHKV_PREFILL_SM90_WS_PAGED=0, paged K/V on the kernel below the warp-specialized one
-// while ragged K/V keeps it. Elsewhere every run takes the sm_80 kernel.
+// Runs fn(head_dim_qk, head_dim_v) on each prefill kernel a call with 16-bit KV at head dims 64,
+// 128, 256 or 192 / 128 can take on compute capability 9.0, chosen by the environment switches:
+// the sm_80 kernel (FLASHKV_PREFILL_SM90=0), at 128 the cp.async sm_90a one
+// (FLASHKV_PREFILL_SM90_WS=0; at the others this is the sm_80 kernel again), and the
+// warp-specialized one, for ragged and for paged K/V; with FLASHKV_PREFILL_SM90_WS_PAGED=0, paged
+// K/V on the kernel below the warp-specialized one while ragged K/V keeps it. Elsewhere every run
+// takes the sm_80 kernel.
 template <typename Fn>
 void for_each_prefill_kernel(Fn&& fn) {
   const char* configs[][3] = {{"0", "0", "1"}, {"1", "0", "1"}, {"1", "1", "1"}, {"1", "1", "0"}};
-  for (const int head_dim : {64, 128, 256})
+  const std::pair<int, int> head_dims[] = {{64, 64}, {128, 128}, {192, 128}, {256, 256}};
+  for (const auto& [dqk, dv] : head_dims)
     for (const auto& config : configs) {
-      SCOPED_TRACE(testing::Message() << "head dim " << head_dim << " FLASHKV_PREFILL_SM90="
-                                      << config[0] << " FLASHKV_PREFILL_SM90_WS=" << config[1]
-                                      << " FLASHKV_PREFILL_SM90_WS_PAGED=" << config[2]);
+      SCOPED_TRACE(testing::Message()
+                   << "head dims " << dqk << "/" << dv << " FLASHKV_PREFILL_SM90=" << config[0]
+                   << " FLASHKV_PREFILL_SM90_WS=" << config[1]
+                   << " FLASHKV_PREFILL_SM90_WS_PAGED=" << config[2]);
       test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
       test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
       test::ScopedEnv ws_paged("FLASHKV_PREFILL_SM90_WS_PAGED", config[2]);
-      fn(head_dim);
+      fn(dqk, dv);
     }
 }
 
-// On Hopper, head dims 64, 128 and 256 with 16-bit KV run an sm_90a kernel (the warp-specialized
-// one, ragged and paged), and the other tests cover the sm_80 kernel through the other head dims
-// and fp8 only. Every kernel at each of those head dims (for_each_prefill_kernel), over the
-// variants they share; elsewhere every run uses the sm_80 kernel.
-TEST(CudaPrefill, AllKernelsAtHeadDims64To256) {
+// On Hopper, head dims 64, 128, 256 and 192 / 128 with 16-bit KV run an sm_90a kernel (the
+// warp-specialized one, ragged and paged), and the other tests cover the sm_80 kernel through the
+// other head dims and fp8 only. Every kernel at each of those head dims (for_each_prefill_kernel),
+// over the variants they share; elsewhere every run uses the sm_80 kernel.
+TEST(CudaPrefill, AllKernelsAtEveryHeadDim) {
   FLASHKV_REQUIRE_GPU();
-  for_each_prefill_kernel([&](int d) {
+  for_each_prefill_kernel([&](int dqk, int dv) {
     FLASHKV_SEEDED_RNG(rng, 1790);
     Problem pr = small_variant_problem();
-    pr.dqk = pr.dv = d;
+    pr.dqk = dqk;
+    pr.dv = dv;
     check_problem(pr, rng);  // causal, paged (page size 16)
     pr.paged = false;
     pr.custom_mask = true;
@@ -925,18 +931,21 @@ TEST(CudaPrefill, AllKernelsAtHeadDims64To256) {
     pr.dtype = pr.kv_dtype = DType::f16;
     check_problem(pr, rng);
     Problem split = small_variant_problem();
-    split.dqk = split.dv = d;
+    split.dqk = dqk;
+    split.dv = dv;
     split.page_size = 1;
     split.plan.fixed_split_size = 64;
     split.expect_merges = true;
     check_problem(split, rng);
     FusedExtendCase c = fused_extend_cases()[3];  // page size 1, G 4, split prefix pass
-    c.head_dim = d;
+    c.head_dim = dqk;
+    c.head_dim_v = dv;
     check_fused_extend(c, Device::cuda(), rng);
     // Ragged: many row blocks a worker (the rings' phases wrap), empty and one-token requests,
     // lengths off the 128-key tile, both dtypes.
     Problem ragged;
-    ragged.dqk = ragged.dv = d;
+    ragged.dqk = dqk;
+    ragged.dv = dv;
     ragged.q_lens = {300, 0, 1, 129, 517, 64};
     ragged.kv_lens = ragged.q_lens;
     ragged.hq = 32;
@@ -959,17 +968,18 @@ TEST(CudaPrefill, AllKernelsAtHeadDims64To256) {
   });
 }
 
-// Attention sinks (SEMANTICS.md) on every prefill kernel (as AllKernelsAtHeadDims64To256 selects
+// Attention sinks (SEMANTICS.md) on every prefill kernel (as AllKernelsAtEveryHeadDim selects
 // them) and path: ragged and paged, causal or not, window and soft cap, rows that see nothing (a
 // custom mask, a request without KV: O = 0, LSE = the sink), split KV (the sink added once, in the
 // merge pass), the extend's prefix pass merging the ragged state (once, in the fused merge; split
 // and not), fp8 KV, no LSE; then the other head dims and groups on the kernel each runs.
 TEST(CudaPrefill, SinksOnEveryKernelAndPath) {
   FLASHKV_REQUIRE_GPU();
-  for_each_prefill_kernel([&](int d) {
+  for_each_prefill_kernel([&](int dqk, int dv) {
     FLASHKV_SEEDED_RNG(rng, 1850);
     Problem pr = small_variant_problem();
-    pr.dqk = pr.dv = d;
+    pr.dqk = dqk;
+    pr.dv = dv;
     pr.sinks = true;
     check_problem(pr, rng);  // causal, paged (page size 16)
     pr.paged = false;
@@ -983,14 +993,16 @@ TEST(CudaPrefill, SinksOnEveryKernelAndPath) {
     pr.dtype = pr.kv_dtype = DType::f16;
     check_problem(pr, rng);
     Problem empty;
-    empty.dqk = empty.dv = d;
+    empty.dqk = dqk;
+    empty.dv = dv;
     empty.sinks = true;
     empty.q_lens = {0, 3, 0, 20};
     empty.kv_lens = {5, 0, 0, 30};  // request 1 has no KV: O = 0, LSE = the sink
     empty.with_lse = true;
     check_problem(empty, rng);
     Problem split = small_variant_problem();
-    split.dqk = split.dv = d;
+    split.dqk = dqk;
+    split.dv = dv;
     split.sinks = true;
     split.page_size = 1;
     split.plan.fixed_split_size = 64;
@@ -1000,17 +1012,20 @@ TEST(CudaPrefill, SinksOnEveryKernelAndPath) {
     check_problem(split, rng);
     for (int i : {2, 3}) {  // page size 1, G 4, prefix pass whole and split
       FusedExtendCase c = fused_extend_cases()[i];
-      c.head_dim = d;
+      c.head_dim = dqk;
+      c.head_dim_v = dv;
       c.sinks = true;
       check_fused_extend(c, Device::cuda(), rng);
     }
     FusedExtendCase separate = fused_extend_cases()[1];
-    separate.head_dim = d;
+    separate.head_dim = dqk;
+    separate.head_dim_v = dv;
     separate.sinks = true;
     separate.in_place = false;
     check_fused_extend(separate, Device::cuda(), rng);
     Problem ragged;  // many row blocks a worker
-    ragged.dqk = ragged.dv = d;
+    ragged.dqk = dqk;
+    ragged.dv = dv;
     ragged.sinks = true;
     ragged.q_lens = {300, 0, 1, 129, 517, 64};
     ragged.kv_lens = ragged.q_lens;
@@ -1053,7 +1068,7 @@ TEST(CudaPrefill, SinksOnEveryKernelAndPath) {
 // same values as the 16-bit output before rounding.
 TEST(CudaPrefill, F32OutputOnEveryKernelAndPath) {
   FLASHKV_REQUIRE_GPU();
-  for_each_prefill_kernel([&](int d) {
+  for_each_prefill_kernel([&](int dqk, int dv) {
     FLASHKV_SEEDED_RNG(rng, 1870);
     auto check = [&](Problem pr) {
       const Inputs in = make_inputs(pr, rng);
@@ -1064,7 +1079,8 @@ TEST(CudaPrefill, F32OutputOnEveryKernelAndPath) {
       check_problem(pr, rng);  // against the reference, on other inputs
     };
     Problem pr = small_variant_problem();
-    pr.dqk = pr.dv = d;
+    pr.dqk = dqk;
+    pr.dv = dv;
     check(pr);  // causal, paged
     pr.paged = false;
     pr.causal = false;
@@ -1072,19 +1088,22 @@ TEST(CudaPrefill, F32OutputOnEveryKernelAndPath) {
     pr.dtype = pr.kv_dtype = DType::f16;
     check(pr);
     Problem split = small_variant_problem();
-    split.dqk = split.dv = d;
+    split.dqk = dqk;
+    split.dv = dv;
     split.page_size = 1;
     split.plan.fixed_split_size = 64;
     split.expect_merges = true;
     check(split);
     for (int i : {2, 3}) {  // the prefix pass whole and split
       FusedExtendCase c = fused_extend_cases()[i];
-      c.head_dim = d;
+      c.head_dim = dqk;
+      c.head_dim_v = dv;
       c.f32_out = true;
       check_fused_extend(c, Device::cuda(), rng);
     }
     FusedExtendCase separate = fused_extend_cases()[1];
-    separate.head_dim = d;
+    separate.head_dim = dqk;
+    separate.head_dim_v = dv;
     separate.f32_out = true;
     separate.sinks = true;
     separate.in_place = false;

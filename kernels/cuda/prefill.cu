@@ -59,28 +59,36 @@ const char* compiled_head_dims() {
       ;
 }
 
-// The sm_90a kernels run what they support (16-bit KV at head dims 64, 128 and 256) on a compute
-// capability 9.0 device when this build has sm_90a code (FLASHKV_SM90A), unless
+// The sm_90a kernels run what they support (16-bit KV at head dims 64, 128 and 256, and 192 / 128)
+// on a compute capability 9.0 device when this build has sm_90a code (FLASHKV_SM90A), unless
 // FLASHKV_PREFILL_SM90=0 (read at every call, so a test or a benchmark can compare the kernels in
 // one process).
+template <int D, int DV>
+LaunchFn sm90_launcher(DType q) {
+  return q == DType::bf16 ? &launch_prefill_sm90<__nv_bfloat16, D, DV>
+                          : &launch_prefill_sm90<__half, D, DV>;
+}
+
 LaunchFn pick_sm90(const AttentionParams& p) {
 #if defined(FLASHKV_SM90A)
-  if (p.head_dim_qk != p.head_dim_v || p.kv_dtype != p.q_dtype) return nullptr;
+  if (p.kv_dtype != p.q_dtype) return nullptr;
   if (!env_prefill_sm90()) return nullptr;  // FLASHKV_PREFILL_SM90=0 (core/options.h)
   if (current_device_cc() != 90) return nullptr;
-  const bool bf16 = p.q_dtype == DType::bf16;
+  const int dqk = p.head_dim_qk, dv = p.head_dim_v;
 #if defined(FLASHKV_HEAD_DIM_128)
-  if (p.head_dim_qk == 128)
-    return bf16 ? &launch_prefill_sm90<__nv_bfloat16, 128> : &launch_prefill_sm90<__half, 128>;
+  if (dqk == 128 && dv == 128) return sm90_launcher<128, 128>(p.q_dtype);
 #endif
 #if defined(FLASHKV_HEAD_DIM_64)
-  if (p.head_dim_qk == 64)
-    return bf16 ? &launch_prefill_sm90<__nv_bfloat16, 64> : &launch_prefill_sm90<__half, 64>;
+  if (dqk == 64 && dv == 64) return sm90_launcher<64, 64>(p.q_dtype);
 #endif
 #if defined(FLASHKV_HEAD_DIM_256)
-  if (p.head_dim_qk == 256)
-    return bf16 ? &launch_prefill_sm90<__nv_bfloat16, 256> : &launch_prefill_sm90<__half, 256>;
+  if (dqk == 256 && dv == 256) return sm90_launcher<256, 256>(p.q_dtype);
 #endif
+#if defined(FLASHKV_HEAD_DIM_192)
+  if (dqk == 192 && dv == 128) return sm90_launcher<192, 128>(p.q_dtype);
+#endif
+  (void)dqk;
+  (void)dv;
   return nullptr;
 #else
   (void)p;

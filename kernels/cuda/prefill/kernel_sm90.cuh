@@ -34,7 +34,8 @@ struct Sm90Config : Sm90Shape<QT> {
   static constexpr int kWarps = 8, kThreads = kWarps * 32;
   // Q and every K / V stage are [128, 128] tiles at this kernel's one head dim.
   static constexpr int kTileBytes = Base::kQTileBytes;
-  static_assert(Base::kKvTileBytes == kTileBytes, "128-key tiles");
+  static_assert(Base::kKTileBytes == kTileBytes && Base::kVTileBytes == kTileBytes,
+                "128-key tiles");
   // K is read by tile t's Q.K^T while V is read by tile t - 1's P.V: two K stages, three V.
   static constexpr int kKStages = 2, kVStages = 3;
   static constexpr int kQOffset = 0;
@@ -205,14 +206,14 @@ __global__ void __launch_bounds__(256, 1)
   if (p.merge_o) ptx::grid_dependency_wait();  // see prefill_kernel
 }
 
-template <typename QT, int D>
+template <typename QT, int D, int DV>
 void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream) {
   // The warp-specialized kernel (kernel_sm90_ws.cuh) unless FLASHKV_PREFILL_SM90_WS=0, or for
   // paged K/V FLASHKV_PREFILL_SM90_WS_PAGED=0 (core/options.h), or where it does not apply;
-  // then at head dim 128 the cp.async kernel above, at 64 the sm_80 kernel.
-  if (env_prefill_sm90_ws() && launch_prefill_sm90_ws<QT, D>(p, stream)) return;
-  if constexpr (D != 128) {
-    launch_prefill<D, D, QT, KvFormat::kSame>(p, stream);
+  // then at head dim 128 the cp.async kernel above, at the others the sm_80 kernel.
+  if (env_prefill_sm90_ws() && launch_prefill_sm90_ws<QT, D, DV>(p, stream)) return;
+  if constexpr (D != 128 || DV != 128) {
+    launch_prefill<D, DV, QT, KvFormat::kSame>(p, stream);
   } else {
     using Cfg = Sm90Config<QT>;
     const auto kernel = prefill_sm90_kernel<QT>;

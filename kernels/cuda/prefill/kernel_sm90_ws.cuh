@@ -41,50 +41,55 @@
 
 namespace flashkv::cuda::prefill_detail {
 
-// What both sm_90a kernels share: 16-bit Q/K/V at head dim D (the warp-specialized kernel: 64,
-// 128 or 256; the cp.async one: 128), 128-row blocks of 16 rows a consumer warp (one
-// mma.sync-layout tile, so the sm_80 masks, softmax and epilogue apply), and K/V tiles of D / 64
-// halves, each [kKvTile, 64] half one 128-byte line a key. The tiles are 128 keys, 64 at head dim
-// 256: there a consumer thread's O is already 128 registers (64 rows x 256 dims over 128
-// threads), and a 128-key stage would be 64 KB.
-template <typename QT, int D = 128>
+// What both sm_90a kernels share: 16-bit Q/K/V at head dims D (Q.K^T) and DV (P.V) (the
+// warp-specialized kernel: 64, 128 or 256 for both, or 192 / 128; the cp.async one: 128),
+// 128-row blocks of 16 rows a consumer warp (one mma.sync-layout tile, so the sm_80 masks, softmax
+// and epilogue apply), and K/V tiles of D / 64 (DV / 64) halves, each [kKvTile, 64] half one
+// 128-byte line a key. The tiles are 128 keys, 64 at head dim 256: there a consumer thread's O is
+// already 128 registers (64 rows x 256 dims over 128 threads), and a 128-key stage would be 64 KB.
+template <typename QT, int D = 128, int DV = D>
 struct Sm90Shape {
-  static_assert(D == 64 || D == 128 || D == 256, "the sm_90a kernels take head dims 64 to 256");
+  static_assert((D == DV && (D == 64 || D == 128 || D == 256)) || (D == 192 && DV == 128),
+                "the sm_90a kernels take head dims 64, 128, 256 and 192 / 128");
   using Q = QT;
   static constexpr KvFormat kKvFormat = KvFormat::kSame;
   static constexpr bool kFp8 = false;
-  static constexpr int kDqk = D, kDv = D;
-  static constexpr int kHalves = D / 64;  // 64-dim halves of a row (128-byte swizzle lines)
-  static constexpr int kMTiles = 1;       // 16 rows a warp
+  static constexpr int kDqk = D, kDv = DV;
+  // 64-dim halves of a row (128-byte swizzle lines) of Q and K, and of V.
+  static constexpr int kQkHalves = D / 64, kVHalves = DV / 64;
+  static constexpr int kMTiles = 1;  // 16 rows a warp
   static constexpr int kRowsPerWarp = 16;
   static constexpr int kCtaRows = 128;
   static constexpr int kKvTile = D == 256 ? 64 : 128;
   static constexpr int kQkChunks = kDqk / 8, kVChunks = kDv / 8;
   static constexpr int kQTileBytes = kCtaRows * D * 2;  // one Q stage
-  static constexpr int kKvTileBytes = kKvTile * D * 2;  // one stage of K or V
+  static constexpr int kKTileBytes = kKvTile * D * 2;   // one stage of K
+  static constexpr int kVTileBytes = kKvTile * DV * 2;  // one stage of V
   // The plan's row tile is 128 packed rows at every head dim (plan.cpp, q_tile_of); the sm_80
   // kernel walks it in blocks of its own 64 rows at head dim 256.
   static_assert(D == 256 || kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile");
 };
 
-template <typename QT, int D>
-struct Sm90WsConfig : Sm90Shape<QT, D> {
-  using Base = Sm90Shape<QT, D>;
+template <typename QT, int D, int DV = D>
+struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
+  using Base = Sm90Shape<QT, D, DV>;
   static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
   static constexpr int kWgRows = 64;    // a consumer warpgroup's rows
-  using Base::kKvTileBytes;
+  using Base::kKTileBytes;
   using Base::kQTileBytes;
-  // Two stages of Q, of K and of V. (One Q stage and three of K and V were slower, see
-  // docs/perf/prefill.md: the next block's Q then waits for this block's epilogue.) At head dim
-  // 256 a second 64 KB Q stage does not fit beside the K and V rings: one.
-  static constexpr int kQStages = D == 256 ? 1 : 2;
+  using Base::kVTileBytes;
   static constexpr int kKvStages = 2;
+  // Two Q stages where they fit beside the K and V rings, so that the next block's Q arrives
+  // while this one runs (one Q stage and three of K and V were slower at head dim 128, see
+  // docs/perf/prefill.md); one at head dims 256 and 192 / 128.
+  static constexpr int kQStages =
+      2 * kQTileBytes + kKvStages * (kKTileBytes + kVTileBytes) + 2048 <= 227 * 1024 ? 2 : 1;
   // Offsets from a Q stage (the epilogue stages a merge state in its warp's 16 Q rows, which
   // lie inside its warpgroup's own [64, D] Q tile: warp w's 32 D bytes at w * 32 D).
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQStages * kQTileBytes;
-  static constexpr int kVOffset = kKOffset + kKvStages * kKvTileBytes;
-  static constexpr int kBarOffset = kVOffset + kKvStages * kKvTileBytes;
+  static constexpr int kVOffset = kKOffset + kKvStages * kKTileBytes;
+  static constexpr int kBarOffset = kVOffset + kKvStages * kVTileBytes;
   static constexpr int kBars = 2 * kQStages + 4 * kKvStages;
   // Tiles must start on 1024-byte swizzle atoms: the dynamic allocation has that much slack.
   static constexpr int kSmemBytes = kBarOffset + kBars * 8 + 1024;
@@ -207,8 +212,9 @@ struct PagedKey {
 
 // Copies one operand (K or V) of a paged tile into a stage: warp w of the producer copies keys
 // 32w .. 32w + 31, whose rows its own lanes hold (`key_row`, -1: zero-fill), 4 rows a pass and 8
-// threads a row, each thread the row's 16-byte chunk c of each 64-dim half (c = lane % 8).
-template <typename Cfg>
+// threads a row, each thread the row's 16-byte chunk c of each of the kHalves 64-dim halves
+// (c = lane % 8).
+template <typename Cfg, int kHalves>
 __device__ __forceinline__ void copy_paged_operand(const typename Cfg::Q* src, int64_t stride_n,
                                                    int64_t head_off, int32_t key_row,
                                                    unsigned char* stage, int warp, int lane) {
@@ -221,7 +227,7 @@ __device__ __forceinline__ void copy_paged_operand(const typename Cfg::Q* src, i
     const bool valid = r >= 0;
     const typename Cfg::Q* row_src = src + (valid ? r * stride_n + head_off + c * 8 : 0);
 #pragma unroll
-    for (int h = 0; h < Cfg::kHalves; ++h)
+    for (int h = 0; h < kHalves; ++h)
       cp_async_16(stage + sm90::tile_offset(Cfg::kKvTile, key, c + 8 * h), row_src + 64 * h,
                   valid ? 16 : 0);
   }
@@ -242,21 +248,21 @@ __device__ __forceinline__ void produce_ragged_tiles(const AttentionParams& p,
   for (int t = t_begin; t < t_end; ++t, ++tile_n) {
     const int j0 = b.kv_lo + t * Cfg::kKvTile;
     const int s = Ring::stage(tile_n);
-    const uint32_t k_dst = base + Cfg::kKOffset + s * Cfg::kKvTileBytes;
-    const uint32_t v_dst = base + Cfg::kVOffset + s * Cfg::kKvTileBytes;
+    const uint32_t k_dst = base + Cfg::kKOffset + s * Cfg::kKTileBytes;
+    const uint32_t v_dst = base + Cfg::kVOffset + s * Cfg::kVTileBytes;
     const int row = b.kv_base + j0;  // ragged: K/V row of key j0
     if (j0 + Cfg::kKvTile <= b.kv_hi) {
       if (tid == 0) {
         sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
-        constexpr uint32_t kHalfBytes = Cfg::kKvTileBytes / Cfg::kHalves;
-        ws::arrive_expect_tx(bars.k_full(s), Cfg::kKvTileBytes);
+        constexpr uint32_t kHalfBytes = Cfg::kKvTile * 128;
+        ws::arrive_expect_tx(bars.k_full(s), Cfg::kKTileBytes);
 #pragma unroll
-        for (int h = 0; h < Cfg::kHalves; ++h)
+        for (int h = 0; h < Cfg::kQkHalves; ++h)
           ws::tma_load_3d(k_dst + h * kHalfBytes, &maps.k, 64 * h, kv_head, row, bars.k_full(s));
         sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
-        ws::arrive_expect_tx(bars.v_full(s), Cfg::kKvTileBytes);
+        ws::arrive_expect_tx(bars.v_full(s), Cfg::kVTileBytes);
 #pragma unroll
-        for (int h = 0; h < Cfg::kHalves; ++h)
+        for (int h = 0; h < Cfg::kVHalves; ++h)
           ws::tma_load_3d(v_dst + h * kHalfBytes, &maps.v, 64 * h, kv_head, row, bars.v_full(s));
       }
       continue;
@@ -278,11 +284,14 @@ __device__ __forceinline__ void produce_ragged_tiles(const AttentionParams& p,
       const int64_t r = valid ? static_cast<int64_t>(row) + key : 0;
       const QT* k_src = k + r * p.k_stride_n + (tid & 7) * 8;
       const QT* v_src = v + r * p.v_stride_n + (tid & 7) * 8;
+      constexpr int kHalves = Cfg::kQkHalves > Cfg::kVHalves ? Cfg::kQkHalves : Cfg::kVHalves;
 #pragma unroll
-      for (int h = 0; h < Cfg::kHalves; ++h) {
+      for (int h = 0; h < kHalves; ++h) {
         const uint32_t off = sm90::tile_offset(Cfg::kKvTile, key, (tid & 7) + 8 * h);
-        cp_async_16(smem + (k_dst - base) + off, k_src + 64 * h, valid ? 16 : 0);
-        cp_async_16(smem + (v_dst - base) + off, v_src + 64 * h, valid ? 16 : 0);
+        if (h < Cfg::kQkHalves)
+          cp_async_16(smem + (k_dst - base) + off, k_src + 64 * h, valid ? 16 : 0);
+        if (h < Cfg::kVHalves)
+          cp_async_16(smem + (v_dst - base) + off, v_src + 64 * h, valid ? 16 : 0);
       }
     }
     cp_async_commit();
@@ -324,13 +333,15 @@ __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, un
     const int s = Ring::stage(tile_n);
     sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
     if (copies)
-      copy_paged_operand<Cfg>(k, p.k_stride_n, k_head, key_row,
-                              smem + Cfg::kKOffset + s * Cfg::kKvTileBytes, warp, lane);
+      copy_paged_operand<Cfg, Cfg::kQkHalves>(k, p.k_stride_n, k_head, key_row,
+                                              smem + Cfg::kKOffset + s * Cfg::kKTileBytes, warp,
+                                              lane);
     ws::cp_async_arrive_noinc(bars.k_full(s));
     sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
     if (copies)
-      copy_paged_operand<Cfg>(v, p.v_stride_n, v_head, key_row,
-                              smem + Cfg::kVOffset + s * Cfg::kKvTileBytes, warp, lane);
+      copy_paged_operand<Cfg, Cfg::kVHalves>(v, p.v_stride_n, v_head, key_row,
+                                             smem + Cfg::kVOffset + s * Cfg::kVTileBytes, warp,
+                                             lane);
     ws::cp_async_arrive_noinc(bars.v_full(s));
   }
 }
@@ -366,7 +377,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
       bool valid;
       const QT* src = q_row_source<QT>(p, b, kv_head, group, row, (tid & 7) * 8, valid);
 #pragma unroll
-      for (int h = 0; h < Cfg::kHalves; ++h)
+      for (int h = 0; h < Cfg::kQkHalves; ++h)
         cp_async_16(
             smem + qs * Cfg::kQTileBytes + q_stage_offset<Cfg::kDqk>(row, (tid & 7) + 8 * h),
             valid ? src + 64 * h : src, valid ? 16 : 0);
@@ -430,7 +441,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         // Paged tiles were written by cp.async (the generic proxy); wgmma reads through the async
         // proxy. (TMA writes through the async proxy itself.)
         if constexpr (kPaged) sm90::fence_async_shared();
-        const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKvTileBytes;
+        const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes;
         sm90::fence();
 #pragma unroll
         for (int k = 0; k < Cfg::kDqk / 16; ++k)
@@ -444,7 +455,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       constexpr int kPartAcc = Cfg::kDv / 2 / kParts;
       float(&o_parts)[kParts][kPartAcc] = reinterpret_cast<float(&)[kParts][kPartAcc]>(o);
       const auto issue_pv = [&](int n) {
-        const uint32_t v_tile = base + Cfg::kVOffset + Ring::stage(n) * Cfg::kKvTileBytes;
+        const uint32_t v_tile = base + Cfg::kVOffset + Ring::stage(n) * Cfg::kVTileBytes;
 #pragma unroll
         for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
 #pragma unroll
@@ -525,11 +536,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
 
 // grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h. `maps` is
 // unused with paged K/V.
-template <typename QT, int D, bool kPaged>
+template <typename QT, int D, int DV, bool kPaged>
 __global__ void __launch_bounds__(384, 1)
     prefill_sm90_ws_kernel(const __grid_constant__ AttentionParams p,
                            const __grid_constant__ Sm90TmaMaps maps) {
-  using Cfg = Sm90WsConfig<QT, D>;
+  using Cfg = Sm90WsConfig<QT, D, DV>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   const WsBarriers<Cfg> bars{smem_addr(smem + Cfg::kBarOffset)};
@@ -602,9 +613,9 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
 // Launches the warp-specialized kernel; false (nothing launched) where it does not apply: paged
 // K/V with FLASHKV_PREFILL_SM90_WS_PAGED=0 or a pool of 2^31 rows or more (the producer addresses
 // rows with 32 bits), or ragged K/V in a layout no tensor map can describe.
-template <typename QT, int D>
+template <typename QT, int D, int DV>
 bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
-  using Cfg = Sm90WsConfig<QT, D>;
+  using Cfg = Sm90WsConfig<QT, D, DV>;
   Sm90TmaMaps maps{};
   if (p.paged) {
     if (!env_prefill_sm90_ws_paged() || p.num_kv_rows > (int64_t{1} << 31) - 1) return false;
@@ -613,11 +624,11 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
                                          ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                          : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
     if (!encode_kv_map(&maps.k, p.k, type, p, D, Cfg::kKvTile, p.k_stride_n, p.k_stride_h) ||
-        !encode_kv_map(&maps.v, p.v, type, p, D, Cfg::kKvTile, p.v_stride_n, p.v_stride_h))
+        !encode_kv_map(&maps.v, p.v, type, p, DV, Cfg::kKvTile, p.v_stride_n, p.v_stride_h))
       return false;
   }
   const auto kernel =
-      p.paged ? prefill_sm90_ws_kernel<QT, D, true> : prefill_sm90_ws_kernel<QT, D, false>;
+      p.paged ? prefill_sm90_ws_kernel<QT, D, DV, true> : prefill_sm90_ws_kernel<QT, D, DV, false>;
   detail::cuda_check(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");
