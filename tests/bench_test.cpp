@@ -261,14 +261,19 @@ TEST(Bench, FullCudaGridHasTheIssue28Rows) {
   EXPECT_EQ(count([&](const BenchCase& c) { return prefill_4x4096(c, 32, 8, 128, false); }), 1);
   EXPECT_EQ(count([&](const BenchCase& c) { return prefill_4x4096(c, 32, 32, 64, true); }), 1);
   EXPECT_EQ(count([&](const BenchCase& c) { return prefill_4x4096(c, 16, 16, 256, true); }), 1);
-  for (const int page : {1, 16}) {
-    const auto extend = [page](const BenchCase& c, int b, int prefix, int n) {
+  // Extend at page sizes 1 and 16 with a bf16 pool, and at 1 with an fp8 one.
+  for (const auto& [page, kv] :
+       {std::pair{1, DType::bf16}, std::pair{16, DType::bf16}, std::pair{1, DType::fp8_e4m3}}) {
+    const auto extend = [page = page, kv = kv](const BenchCase& c, int b, int prefix, int n) {
       return c.op == BenchOp::extend && c.batch == b && c.prefix_len() == prefix && c.qo_len == n &&
-             c.page_size == page && c.causal && c.kv_layout == KvLayout::shuffled &&
-             c.num_qo_heads == 32 && c.num_kv_heads == 8 && c.head_dim == 128;
+             c.page_size == page && c.kv_dtype == kv && c.causal &&
+             c.kv_layout == KvLayout::shuffled && c.num_qo_heads == 32 && c.num_kv_heads == 8 &&
+             c.head_dim == 128;
     };
-    EXPECT_EQ(count([&](const BenchCase& c) { return extend(c, 4, 3072, 1024); }), 1) << page;
-    EXPECT_EQ(count([&](const BenchCase& c) { return extend(c, 16, 4096, 256); }), 1) << page;
+    EXPECT_EQ(count([&](const BenchCase& c) { return extend(c, 4, 3072, 1024); }), 1)
+        << page << " " << dtype_name(kv);
+    EXPECT_EQ(count([&](const BenchCase& c) { return extend(c, 16, 4096, 256); }), 1)
+        << page << " " << dtype_name(kv);
   }
   EXPECT_EQ(count([](const BenchCase& c) {
               return c.op == BenchOp::verify && c.batch == 64 && c.qo_len == 8 &&

@@ -62,6 +62,9 @@ struct Problem {
   bool nan_k = false, nan_v = false;
   bool sinks = false;    // random per-query-head attention sinks (AttentionOptions::sinks)
   bool f32_out = false;  // out in f32 instead of q's dtype
+  // fp8 paged K/V: only zeros and subnormals (each byte's exponent bits cleared), so that a
+  // kernel that loses fp8 subnormals on the way to 16 bits gives all-zero scores and outputs.
+  bool fp8_subnormals = false;
 };
 
 // Host inputs of a problem.
@@ -96,6 +99,14 @@ Inputs make_inputs(const Problem& pr, Rng& rng) {
     std::shuffle(perm.begin(), perm.end(), rng.gen());
     in.k = test::random_tensor(rng, {int64_t{pool_pages} * ps, pr.hkv, pr.dqk}, pr.kv_dtype);
     in.v = test::random_tensor(rng, {int64_t{pool_pages} * ps, pr.hkv, pr.dv}, pr.kv_dtype);
+    if (pr.fp8_subnormals) {
+      // The sign and mantissa bits only: e4m3 S.0000.MMM, e5m2 S.00000.MM.
+      const uint8_t keep = pr.kv_dtype == DType::fp8_e4m3 ? 0x87 : 0x83;
+      for (const Tensor* t : {&in.k, &in.v}) {
+        auto* bytes = static_cast<uint8_t*>(t->data());
+        for (int64_t i = 0; i < t->numel(); ++i) bytes[i] &= keep;
+      }
+    }
     std::vector<char> slot_used(static_cast<size_t>(pool_pages) * ps, 0);
     in.kv_indptr = test::indptr_of(pages);
     int next = 0;
@@ -968,6 +979,84 @@ TEST(CudaPrefill, AllKernelsAtEveryHeadDim) {
   });
 }
 
+// fp8 K/V (e4m3 and e5m2, with scales) at head dims 64, 128, 256 and 192 / 128. On Hopper the
+// warp-specialized kernel widens it in its producer (but at 192 / 128, which the sm_80 kernel
+// takes); each head dim runs on it and on the sm_80 kernel (FLASHKV_PREFILL_SM90=0), which serves
+// every other device. Paged (with scales) at page sizes 16 and 1, K/V of subnormals only, ragged
+// with a custom mask, a window and a soft cap with f16 Q, split KV merged, and many row blocks a
+// worker with lengths off the tile (the staging ring's phases wrap, and the last tile of every
+// block is zero-filled past its keys).
+TEST(CudaPrefill, Fp8KvOnEveryKernel) {
+  FLASHKV_REQUIRE_GPU();
+  const std::pair<int, int> head_dims[] = {{64, 64}, {128, 128}, {192, 128}, {256, 256}};
+  for (const auto& [dqk, dv] : head_dims)
+    for (const char* sm90 : {"1", "0"})
+      for (DType kv : {DType::fp8_e4m3, DType::fp8_e5m2}) {
+        SCOPED_TRACE(testing::Message()
+                     << "head dims " << dqk << "/" << dv << " FLASHKV_PREFILL_SM90=" << sm90 << " "
+                     << dtype_name(kv));
+        test::ScopedEnv env("FLASHKV_PREFILL_SM90", sm90);
+        FLASHKV_SEEDED_RNG(rng, 1900 + static_cast<int>(kv));
+        Problem pr = small_variant_problem();
+        pr.dqk = dqk;
+        pr.dv = dv;
+        pr.kv_dtype = kv;
+        pr.k_scale = 0.5f;
+        pr.v_scale = 2.0f;
+        check_problem(pr, rng);  // causal, paged (page size 16)
+        // Subnormals widen exactly (scaled up so that they carry the whole result).
+        Problem tiny = pr;
+        tiny.fp8_subnormals = true;
+        tiny.k_scale = 300.0f;
+        tiny.v_scale = 200.0f;
+        tiny.dtype = DType::f16;
+        check_problem(tiny, rng);
+        // The sm_80 kernel's variants have their own tests; e5m2 is the same code as e4m3 but
+        // for the conversion.
+        if (sm90[0] == '0') continue;
+        tiny.dtype = DType::bf16;
+        check_problem(tiny, rng);
+        if (kv == DType::fp8_e5m2) continue;
+        pr.page_size = 1;
+        pr.dtype = DType::f16;
+        pr.soft_cap = 5.0f;
+        pr.sm_scale = 0.3f;
+        pr.window_left = 40;
+        check_problem(pr, rng);
+        Problem masked = small_variant_problem();
+        masked.dqk = dqk;
+        masked.dv = dv;
+        masked.kv_dtype = kv;  // ragged K/V take no scales
+        masked.paged = false;
+        masked.custom_mask = true;
+        check_problem(masked, rng);
+        Problem split = small_variant_problem();
+        split.dqk = dqk;
+        split.dv = dv;
+        split.kv_dtype = kv;
+        split.k_scale = 1.5f;
+        split.page_size = 1;
+        split.plan.fixed_split_size = 64;
+        split.expect_merges = true;
+        check_problem(split, rng);
+        Problem many;
+        many.dqk = dqk;
+        many.dv = dv;
+        many.kv_dtype = kv;
+        many.hq = 32;
+        many.hkv = 8;
+        for (int i = 0; i < 20; ++i) {
+          many.q_lens.push_back(150 + 37 * (i % 7));
+          many.kv_lens.push_back(many.q_lens.back() + 61 * (i % 5));
+        }
+        many.samples = 4;
+        check_problem(many, rng);  // paged
+        many.paged = false;
+        many.kv_lens = many.q_lens;
+        check_problem(many, rng);
+      }
+}
+
 // Attention sinks (SEMANTICS.md) on every prefill kernel (as AllKernelsAtEveryHeadDim selects
 // them) and path: ragged and paged, causal or not, window and soft cap, rows that see nothing (a
 // custom mask, a request without KV: O = 0, LSE = the sink), split KV (the sink added once, in the
@@ -1165,7 +1254,7 @@ TEST(CudaPrefill, NaNInKvReachesTheOutput) {
       f.nan_v = !nan_k;
       check_fused_extend(f, Device::cuda(), rng);
     }
-  for (bool nan_k : {true, false}) {  // the sm_80 kernel at head dim 64, and fp8 KV
+  for (bool nan_k : {true, false}) {  // head dim 64, and fp8 KV at 128
     FLASHKV_SEEDED_RNG(rng, 1797 + nan_k);
     Problem pr = small_variant_problem();
     pr.dqk = pr.dv = 64;

@@ -59,36 +59,47 @@ const char* compiled_head_dims() {
       ;
 }
 
-// The sm_90a kernels run what they support (16-bit KV at head dims 64, 128 and 256, and 192 / 128)
-// on a compute capability 9.0 device when this build has sm_90a code (FLASHKV_SM90A), unless
-// FLASHKV_PREFILL_SM90=0 (read at every call, so a test or a benchmark can compare the kernels in
-// one process).
+// The sm_90a kernels run what they support (16-bit KV at head dims 64, 128 and 256, and 192 / 128;
+// fp8 KV at 64, 128 and 256) on a compute capability 9.0 device when this build has sm_90a code
+// (FLASHKV_SM90A), unless FLASHKV_PREFILL_SM90=0 (read at every call, so a test or a benchmark can
+// compare the kernels in one process).
+template <typename QT, int D, int DV>
+LaunchFn sm90_format_launcher(DType kv) {
+  if (kv == DType::fp8_e4m3) return &launch_prefill_sm90<QT, D, DV, KvFormat::kE4M3>;
+  if (kv == DType::fp8_e5m2) return &launch_prefill_sm90<QT, D, DV, KvFormat::kE5M2>;
+  return &launch_prefill_sm90<QT, D, DV, KvFormat::kSame>;
+}
 template <int D, int DV>
-LaunchFn sm90_launcher(DType q) {
-  return q == DType::bf16 ? &launch_prefill_sm90<__nv_bfloat16, D, DV>
-                          : &launch_prefill_sm90<__half, D, DV>;
+LaunchFn sm90_launcher(DType q, DType kv) {
+  return q == DType::bf16 ? sm90_format_launcher<__nv_bfloat16, D, DV>(kv)
+                          : sm90_format_launcher<__half, D, DV>(kv);
 }
 
 LaunchFn pick_sm90(const AttentionParams& p) {
 #if defined(FLASHKV_SM90A)
-  if (p.kv_dtype != p.q_dtype) return nullptr;
   if (!env_prefill_sm90()) return nullptr;  // FLASHKV_PREFILL_SM90=0 (core/options.h)
   if (current_device_cc() != 90) return nullptr;
   const int dqk = p.head_dim_qk, dv = p.head_dim_v;
+  const DType q = p.q_dtype, kv = p.kv_dtype;
 #if defined(FLASHKV_HEAD_DIM_128)
-  if (dqk == 128 && dv == 128) return sm90_launcher<128, 128>(p.q_dtype);
+  if (dqk == 128 && dv == 128) return sm90_launcher<128, 128>(q, kv);
 #endif
 #if defined(FLASHKV_HEAD_DIM_64)
-  if (dqk == 64 && dv == 64) return sm90_launcher<64, 64>(p.q_dtype);
+  if (dqk == 64 && dv == 64) return sm90_launcher<64, 64>(q, kv);
 #endif
 #if defined(FLASHKV_HEAD_DIM_256)
-  if (dqk == 256 && dv == 256) return sm90_launcher<256, 256>(p.q_dtype);
+  if (dqk == 256 && dv == 256) return sm90_launcher<256, 256>(q, kv);
 #endif
 #if defined(FLASHKV_HEAD_DIM_192)
-  if (dqk == 192 && dv == 128) return sm90_launcher<192, 128>(p.q_dtype);
+  // fp8 K/V at 192 / 128: the sm_80 kernel (no staging ring fits beside the sm_90a one's).
+  if (dqk == 192 && dv == 128 && kv == q)
+    return q == DType::bf16 ? &launch_prefill_sm90<__nv_bfloat16, 192, 128, KvFormat::kSame>
+                            : &launch_prefill_sm90<__half, 192, 128, KvFormat::kSame>;
 #endif
   (void)dqk;
   (void)dv;
+  (void)q;
+  (void)kv;
   return nullptr;
 #else
   (void)p;

@@ -35,8 +35,8 @@ inline constexpr EnvSwitch kEnvSwitches[] = {
      "0: prefill at head dims 64, 128, 256 and 192 / 128 runs the sm_80 kernel where an sm_90a "
      "kernel would be chosen"},
     {"FLASHKV_PREFILL_SM90_WS", "0",
-     "0: ragged and paged K/V skip the warp-specialized sm_90a prefill kernel (head dim 128: the "
-     "cp.async sm_90a kernel runs instead; 64, 256 and 192 / 128: the sm_80 kernel)"},
+     "0: ragged and paged K/V skip the warp-specialized sm_90a prefill kernel (16-bit K/V at head "
+     "dim 128: the cp.async sm_90a kernel runs instead; else the sm_80 kernel)"},
     {"FLASHKV_PREFILL_SM90_WS_PAGED", "0",
      "0: paged K/V skips the warp-specialized sm_90a prefill kernel, as with "
      "FLASHKV_PREFILL_SM90_WS=0 (ragged K/V keeps it)"},

@@ -1,5 +1,6 @@
-// The warp-specialized Hopper (sm_90a) prefill kernel for 16-bit K/V at head dims 64, 128 and
-// 256, ragged (contiguous) or paged. A CTA is three warpgroups:
+// The warp-specialized Hopper (sm_90a) prefill kernel for 16-bit K/V at head dims 64, 128, 256
+// and 192 / 128, and fp8 K/V at 64, 128 and 256, ragged (contiguous) or paged. A CTA is three
+// warpgroups:
 //   - a producer, which fills two-stage rings of K and V tiles (128 keys; 64 at head dim 256),
 //     each stage handed over on mbarriers (full: the bytes landed; empty: every consumer warp is
 //     done reading it), and copies the block's packed Q rows (two Q stages, so the next block's Q
@@ -9,7 +10,9 @@
 //     past the block's keys with zero-filled cp.async copies, so that no key outside the range can
 //     put a NaN into P.V. Paged K/V: the threads gather every tile's rows with cp.async (thread t
 //     looks up key t's slot a tile ahead), and the copies themselves arrive on the full barrier as
-//     they land (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own copies;
+//     they land (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own copies.
+//     fp8 K/V (ragged or paged): the threads copy each tile's fp8 rows into a staging ring the
+//     same way, then widen them exactly into the 16-bit rings (produce_fp8_block);
 //   - two consumers of 64 packed query rows each (the plan's 128-row tile), issuing as
 //     kernel_sm90.cuh does S_t = Q.K_t^T with P_{t-1}.V_{t-1} behind it. They take turns to issue
 //     their products (two named barriers), so one warpgroup's softmax runs under the other's
@@ -70,27 +73,42 @@ struct Sm90Shape {
   static_assert(D == 256 || kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile");
 };
 
-template <typename QT, int D, int DV = D>
+// F: K/V in Q's type (kSame), or fp8 (kE4M3 / kE5M2), which the producer copies into a staging
+// ring of plain fp8 rows and widens (exactly) into the 16-bit K and V rings the consumers read.
+template <typename QT, int D, int DV = D, KvFormat F = KvFormat::kSame>
 struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
   using Base = Sm90Shape<QT, D, DV>;
+  static constexpr KvFormat kKvFormat = F;
+  static constexpr bool kFp8 = F != KvFormat::kSame;
   static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
   static constexpr int kWgRows = 64;    // a consumer warpgroup's rows
   using Base::kKTileBytes;
+  using Base::kKvTile;
   using Base::kQTileBytes;
   using Base::kVTileBytes;
   static constexpr int kKvStages = 2;
+  static constexpr int kSmemLimit = 227 * 1024 - 2048;  // less the barriers and alignment slack
+  static constexpr int kRingBytes = kKvStages * (kKTileBytes + kVTileBytes);
+  // fp8: one staging stage holds a tile's fp8 K and V rows. Two where they fit beside one Q stage
+  // (head dims 64 and 128), so that a tile's copies are in flight while the one before is
+  // widened; one at head dim 256. (192 / 128 fits no staging stage: fp8 runs the sm_80 kernel.)
+  static constexpr int kStagingBytes = kFp8 ? kKvTile * (D + DV) : 0;
+  static constexpr int kFp8Stages =
+      !kFp8 ? 0 : (kQTileBytes + kRingBytes + 2 * kStagingBytes <= kSmemLimit ? 2 : 1);
   // Two Q stages where they fit beside the K and V rings, so that the next block's Q arrives
   // while this one runs (one Q stage and three of K and V were slower at head dim 128, see
-  // docs/perf/prefill.md); one at head dims 256 and 192 / 128.
+  // docs/perf/prefill.md); one at head dims 256 and 192 / 128, and with fp8 K/V but at 64.
   static constexpr int kQStages =
-      2 * kQTileBytes + kKvStages * (kKTileBytes + kVTileBytes) + 2048 <= 227 * 1024 ? 2 : 1;
+      2 * kQTileBytes + kRingBytes + kFp8Stages * kStagingBytes <= kSmemLimit ? 2 : 1;
   // Offsets from a Q stage (the epilogue stages a merge state in its warp's 16 Q rows, which
   // lie inside its warpgroup's own [64, D] Q tile: warp w's 32 D bytes at w * 32 D).
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQStages * kQTileBytes;
   static constexpr int kVOffset = kKOffset + kKvStages * kKTileBytes;
-  static constexpr int kBarOffset = kVOffset + kKvStages * kVTileBytes;
-  static constexpr int kBars = 2 * kQStages + 4 * kKvStages;
+  // fp8 staging: stage s holds K's [kKvTile, D] bytes, then V's [kKvTile, DV].
+  static constexpr int kStagingOffset = kVOffset + kKvStages * kVTileBytes;
+  static constexpr int kBarOffset = kStagingOffset + kFp8Stages * kStagingBytes;
+  static constexpr int kBars = 2 * kQStages + 4 * kKvStages + 2 * kFp8Stages;
   // Tiles must start on 1024-byte swizzle atoms: the dynamic allocation has that much slack.
   static constexpr int kSmemBytes = kBarOffset + kBars * 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "an SM's shared memory");
@@ -153,6 +171,15 @@ template <int kRegs>
 __device__ __forceinline__ void claim_registers() {}
 #endif
 
+// threadIdx.x, read where it is used: ptxas neither hoists nor keeps what is computed from it
+// across a loop. The fp8 producer's addresses are cheap to recompute from it, and hoisted they
+// would not fit in its 40 registers.
+__device__ __forceinline__ int tid_here() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  return tid;
+}
+
 // A ring of kStages stages: use n of the ring is stage n % kStages, and its full/empty barriers
 // complete phase n / kStages; waits are on that phase's parity (empty: the phase before, which
 // a fresh barrier counts as complete). A parity tells apart only neighbouring phases, so a
@@ -181,6 +208,10 @@ struct WsBarriers {
   __device__ __forceinline__ uint32_t k_empty(int s) const { return kv(1, s); }
   __device__ __forceinline__ uint32_t v_full(int s) const { return kv(2, s); }
   __device__ __forceinline__ uint32_t v_empty(int s) const { return kv(3, s); }
+  // fp8: staging stage s's K and V copies have landed.
+  __device__ __forceinline__ uint32_t staged(int kind, int s) const {
+    return base + (2 * Cfg::kQStages + 4 * Cfg::kKvStages + kind * Cfg::kFp8Stages + s) * 8;
+  }
 };
 
 template <typename Cfg>
@@ -346,6 +377,184 @@ __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, un
   }
 }
 
+// The block's 128 packed Q rows into Q stage `qs`, 8 threads a row, 16 chunks each; padding rows
+// zero-filled. A block without keys copies nothing (its epilogue may stage a merge state there).
+template <typename Cfg>
+__device__ __forceinline__ void copy_q_block(const AttentionParams& p, const RowBlock& b,
+                                             int kv_head, int group, bool has_keys,
+                                             unsigned char* q_stage, int tid) {
+  using QT = typename Cfg::Q;
+#pragma unroll
+  for (int i = 0; i < (has_keys ? Cfg::kCtaRows / 16 : 0); ++i) {
+    const int row = (tid >> 3) + 16 * i;
+    bool valid;
+    const QT* src = q_row_source<QT>(p, b, kv_head, group, row, (tid & 7) * 8, valid);
+#pragma unroll
+    for (int h = 0; h < Cfg::kQkHalves; ++h)
+      cp_async_16(q_stage + q_stage_offset<Cfg::kDqk>(row, (tid & 7) + 8 * h),
+                  valid ? src + 64 * h : src, valid ? 16 : 0);
+  }
+}
+
+// fp8 K/V. Each producer warp takes a quarter of a tile's keys; lane l < kKvTile / 4 of warp w
+// holds key w * kKvTile / 4 + l (its pool row). The warp copies those keys' rows kRowsPerPass
+// rows a pass, kLanes lanes a row, each lane the row's 16-byte chunks (16 fp8 values) c, c +
+// kLanes, .. (c = lane % kLanes). A lane later widens exactly the chunks it copied, so it needs no
+// barrier with the others between its copies and its reads.
+template <typename Cfg, int kDim>
+struct Fp8Operand {
+  static constexpr int kLanes = kDim / 16 < 8 ? kDim / 16 : 8;  // lanes a row
+  static constexpr int kRowsPerPass = 32 / kLanes;
+  static constexpr int kKeysPerWarp = Cfg::kKvTile / 4;
+  static constexpr int kPasses = kKeysPerWarp / kRowsPerPass;
+  static constexpr int kChunks = kDim / 16 / kLanes;  // a lane's chunks of a row
+
+  // The row of a pass this lane copies and widens. fp8 chunk q widens to 16-bit chunks 2q and 2q +
+  // 1, in the 64-dim half q / 4, whose swizzled places in a row are {0, 2, 4, 6} ^ (row % 8) for
+  // the first of each pair. With 8 lanes a row, lanes 4-7 of each group of 8 (chunks in an odd
+  // half) take the row next to their group's, so that the 8 lanes of a store phase hit 8
+  // different bank groups (and 64 bytes of each of two rows when they read or copy).
+  static __device__ __forceinline__ int row_in_pass(int lane) {
+    const int row = lane / kLanes;
+    return kLanes == 8 ? row ^ ((lane >> 2) & 1) : row;
+  }
+
+  // Copies the operand's fp8 rows (`key_row`: the pool row of the key this lane holds; -1:
+  // zero-fill) into the staging tile [kKvTile, kDim] bytes.
+  static __device__ __forceinline__ void copy(const unsigned char* src, int64_t stride_n,
+                                              int64_t head_off, int32_t key_row,
+                                              unsigned char* staging) {
+    const int tid = ws::tid_here(), warp = tid >> 5, lane = tid & 31, c = lane % kLanes;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int holder = kRowsPerPass * i + row_in_pass(lane);
+      const int32_t r = __shfl_sync(0xffffffffu, key_row, holder);
+      const int key = kKeysPerWarp * warp + holder;
+      const bool valid = r >= 0;
+      const unsigned char* row_src = src + (valid ? r * stride_n + head_off : 0);
+#pragma unroll
+      for (int m = 0; m < kChunks; ++m)
+        cp_async_16(staging + key * kDim + (c + kLanes * m) * 16, row_src + (c + kLanes * m) * 16,
+                    valid ? 16 : 0);
+    }
+  }
+
+  // 16 fp8 values to 16-bit pairs, by the hardware conversions (fp8_pair_to_16: one instruction a
+  // pair to f16, three to bf16). An integer path for bf16 (byte placement and an exact multiply)
+  // ran slower: the producer is short of issue slots, not of conversion throughput
+  // (docs/perf/prefill.md).
+  static __device__ __forceinline__ void widen_chunk(const uint32_t (&words)[4],
+                                                     uint32_t (&out)[8]) {
+    using QT = typename Cfg::Q;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      out[2 * w] = fp8_pair_to_16<QT, Cfg::kKvFormat, false>(words[w]);
+      out[2 * w + 1] = fp8_pair_to_16<QT, Cfg::kKvFormat, true>(words[w]);
+    }
+  }
+
+  // Widens the chunks this lane copied into the swizzled 16-bit tile.
+  static __device__ __forceinline__ void widen(const unsigned char* staging, unsigned char* tile) {
+    const int tid = ws::tid_here(), warp = tid >> 5, lane = tid & 31, c = lane % kLanes;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int key = kKeysPerWarp * warp + kRowsPerPass * i + row_in_pass(lane);
+#pragma unroll
+      for (int m = 0; m < kChunks; ++m) {
+        const int q = c + kLanes * m;
+        const uint4 raw = *reinterpret_cast<const uint4*>(staging + key * kDim + q * 16);
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+        uint32_t out[8];
+        widen_chunk(words, out);
+        *reinterpret_cast<uint4*>(tile + sm90::tile_offset(Cfg::kKvTile, key, 2 * q)) =
+            make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(tile + sm90::tile_offset(Cfg::kKvTile, key, 2 * q + 1)) =
+            make_uint4(out[4], out[5], out[6], out[7]);
+      }
+    }
+  }
+};
+
+// One row block of the producer with fp8 K/V. Tile u's fp8 K and V rows go to staging stage
+// (tile_n + u) % kFp8Stages with cp.async, their landing counted on that stage's `staged`
+// barriers (each thread's copies arrive as they land); the producer then widens each into the
+// K and V rings and arrives on their full barriers (128 arrivals: every thread fences its own
+// stores to the async proxy first). The copies of tile u + kFp8Stages are issued as soon as tile
+// u's staging is widened. Q is copied with cp.async too, its landing counted on the Q stage's
+// full barrier, so the producer never waits for its own copies but through the barriers.
+template <typename Cfg, bool kPaged>
+__device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsigned char* smem,
+                                                  const WsBarriers<Cfg>& bars, const RowBlock& b,
+                                                  int kv_head, int group, int block_n, int& tile_n,
+                                                  int tid) {
+  using QRing = ws::Ring<Cfg::kQStages>;
+  using Ring = ws::Ring<Cfg::kKvStages>;
+  using Staging = ws::Ring<Cfg::kFp8Stages>;
+  using KOp = Fp8Operand<Cfg, Cfg::kDqk>;
+  using VOp = Fp8Operand<Cfg, Cfg::kDv>;
+  const int warp = tid >> 5, lane = tid & 31;
+  const auto* k = static_cast<const unsigned char*>(p.k);
+  const auto* v = static_cast<const unsigned char*>(p.v);
+  const int64_t k_head = static_cast<int64_t>(kv_head) * p.k_stride_h;
+  const int64_t v_head = static_cast<int64_t>(kv_head) * p.v_stride_h;
+  const int num_tiles = num_kv_tiles<Cfg>(b);
+  const bool holds_key = lane < KOp::kKeysPerWarp;
+  const int held = KOp::kKeysPerWarp * warp + lane;  // the key of a tile this lane holds
+  PagedKey key;
+  if (kPaged && num_tiles > 0 && holds_key) key.fetch(p, b, b.kv_lo + held);
+  int32_t key_row = -1;  // the held key's pool row in the tile being issued
+  const auto staging = [&](int n) {
+    return smem + Cfg::kStagingOffset + Staging::stage(n) * Cfg::kStagingBytes;
+  };
+  const auto issue_k = [&](int u) {
+    const int j = b.kv_lo + u * Cfg::kKvTile + held;
+    if constexpr (kPaged) {
+      key_row = holds_key ? key.row(p, b, j) : -1;
+      if (holds_key && u + 1 < num_tiles) key.fetch(p, b, j + Cfg::kKvTile);
+    } else {
+      key_row = holds_key && j < b.kv_hi
+                    ? static_cast<int32_t>(min(max(static_cast<int64_t>(b.kv_base) + j, int64_t{0}),
+                                               p.num_kv_rows - 1))
+                    : -1;
+    }
+    KOp::copy(k, p.k_stride_n, k_head, key_row, staging(tile_n + u));
+    ws::cp_async_arrive_noinc(bars.staged(0, Staging::stage(tile_n + u)));
+  };
+  const auto issue_v = [&](int u) {  // the tile issue_k issued last
+    VOp::copy(v, p.v_stride_n, v_head, key_row, staging(tile_n + u) + Cfg::kKvTile * Cfg::kDqk);
+    ws::cp_async_arrive_noinc(bars.staged(1, Staging::stage(tile_n + u)));
+  };
+  const auto widen = [&](int t) {
+    const int n = tile_n + t, s = Ring::stage(n);
+    sm90::mbar_wait(bars.staged(0, Staging::stage(n)), Staging::full_parity(n));
+    sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(n));
+    KOp::widen(staging(n), smem + Cfg::kKOffset + s * Cfg::kKTileBytes);
+    sm90::fence_async_shared();
+    sm90::mbar_arrive(bars.k_full(s));
+    if (t + Cfg::kFp8Stages < num_tiles) issue_k(t + Cfg::kFp8Stages);
+    sm90::mbar_wait(bars.staged(1, Staging::stage(n)), Staging::full_parity(n));
+    sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(n));
+    VOp::widen(staging(n) + Cfg::kKvTile * Cfg::kDqk, smem + Cfg::kVOffset + s * Cfg::kVTileBytes);
+    sm90::fence_async_shared();
+    sm90::mbar_arrive(bars.v_full(s));
+    if (t + Cfg::kFp8Stages < num_tiles) issue_v(t + Cfg::kFp8Stages);
+  };
+  for (int u = 0; u < min(num_tiles, Cfg::kFp8Stages); ++u) {
+    issue_k(u);
+    issue_v(u);
+  }
+  // With one Q stage, this block's Q can only land after the previous block's epilogue: its
+  // first tiles are widened first (as many as the ring holds).
+  const int early = Cfg::kQStages == 1 ? min(num_tiles, Cfg::kKvStages) : 0;
+  for (int t = 0; t < early; ++t) widen(t);
+  const int qs = QRing::stage(block_n);
+  sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
+  copy_q_block<Cfg>(p, b, kv_head, group, num_tiles > 0, smem + qs * Cfg::kQTileBytes, tid);
+  ws::cp_async_arrive_noinc(bars.q_full(qs));
+  for (int t = early; t < num_tiles; ++t) widen(t);
+  tile_n += num_tiles;
+}
+
 // The producer warpgroup (threads 0..127 of the CTA; `tid` is the thread's index in it).
 template <typename Cfg, bool kPaged>
 __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaMaps& maps,
@@ -356,6 +565,11 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
   const uint32_t base = smem_addr(smem);
   int block_n = 0, tile_n = 0;
   for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
+    if constexpr (Cfg::kFp8) {
+      produce_fp8_block<Cfg, kPaged>(p, smem, bars, b, kv_head, group, block_n, tile_n, tid);
+      ++block_n;
+      return;
+    }
     const int num_tiles = num_kv_tiles<Cfg>(b);
     const auto tiles = [&](int t_begin, int t_end) {
       if constexpr (kPaged)
@@ -367,21 +581,10 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
     // first K/V tiles (as many as the ring holds) go first, so that they land meanwhile.
     const int early = Cfg::kQStages == 1 ? min(num_tiles, Cfg::kKvStages) : 0;
     tiles(0, early);
-    // Q: 128 packed rows, 8 threads a row, 16 chunks each; padding rows zero-filled. A block
-    // without keys takes a Q stage too, unfilled (its epilogue may stage a merge state there).
+    // Q (a block without keys takes a Q stage too, unfilled).
     const int qs = QRing::stage(block_n);
     sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
-#pragma unroll
-    for (int i = 0; i < (num_tiles > 0 ? Cfg::kCtaRows / 16 : 0); ++i) {
-      const int row = (tid >> 3) + 16 * i;
-      bool valid;
-      const QT* src = q_row_source<QT>(p, b, kv_head, group, row, (tid & 7) * 8, valid);
-#pragma unroll
-      for (int h = 0; h < Cfg::kQkHalves; ++h)
-        cp_async_16(
-            smem + qs * Cfg::kQTileBytes + q_stage_offset<Cfg::kDqk>(row, (tid & 7) + 8 * h),
-            valid ? src + 64 * h : src, valid ? 16 : 0);
-    }
+    copy_q_block<Cfg>(p, b, kv_head, group, num_tiles > 0, smem + qs * Cfg::kQTileBytes, tid);
     cp_async_commit();
     cp_async_wait<0>();
     sm90::fence_async_shared();  // generic-proxy writes -> the consumers' wgmma reads
@@ -412,7 +615,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   const int warp_row0 = cwarp * Cfg::kRowsPerWarp;
   const uint32_t base = smem_addr(smem);
 
-  const float logit_scale = p.sm_scale;
+  // Logit scale (fp8 K's scale folds in here) and the softmax's base-2 factor.
+  const float logit_scale = p.sm_scale * (Cfg::kFp8 ? p.k_scale : 1.0f);
   const bool soft_cap = p.logits_soft_cap > 0.0f;
   const float c = soft_cap ? kLog2e : logit_scale * kLog2e;
   const float scale_over_cap = soft_cap ? logit_scale / p.logits_soft_cap : 0.0f;
@@ -430,6 +634,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     const int qs = QRing::stage(block_n);
     unsigned char* q_stage = smem + qs * Cfg::kQTileBytes;
     sm90::mbar_wait(bars.q_full(qs), QRing::full_parity(block_n));
+    // Paged K/V tiles, and with fp8 Q and the K/V tiles, were written by the producer's threads
+    // (the generic proxy); wgmma reads through the async proxy. (TMA writes through the async
+    // proxy itself.)
+    constexpr bool kGenericWrites = kPaged || Cfg::kFp8;
+    if constexpr (Cfg::kFp8) sm90::fence_async_shared();
     if (num_tiles > 0) {
       const uint32_t q_tile = base + qs * Cfg::kQTileBytes + wg * (Cfg::kQTileBytes / 2);
       float s[1][kNTiles][4];
@@ -438,9 +647,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       // S_t = Q.K_t^T into s (K stage n, once it has landed).
       const auto issue_qk = [&](int n) {
         sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
-        // Paged tiles were written by cp.async (the generic proxy); wgmma reads through the async
-        // proxy. (TMA writes through the async proxy itself.)
-        if constexpr (kPaged) sm90::fence_async_shared();
+        if constexpr (kGenericWrites) sm90::fence_async_shared();
         const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes;
         sm90::fence();
 #pragma unroll
@@ -492,7 +699,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       for (int t = 1; t < num_tiles; ++t) {
         const int n = tile_n + t;
         sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
-        if constexpr (kPaged) sm90::fence_async_shared();
+        if constexpr (kGenericWrites) sm90::fence_async_shared();
         take_turn(wg);
         issue_qk(n);
         issue_pv(n - 1);
@@ -511,7 +718,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       // The last tile's P.V.
       const int n = tile_n + num_tiles - 1;
       sm90::mbar_wait(bars.v_full(Ring::stage(n)), Ring::full_parity(n));
-      if constexpr (kPaged) sm90::fence_async_shared();
+      if constexpr (kGenericWrites) sm90::fence_async_shared();
       take_turn(wg);
       sm90::fence();
       issue_pv(n);
@@ -521,7 +728,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n)));
     }
     float scale[1][2], lse[1][2];
-    softmax.finish(c, scale, lse, 1.0f);
+    softmax.finish(c, scale, lse, Cfg::kFp8 ? p.v_scale : 1.0f);
     // A merged store stages the state in the warp's Q rows, which hold other warps' rows of the
     // same warpgroup: the warpgroup must be past its last Q.K^T first.
     if (p.merge_o != nullptr && b.partial < 0) sm90::barrier_sync(ws::kConsumerBarrier0 + wg, 128);
@@ -535,28 +742,35 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
 }
 
 // grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h. `maps` is
-// unused with paged K/V.
-template <typename QT, int D, int DV, bool kPaged>
+// unused with paged or fp8 K/V.
+template <typename QT, int D, int DV, KvFormat F, bool kPaged>
 __global__ void __launch_bounds__(384, 1)
     prefill_sm90_ws_kernel(const __grid_constant__ AttentionParams p,
                            const __grid_constant__ Sm90TmaMaps maps) {
-  using Cfg = Sm90WsConfig<QT, D, DV>;
+  using Cfg = Sm90WsConfig<QT, D, DV, F>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   const WsBarriers<Cfg> bars{smem_addr(smem + Cfg::kBarOffset)};
   const int tid = threadIdx.x;
   if (tid == 0) {
+    // Q full: one arrival after the producer's barrier, or (fp8) one per producer thread's
+    // copies.
     for (int s = 0; s < Cfg::kQStages; ++s) {
-      sm90::mbar_init(bars.q_full(s), 1);
+      sm90::mbar_init(bars.q_full(s), Cfg::kFp8 ? 128 : 1);
       sm90::mbar_init(bars.q_empty(s), 8);
     }
-    // Full: one arrival with the TMA's byte count, or one per producer thread's copies (paged).
-    const int full_arrivals = kPaged ? 128 : 1;
+    // K/V full: one arrival with the TMA's byte count, or one per producer thread (its copies
+    // with paged K/V, its widened stores with fp8).
+    const int full_arrivals = kPaged || Cfg::kFp8 ? 128 : 1;
     for (int s = 0; s < Cfg::kKvStages; ++s) {
       sm90::mbar_init(bars.k_full(s), full_arrivals);
       sm90::mbar_init(bars.k_empty(s), 8);
       sm90::mbar_init(bars.v_full(s), full_arrivals);
       sm90::mbar_init(bars.v_empty(s), 8);
+    }
+    for (int s = 0; s < Cfg::kFp8Stages; ++s) {
+      sm90::mbar_init(bars.staged(0, s), 128);
+      sm90::mbar_init(bars.staged(1, s), 128);
     }
     ws::fence_barrier_init();
   }
@@ -610,15 +824,24 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// Whether the warp-specialized kernel takes K/V of format F at these head dims: 16-bit K/V at
+// every head dim of Sm90Shape, fp8 where a staging stage fits (not at 192 / 128).
+template <int D, int DV, KvFormat F>
+constexpr bool ws_takes() {
+  return F == KvFormat::kSame || D == DV;
+}
+
 // Launches the warp-specialized kernel; false (nothing launched) where it does not apply: paged
-// K/V with FLASHKV_PREFILL_SM90_WS_PAGED=0 or a pool of 2^31 rows or more (the producer addresses
-// rows with 32 bits), or ragged K/V in a layout no tensor map can describe.
-template <typename QT, int D, int DV>
+// K/V with FLASHKV_PREFILL_SM90_WS_PAGED=0, paged or fp8 K/V in a pool of 2^31 rows or more (the
+// producer addresses rows with 32 bits), or 16-bit ragged K/V in a layout no tensor map can
+// describe.
+template <typename QT, int D, int DV, KvFormat F>
 bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
-  using Cfg = Sm90WsConfig<QT, D, DV>;
+  using Cfg = Sm90WsConfig<QT, D, DV, F>;
   Sm90TmaMaps maps{};
-  if (p.paged) {
-    if (!env_prefill_sm90_ws_paged() || p.num_kv_rows > (int64_t{1} << 31) - 1) return false;
+  if (p.paged && !env_prefill_sm90_ws_paged()) return false;
+  if (p.paged || Cfg::kFp8) {
+    if (p.num_kv_rows > (int64_t{1} << 31) - 1) return false;
   } else {
     const CUtensorMapDataType type = std::is_same<QT, __half>::value
                                          ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
@@ -627,8 +850,8 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
         !encode_kv_map(&maps.v, p.v, type, p, DV, Cfg::kKvTile, p.v_stride_n, p.v_stride_h))
       return false;
   }
-  const auto kernel =
-      p.paged ? prefill_sm90_ws_kernel<QT, D, DV, true> : prefill_sm90_ws_kernel<QT, D, DV, false>;
+  const auto kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true>
+                              : prefill_sm90_ws_kernel<QT, D, DV, F, false>;
   detail::cuda_check(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");

@@ -14,10 +14,11 @@ namespace flashkv::cuda::prefill_detail {
 template <int DQK, int DV, typename QT, KvFormat KVF>
 void launch_prefill(const AttentionParams& p, cudaStream_t stream);
 
-// The sm_90a kernels (kernel_sm90_ws.cuh, kernel_sm90.cuh): 16-bit Q/K/V at head dims D_qk = D
-// and D_v = DV (64, 128 or 256 for both, or 192 / 128), every variant of the sm_80 kernel but fp8
-// KV. Instantiated in cuda/inst/prefill_sm90_d<D>.cu for bf16 and f16.
-template <typename QT, int D, int DV>
+// The sm_90a kernels (kernel_sm90_ws.cuh, kernel_sm90.cuh): 16-bit Q at head dims D_qk = D and
+// D_v = DV (64, 128 or 256 for both, or 192 / 128) with K/V of format F (16-bit at every one of
+// them, fp8 at 64, 128 and 256), every variant of the sm_80 kernel. Instantiated in
+// cuda/inst/prefill_sm90_<format>_d<D>.cu for bf16 and f16.
+template <typename QT, int D, int DV, KvFormat F>
 void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace flashkv::cuda::prefill_detail
