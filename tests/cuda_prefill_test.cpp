@@ -997,10 +997,14 @@ TEST(CudaPrefill, Fp8KvOnEveryKernel) {
                      << dtype_name(kv));
         test::ScopedEnv env("FLASHKV_PREFILL_SM90", sm90);
         FLASHKV_SEEDED_RNG(rng, 1900 + static_cast<int>(kv));
-        Problem pr = small_variant_problem();
-        pr.dqk = dqk;
-        pr.dv = dv;
-        pr.kv_dtype = kv;
+        const auto base = [&, dqk = dqk, dv = dv] {  // paged, page size 16, causal
+          Problem b = small_variant_problem();
+          b.dqk = dqk;
+          b.dv = dv;
+          b.kv_dtype = kv;
+          return b;
+        };
+        Problem pr = base();
         pr.k_scale = 0.5f;
         pr.v_scale = 2.0f;
         check_problem(pr, rng);  // causal, paged (page size 16)
@@ -1023,26 +1027,19 @@ TEST(CudaPrefill, Fp8KvOnEveryKernel) {
         pr.sm_scale = 0.3f;
         pr.window_left = 40;
         check_problem(pr, rng);
-        Problem masked = small_variant_problem();
-        masked.dqk = dqk;
-        masked.dv = dv;
-        masked.kv_dtype = kv;  // ragged K/V take no scales
+        Problem masked = base();  // ragged K/V take no scales
         masked.paged = false;
         masked.custom_mask = true;
         check_problem(masked, rng);
-        Problem split = small_variant_problem();
-        split.dqk = dqk;
-        split.dv = dv;
-        split.kv_dtype = kv;
+        Problem split = base();
         split.k_scale = 1.5f;
         split.page_size = 1;
         split.plan.fixed_split_size = 64;
         split.expect_merges = true;
         check_problem(split, rng);
-        Problem many;
-        many.dqk = dqk;
-        many.dv = dv;
-        many.kv_dtype = kv;
+        Problem many = base();
+        many.q_lens.clear();
+        many.kv_lens.clear();
         many.hq = 32;
         many.hkv = 8;
         for (int i = 0; i < 20; ++i) {
