@@ -563,6 +563,32 @@ std::vector<OpCase> op_case_grid(bool quick, uint64_t seed) {
     x.seed = gen();
     cases.push_back(x);
   }
+  // Paged prefill and extend with an fp8 pool (e4m3 and e5m2 in turn) at each head dim and page
+  // size, 4 query heads a KV head: on Hopper the warp-specialized kernel widens it to 16 bits.
+  // Last, so that the cases above keep their draws.
+  {
+    const int scale = quick ? 1 : 4;
+    int turn = 0;
+    for (int dim : dims)
+      for (int page : {1, 16}) {
+        OpCase x = base;
+        x.hq = 16;
+        x.hkv = 4;
+        x.head_dim = x.head_dim_v = dim;
+        x.page_size = page;
+        x.kv_dtype = turn++ % 2 ? DType::fp8_e5m2 : DType::fp8_e4m3;
+        x.op = OpKind::paged_prefill;
+        x.qo_lens = lens(3, 1, 30 * scale);
+        x.kv_lens = x.qo_lens;
+        for (int32_t& kv : x.kv_lens) kv += lens(1, 0, 90 * scale)[0];
+        x.seed = gen();
+        cases.push_back(x);
+        x.op = OpKind::extend;
+        x.kv_lens = lens(3, 0, 100 * scale);  // prefix lengths
+        x.seed = gen();
+        cases.push_back(x);
+      }
+  }
   return cases;
 }
 
