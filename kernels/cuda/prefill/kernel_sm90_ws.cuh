@@ -171,9 +171,9 @@ template <int kRegs>
 __device__ __forceinline__ void claim_registers() {}
 #endif
 
-// threadIdx.x, read where it is used: ptxas neither hoists nor keeps what is computed from it
-// across a loop. The fp8 producer's addresses are cheap to recompute from it, and hoisted they
-// would not fit in its 40 registers.
+// threadIdx.x, read where it is used (an asm statement the compiler front end does not move), so
+// that the fp8 producer's addresses computed from it are not hoisted out of its tile loop:
+// hoisted, they did not fit in its 40 registers and were spilled.
 __device__ __forceinline__ int tid_here() {
   int tid;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));

@@ -16,8 +16,8 @@ void launch_prefill(const AttentionParams& p, cudaStream_t stream);
 
 // The sm_90a kernels (kernel_sm90_ws.cuh, kernel_sm90.cuh): 16-bit Q at head dims D_qk = D and
 // D_v = DV (64, 128 or 256 for both, or 192 / 128) with K/V of format F (16-bit at every one of
-// them, fp8 at 64, 128 and 256), every variant of the sm_80 kernel. Instantiated in
-// cuda/inst/prefill_sm90_<format>_d<D>.cu for bf16 and f16.
+// them, fp8 at 64, 128 and 256), every variant of the sm_80 kernel. Instantiated for bf16 and f16
+// in cuda/inst/prefill_sm90_d<D>.cu (16-bit K/V) and prefill_sm90_<e4m3|e5m2>_d<D>.cu.
 template <typename QT, int D, int DV, KvFormat F>
 void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream);
 
