@@ -26,18 +26,62 @@ namespace {
 
 using LaunchFn = void (*)(const AttentionParams&, cudaStream_t);
 
-template <int DQK, int DV, typename QT>
+// The kernel families, each a launcher for (Q type, K/V format) at head dims (DQK, DV): the sm_80
+// kernel, and the sm_90a kernels (null where they take no such K/V, sm90_takes in launch.h).
+template <int DQK, int DV>
+struct Sm80Kernels {
+  template <typename QT, KvFormat F>
+  static LaunchFn launcher() {
+    return &launch_prefill<DQK, DV, QT, F>;
+  }
+};
+template <int DQK, int DV>
+struct Sm90Kernels {
+  template <typename QT, KvFormat F>
+  static LaunchFn launcher() {
+    if constexpr (sm90_takes(DQK, DV, F))
+      return &launch_prefill_sm90<QT, DQK, DV, F>;
+    else
+      return nullptr;
+  }
+};
+
+template <typename Kernels, typename QT>
 LaunchFn pick_kv_format(DType q, DType kv) {
-  if (kv == q) return &launch_prefill<DQK, DV, QT, KvFormat::kSame>;
-  if (kv == DType::fp8_e4m3) return &launch_prefill<DQK, DV, QT, KvFormat::kE4M3>;
-  if (kv == DType::fp8_e5m2) return &launch_prefill<DQK, DV, QT, KvFormat::kE5M2>;
+  if (kv == q) return Kernels::template launcher<QT, KvFormat::kSame>();
+  if (kv == DType::fp8_e4m3) return Kernels::template launcher<QT, KvFormat::kE4M3>();
+  if (kv == DType::fp8_e5m2) return Kernels::template launcher<QT, KvFormat::kE5M2>();
   return nullptr;
 }
 
-template <int DQK, int DV>
+template <typename Kernels>
 LaunchFn pick_dtype(DType q, DType kv) {
-  if (q == DType::bf16) return pick_kv_format<DQK, DV, __nv_bfloat16>(q, kv);
-  if (q == DType::f16) return pick_kv_format<DQK, DV, __half>(q, kv);
+  if (q == DType::bf16) return pick_kv_format<Kernels, __nv_bfloat16>(q, kv);
+  if (q == DType::f16) return pick_kv_format<Kernels, __half>(q, kv);
+  return nullptr;
+}
+
+// The family's compiled launcher for p's head dims and dtypes; null where it has none.
+template <template <int, int> class Kernels>
+LaunchFn pick(const AttentionParams& p) {
+  const int dqk = p.head_dim_qk, dv = p.head_dim_v;
+  const DType q = p.q_dtype, kv = p.kv_dtype;
+#if defined(FLASHKV_HEAD_DIM_64)
+  if (dqk == 64 && dv == 64) return pick_dtype<Kernels<64, 64>>(q, kv);
+#endif
+#if defined(FLASHKV_HEAD_DIM_128)
+  if (dqk == 128 && dv == 128) return pick_dtype<Kernels<128, 128>>(q, kv);
+#endif
+#if defined(FLASHKV_HEAD_DIM_192)
+  if (dqk == 192 && dv == 128) return pick_dtype<Kernels<192, 128>>(q, kv);
+#endif
+#if defined(FLASHKV_HEAD_DIM_256)
+  if (dqk == 256 && dv == 256) return pick_dtype<Kernels<256, 256>>(q, kv);
+#endif
+  (void)dqk;
+  (void)dv;
+  (void)q;
+  (void)kv;
   return nullptr;
 }
 
@@ -63,44 +107,11 @@ const char* compiled_head_dims() {
 // fp8 KV at 64, 128 and 256) on a compute capability 9.0 device when this build has sm_90a code
 // (FLASHKV_SM90A), unless FLASHKV_PREFILL_SM90=0 (read at every call, so a test or a benchmark can
 // compare the kernels in one process).
-template <typename QT, int D, int DV>
-LaunchFn sm90_format_launcher(DType kv) {
-  if (kv == DType::fp8_e4m3) return &launch_prefill_sm90<QT, D, DV, KvFormat::kE4M3>;
-  if (kv == DType::fp8_e5m2) return &launch_prefill_sm90<QT, D, DV, KvFormat::kE5M2>;
-  return &launch_prefill_sm90<QT, D, DV, KvFormat::kSame>;
-}
-template <int D, int DV>
-LaunchFn sm90_launcher(DType q, DType kv) {
-  return q == DType::bf16 ? sm90_format_launcher<__nv_bfloat16, D, DV>(kv)
-                          : sm90_format_launcher<__half, D, DV>(kv);
-}
-
 LaunchFn pick_sm90(const AttentionParams& p) {
 #if defined(FLASHKV_SM90A)
   if (!env_prefill_sm90()) return nullptr;  // FLASHKV_PREFILL_SM90=0 (core/options.h)
   if (current_device_cc() != 90) return nullptr;
-  const int dqk = p.head_dim_qk, dv = p.head_dim_v;
-  const DType q = p.q_dtype, kv = p.kv_dtype;
-#if defined(FLASHKV_HEAD_DIM_128)
-  if (dqk == 128 && dv == 128) return sm90_launcher<128, 128>(q, kv);
-#endif
-#if defined(FLASHKV_HEAD_DIM_64)
-  if (dqk == 64 && dv == 64) return sm90_launcher<64, 64>(q, kv);
-#endif
-#if defined(FLASHKV_HEAD_DIM_256)
-  if (dqk == 256 && dv == 256) return sm90_launcher<256, 256>(q, kv);
-#endif
-#if defined(FLASHKV_HEAD_DIM_192)
-  // fp8 K/V at 192 / 128: the sm_80 kernel (no staging ring fits beside the sm_90a one's).
-  if (dqk == 192 && dv == 128 && kv == q)
-    return q == DType::bf16 ? &launch_prefill_sm90<__nv_bfloat16, 192, 128, KvFormat::kSame>
-                            : &launch_prefill_sm90<__half, 192, 128, KvFormat::kSame>;
-#endif
-  (void)dqk;
-  (void)dv;
-  (void)q;
-  (void)kv;
-  return nullptr;
+  return pick<Sm90Kernels>(p);
 #else
   (void)p;
   return nullptr;
@@ -120,21 +131,8 @@ LaunchFn select(const AttentionParams& p) {
   FLASHKV_CHECK(p.kv_dtype == p.q_dtype || is_fp8(p.kv_dtype), "prefill: kv dtype ",
                 dtype_name(p.kv_dtype), " is unsupported on CUDA with q dtype ",
                 dtype_name(p.q_dtype), " (expected the same, fp8_e4m3 or fp8_e5m2)");
-  LaunchFn fn = nullptr;
-  const int dqk = p.head_dim_qk, dv = p.head_dim_v;
-#if defined(FLASHKV_HEAD_DIM_64)
-  if (dqk == 64 && dv == 64) fn = pick_dtype<64, 64>(p.q_dtype, p.kv_dtype);
-#endif
-#if defined(FLASHKV_HEAD_DIM_128)
-  if (dqk == 128 && dv == 128) fn = pick_dtype<128, 128>(p.q_dtype, p.kv_dtype);
-#endif
-#if defined(FLASHKV_HEAD_DIM_192)
-  if (dqk == 192 && dv == 128) fn = pick_dtype<192, 128>(p.q_dtype, p.kv_dtype);
-#endif
-#if defined(FLASHKV_HEAD_DIM_256)
-  if (dqk == 256 && dv == 256) fn = pick_dtype<256, 256>(p.q_dtype, p.kv_dtype);
-#endif
-  FLASHKV_CHECK(fn != nullptr, "prefill: head_dim_qk/head_dim_v ", dqk, "/", dv,
+  const LaunchFn fn = pick<Sm80Kernels>(p);
+  FLASHKV_CHECK(fn != nullptr, "prefill: head_dim_qk/head_dim_v ", p.head_dim_qk, "/", p.head_dim_v,
                 " is unsupported on CUDA (this build has:", compiled_head_dims(), ")");
   // 16-byte asynchronous copies of Q/K/V rows and 4-byte stores of O pairs.
   const size_t kv_elem = dtype_size(p.kv_dtype);

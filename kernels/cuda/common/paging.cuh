@@ -28,4 +28,11 @@ __device__ __forceinline__ int64_t paged_pool_row(const AttentionParams& p, int3
   return min(max(row, int64_t{0}), p.num_kv_rows - 1);
 }
 
+// The K/V row of token j of a ragged request whose rows start at `kv_base`, clamped into the
+// tensor the same way.
+__device__ __forceinline__ int64_t ragged_kv_row(const AttentionParams& p, int32_t kv_base,
+                                                 int32_t j) {
+  return min(max(static_cast<int64_t>(kv_base) + j, int64_t{0}), p.num_kv_rows - 1);
+}
+
 }  // namespace flashkv::cuda

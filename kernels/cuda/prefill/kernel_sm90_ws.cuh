@@ -100,6 +100,12 @@ struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
   // docs/perf/prefill.md); one at head dims 256 and 192 / 128, and with fp8 K/V but at 64.
   static constexpr int kQStages =
       2 * kQTileBytes + kRingBytes + kFp8Stages * kStagingBytes <= kSmemLimit ? 2 : 1;
+  // With one Q stage a block's Q can only land after the previous block's epilogue: the producer
+  // fills the block's first K/V tiles (as many as the ring holds) before it, so that they land
+  // meanwhile.
+  static __device__ __forceinline__ int tiles_before_q(int num_tiles) {
+    return kQStages == 1 ? min(num_tiles, kKvStages) : 0;
+  }
   // Offsets from a Q stage (the epilogue stages a merge state in its warp's 16 Q rows, which
   // lie inside its warpgroup's own [64, D] Q tile: warp w's 32 D bytes at w * 32 D).
   static constexpr int kQOffset = 0;
@@ -512,10 +518,8 @@ __device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsi
       key_row = holds_key ? key.row(p, b, j) : -1;
       if (holds_key && u + 1 < num_tiles) key.fetch(p, b, j + Cfg::kKvTile);
     } else {
-      key_row = holds_key && j < b.kv_hi
-                    ? static_cast<int32_t>(min(max(static_cast<int64_t>(b.kv_base) + j, int64_t{0}),
-                                               p.num_kv_rows - 1))
-                    : -1;
+      key_row =
+          holds_key && j < b.kv_hi ? static_cast<int32_t>(ragged_kv_row(p, b.kv_base, j)) : -1;
     }
     KOp::copy(k, p.k_stride_n, k_head, key_row, staging(tile_n + u));
     ws::cp_async_arrive_noinc(bars.staged(0, Staging::stage(tile_n + u)));
@@ -543,9 +547,7 @@ __device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsi
     issue_k(u);
     issue_v(u);
   }
-  // With one Q stage, this block's Q can only land after the previous block's epilogue: its
-  // first tiles are widened first (as many as the ring holds).
-  const int early = Cfg::kQStages == 1 ? min(num_tiles, Cfg::kKvStages) : 0;
+  const int early = Cfg::tiles_before_q(num_tiles);
   for (int t = 0; t < early; ++t) widen(t);
   const int qs = QRing::stage(block_n);
   sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
@@ -577,9 +579,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
       else
         produce_ragged_tiles<Cfg>(p, maps, smem, bars, b, kv_head, t_begin, t_end, tile_n, tid);
     };
-    // With one Q stage, this block's Q can only land after the previous block's epilogue: its
-    // first K/V tiles (as many as the ring holds) go first, so that they land meanwhile.
-    const int early = Cfg::kQStages == 1 ? min(num_tiles, Cfg::kKvStages) : 0;
+    const int early = Cfg::tiles_before_q(num_tiles);  // then Q, then the rest
     tiles(0, early);
     // Q (a block without keys takes a Q stage too, unfilled).
     const int qs = QRing::stage(block_n);
@@ -822,13 +822,6 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-// Whether the warp-specialized kernel takes K/V of format F at these head dims: 16-bit K/V at
-// every head dim of Sm90Shape, fp8 where a staging stage fits (not at 192 / 128).
-template <int D, int DV, KvFormat F>
-constexpr bool ws_takes() {
-  return F == KvFormat::kSame || D == DV;
 }
 
 // Launches the warp-specialized kernel; false (nothing launched) where it does not apply: paged

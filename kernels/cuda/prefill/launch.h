@@ -21,4 +21,9 @@ void launch_prefill(const AttentionParams& p, cudaStream_t stream);
 template <typename QT, int D, int DV, KvFormat F>
 void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream);
 
+// Whether the sm_90a kernels take K/V of format F at head dims (D, DV): 16-bit K/V at every head
+// dim, fp8 where a staging stage fits beside the warp-specialized kernel's rings (not at
+// 192 / 128, whose fp8 K/V the sm_80 kernel runs).
+constexpr bool sm90_takes(int d, int dv, KvFormat f) { return f == KvFormat::kSame || d == dv; }
+
 }  // namespace flashkv::cuda::prefill_detail

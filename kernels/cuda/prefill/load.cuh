@@ -124,9 +124,7 @@ struct KvTileRows {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int j = j0 + first_row(tid) + i * kRowsPerPass;
-      const int64_t row =
-          p.paged ? paged_pool_row(p, entry[i], j)
-                  : min(max(static_cast<int64_t>(b.kv_base) + j, int64_t{0}), p.num_kv_rows - 1);
+      const int64_t row = p.paged ? paged_pool_row(p, entry[i], j) : ragged_kv_row(p, b.kv_base, j);
       out[i] = j < b.kv_hi ? row * stride_n + head_off : -1;
     }
   }
