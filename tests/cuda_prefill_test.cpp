@@ -893,8 +893,8 @@ TEST(CpuPrefill, MergeStateOptionBadInputsThrow) {
 }
 
 #if FLASHKV_WITH_CUDA
-// A prefill captured into a CUDA graph with a graph-mode plan replays correctly after a new plan
-// (same batch size and token count, other lengths, split differently) is uploaded.
+// The (Q.K^T, P.V) head dims the sm_90a kernels take.
+constexpr std::pair<int, int> kSm90HeadDims[] = {{64, 64}, {128, 128}, {192, 128}, {256, 256}};
 
 // Runs fn(head_dim_qk, head_dim_v) on each prefill kernel a call with 16-bit KV at head dims 64,
 // 128, 256 or 192 / 128 can take on compute capability 9.0, chosen by the environment switches:
@@ -906,8 +906,7 @@ TEST(CpuPrefill, MergeStateOptionBadInputsThrow) {
 template <typename Fn>
 void for_each_prefill_kernel(Fn&& fn) {
   const char* configs[][3] = {{"0", "0", "1"}, {"1", "0", "1"}, {"1", "1", "1"}, {"1", "1", "0"}};
-  const std::pair<int, int> head_dims[] = {{64, 64}, {128, 128}, {192, 128}, {256, 256}};
-  for (const auto& [dqk, dv] : head_dims)
+  for (const auto& [dqk, dv] : kSm90HeadDims)
     for (const auto& config : configs) {
       SCOPED_TRACE(testing::Message()
                    << "head dims " << dqk << "/" << dv << " FLASHKV_PREFILL_SM90=" << config[0]
@@ -988,8 +987,7 @@ TEST(CudaPrefill, AllKernelsAtEveryHeadDim) {
 // block is zero-filled past its keys).
 TEST(CudaPrefill, Fp8KvOnEveryKernel) {
   FLASHKV_REQUIRE_GPU();
-  const std::pair<int, int> head_dims[] = {{64, 64}, {128, 128}, {192, 128}, {256, 256}};
-  for (const auto& [dqk, dv] : head_dims)
+  for (const auto& [dqk, dv] : kSm90HeadDims)
     for (const char* sm90 : {"1", "0"})
       for (DType kv : {DType::fp8_e4m3, DType::fp8_e5m2}) {
         SCOPED_TRACE(testing::Message()
@@ -1266,6 +1264,8 @@ TEST(CudaPrefill, NaNInKvReachesTheOutput) {
   }
 }
 
+// A prefill captured into a CUDA graph with a graph-mode plan replays correctly after a new plan
+// (same batch size and token count, other lengths, split differently) is uploaded.
 TEST(CudaPrefill, GraphCaptureReplaysNewPlan) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 770);
