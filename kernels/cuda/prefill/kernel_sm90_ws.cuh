@@ -12,7 +12,8 @@
 //     looks up key t's slot a tile ahead), and the copies themselves arrive on the full barrier as
 //     they land (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own copies.
 //     fp8 K/V (ragged or paged): the threads copy each tile's fp8 rows into a staging ring the
-//     same way, then widen them exactly into the 16-bit rings (produce_fp8_block);
+//     same way, then widen them exactly into the 16-bit rings, K to Q's type and V to f16, in
+//     which P.V then runs (produce_fp8_block, Sm90WsConfig::Pv);
 //   - two consumers of 64 packed query rows each (the plan's 128-row tile), issuing as
 //     kernel_sm90.cuh does S_t = Q.K_t^T with P_{t-1}.V_{t-1} behind it. They take turns to issue
 //     their products (two named barriers), so one warpgroup's softmax runs under the other's
@@ -80,6 +81,10 @@ struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
   using Base = Sm90Shape<QT, D, DV>;
   static constexpr KvFormat kKvFormat = F;
   static constexpr bool kFp8 = F != KvFormat::kSame;
+  // The 16-bit type of V and P in P.V: Q's, but f16 with fp8 K/V: e4m3 and e5m2 widen to f16 in
+  // one conversion a pair against three to bf16 (the producer is short of issue slots), and P,
+  // in [0, 1], keeps three more mantissa bits in f16 than in bf16. (K stays in Q's type.)
+  using Pv = std::conditional_t<kFp8, __half, QT>;
   static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
   static constexpr int kWgRows = 64;    // a consumer warpgroup's rows
   using Base::kKTileBytes;
@@ -407,7 +412,7 @@ __device__ __forceinline__ void copy_q_block(const AttentionParams& p, const Row
 // rows a pass, kLanes lanes a row, each lane the row's 16-byte chunks (16 fp8 values) c, c +
 // kLanes, .. (c = lane % kLanes). A lane later widens exactly the chunks it copied, so it needs no
 // barrier with the others between its copies and its reads.
-template <typename Cfg, int kDim>
+template <typename Cfg, int kDim, typename Out>
 struct Fp8Operand {
   static constexpr int kLanes = kDim / 16 < 8 ? kDim / 16 : 8;  // lanes a row
   static constexpr int kRowsPerPass = 32 / kLanes;
@@ -445,17 +450,16 @@ struct Fp8Operand {
     }
   }
 
-  // 16 fp8 values to 16-bit pairs, by the hardware conversions (fp8_pair_to_16: one instruction a
+  // 16 fp8 values to pairs of Out, by the hardware conversions (fp8_pair_to_16: one instruction a
   // pair to f16, three to bf16). An integer path for bf16 (byte placement and an exact multiply)
   // ran slower: the producer is short of issue slots, not of conversion throughput
   // (docs/perf/prefill.md).
   static __device__ __forceinline__ void widen_chunk(const uint32_t (&words)[4],
                                                      uint32_t (&out)[8]) {
-    using QT = typename Cfg::Q;
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      out[2 * w] = fp8_pair_to_16<QT, Cfg::kKvFormat, false>(words[w]);
-      out[2 * w + 1] = fp8_pair_to_16<QT, Cfg::kKvFormat, true>(words[w]);
+      out[2 * w] = fp8_pair_to_16<Out, Cfg::kKvFormat, false>(words[w]);
+      out[2 * w + 1] = fp8_pair_to_16<Out, Cfg::kKvFormat, true>(words[w]);
     }
   }
 
@@ -496,8 +500,8 @@ __device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsi
   using QRing = ws::Ring<Cfg::kQStages>;
   using Ring = ws::Ring<Cfg::kKvStages>;
   using Staging = ws::Ring<Cfg::kFp8Stages>;
-  using KOp = Fp8Operand<Cfg, Cfg::kDqk>;
-  using VOp = Fp8Operand<Cfg, Cfg::kDv>;
+  using KOp = Fp8Operand<Cfg, Cfg::kDqk, typename Cfg::Q>;
+  using VOp = Fp8Operand<Cfg, Cfg::kDv, typename Cfg::Pv>;
   const int warp = tid >> 5, lane = tid & 31;
   const auto* k = static_cast<const unsigned char*>(p.k);
   const auto* v = static_cast<const unsigned char*>(p.v);
@@ -667,7 +671,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
 #pragma unroll
           for (int part = 0; part < kParts; ++part)
-            sm90::mma_rs<QT>(
+            sm90::mma_rs<typename Cfg::Pv>(
                 o_parts[part], pf[0][kk],
                 sm90::n_major(v_tile + part * 2 * Cfg::kKvTile * 128, Cfg::kKvTile, kk));
         sm90::commit();
@@ -691,7 +695,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       {
         float corr[1][2];
         scores(0, corr);  // O is still 0: nothing to rescale
-        pack_p<Cfg>(s, pf);
+        pack_p<Cfg, typename Cfg::Pv>(s, pf);
       }
       // Tile t: S_t, then P_{t-1}.V_{t-1} behind it, which runs while S_t is read. (ptxas waits
       // for P.V before the softmax's exponentials, short of registers otherwise, so the overlap
@@ -713,7 +717,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         sm90::pin(o_acc);
         if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));
         if (moved) softmax.rescale(o, corr);
-        pack_p<Cfg>(s, pf);
+        pack_p<Cfg, typename Cfg::Pv>(s, pf);
       }
       // The last tile's P.V.
       const int n = tile_n + num_tiles - 1;
