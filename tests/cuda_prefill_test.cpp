@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -65,6 +66,12 @@ struct Problem {
   // fp8 paged K/V: only zeros and subnormals (each byte's exponent bits cleared), so that a
   // kernel that loses fp8 subnormals on the way to 16 bits gives all-zero scores and outputs.
   bool fp8_subnormals = false;
+  // Q's magnitude: every element times q_magnitude (a power of two, so bf16 Q stays exact), or
+  // with q_mixed_magnitudes token t's times 2^-16, 1 or 2^6 in turn (t % 3), so that the rows one
+  // warp holds differ by up to 2^22 (larger would make the 2^6 rows' softmax so sharp that fp32
+  // rounding of near-tied logits moves it).
+  double q_magnitude = 1.0;
+  bool q_mixed_magnitudes = false;
 };
 
 // Host inputs of a problem.
@@ -88,6 +95,16 @@ Inputs make_inputs(const Problem& pr, Rng& rng) {
   const int batch = static_cast<int>(pr.q_lens.size());
   in.qo_indptr = test::indptr_of(pr.q_lens);
   in.q = test::random_tensor(rng, {in.qo_indptr.back(), pr.hq, pr.dqk}, pr.dtype);
+  if (pr.q_magnitude != 1.0 || pr.q_mixed_magnitudes) {
+    const int64_t row = int64_t{pr.hq} * pr.dqk;
+    for (int64_t i = 0; i < in.q.numel(); ++i) {
+      const int64_t t = i / row;
+      const double m =
+          pr.q_mixed_magnitudes ? std::ldexp(1.0, t % 3 == 0 ? -16 : t % 3 == 1 ? 0 : 6) : 1.0;
+      store_from_double(in.q.data(), pr.dtype, i,
+                        load_as_double(in.q.data(), pr.dtype, i) * m * pr.q_magnitude);
+    }
+  }
   if (pr.paged) {
     const int ps = pr.page_size;
     std::vector<int32_t> pages(batch);
@@ -982,7 +999,8 @@ TEST(CudaPrefill, AllKernelsAtEveryHeadDim) {
 // warp-specialized kernel widens it in its producer (but at 192 / 128, which the sm_80 kernel
 // takes); each head dim runs on it and on the sm_80 kernel (FLASHKV_PREFILL_SM90=0), which serves
 // every other device. Paged (with scales) at page sizes 16 and 1, K/V of subnormals only, ragged
-// with a custom mask, a window and a soft cap with f16 Q, split KV merged, and many row blocks a
+// with a custom mask, a window and a soft cap with f16 Q, bf16 Q of magnitudes f16 cannot hold
+// (with and without a soft cap) and of mixed magnitudes, split KV merged, and many row blocks a
 // worker with lengths off the tile (the staging ring's phases wrap, and the last tile of every
 // block is zero-filled past its keys).
 TEST(CudaPrefill, Fp8KvOnEveryKernel) {
@@ -1013,6 +1031,20 @@ TEST(CudaPrefill, Fp8KvOnEveryKernel) {
         tiny.v_scale = 200.0f;
         tiny.dtype = DType::f16;
         check_problem(tiny, rng);
+        // bf16 Q beyond f16's range both ways (the sm_90a kernel runs Q.K^T in f16 with fp8
+        // K/V, each warp's rows scaled by a power of two), the logits kept unit-sized by
+        // sm_scale; then rows of very different magnitudes in one warp.
+        for (const double magnitude : {0x1p20, 0x1p-30}) {
+          Problem wide = base();
+          wide.q_magnitude = magnitude;
+          wide.sm_scale = static_cast<float>(1.0 / std::sqrt(double(dqk)) / magnitude);
+          check_problem(wide, rng);
+          wide.soft_cap = 5.0f;  // the scale folds into the cap's factor instead
+          check_problem(wide, rng);
+        }
+        Problem mixed = base();
+        mixed.q_mixed_magnitudes = true;
+        check_problem(mixed, rng);
         // The sm_80 kernel's variants have their own tests; e5m2 is the same code as e4m3 but
         // for the conversion.
         if (sm90[0] == '0') continue;

@@ -81,10 +81,14 @@ struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
   using Base = Sm90Shape<QT, D, DV>;
   static constexpr KvFormat kKvFormat = F;
   static constexpr bool kFp8 = F != KvFormat::kSame;
-  // The 16-bit type of V and P in P.V: Q's, but f16 with fp8 K/V: e4m3 and e5m2 widen to f16 in
-  // one conversion a pair against three to bf16 (the producer is short of issue slots), and P,
-  // in [0, 1], keeps three more mantissa bits in f16 than in bf16. (K stays in Q's type.)
+  // The 16-bit types of the products, Q's but f16 with fp8 K/V: e4m3 and e5m2 widen to f16 in
+  // one conversion a pair against three to bf16, and the producer is short of issue slots.
+  // Q.K^T (Qk): with bf16 Q the consumers rewrite their Q rows in f16 first, scaled by a power of
+  // two (q_rows_to_f16). P.V (Pv): P, in [0, 1], keeps three more mantissa bits in f16 than in
+  // bf16.
+  using Qk = std::conditional_t<kFp8, __half, QT>;
   using Pv = std::conditional_t<kFp8, __half, QT>;
+  static constexpr bool kQToF16 = !std::is_same<QT, Qk>::value;
   static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
   static constexpr int kWgRows = 64;    // a consumer warpgroup's rows
   using Base::kKTileBytes;
@@ -500,7 +504,7 @@ __device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsi
   using QRing = ws::Ring<Cfg::kQStages>;
   using Ring = ws::Ring<Cfg::kKvStages>;
   using Staging = ws::Ring<Cfg::kFp8Stages>;
-  using KOp = Fp8Operand<Cfg, Cfg::kDqk, typename Cfg::Q>;
+  using KOp = Fp8Operand<Cfg, Cfg::kDqk, typename Cfg::Qk>;
   using VOp = Fp8Operand<Cfg, Cfg::kDv, typename Cfg::Pv>;
   const int warp = tid >> 5, lane = tid & 31;
   const auto* k = static_cast<const unsigned char*>(p.k);
@@ -599,6 +603,58 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
   });
 }
 
+// fp8 K/V with bf16 Q: consumer warp w of a warpgroup rewrites its 16 rows of the warpgroup's
+// [64, D] Q tile from bf16 to f16, each value times 2^e, one e for the warp's rows, chosen from
+// their largest finite |q|, m, so that m lands in [2^14, 2^15) (f16's top binade is [2^15,
+// 65504]). Every value from 2^-32 m up converts exactly (down to there f16 holds bf16's 8
+// significant bits), smaller ones to within 2^-39 m, so a logit's error is at most 2^-39 of the
+// largest any of the rows could make with that key (m times the sum of its |k|); inf and NaN stay
+// as they are. Returns 2^-e. Lane l takes row l % 16 and half the row's 16-byte chunks, so that
+// the 8 lanes of a shared-memory phase hit 8 rows (8 different swizzled bank groups).
+template <typename Cfg>
+__device__ __forceinline__ float q_rows_to_f16(unsigned char* wg_q_tile, int warp_in_wg,
+                                               int lane) {
+  constexpr int kMine = Cfg::kDqk / 16;  // a lane's chunks of 8 values: half a row
+  const int row = 16 * warp_in_wg + (lane & 15), first = (lane >> 4) * kMine;
+  const auto chunk = [&](int i) {
+    return reinterpret_cast<uint4*>(wg_q_tile + sm90::tile_offset(64, row, first + i));
+  };
+  const auto finite_abs = [](float x) {
+    const float a = fabsf(x);
+    return a < __int_as_float(0x7f800000) ? a : 0.0f;  // NaN compares false
+  };
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kMine; ++i) {
+    const uint4 raw = *chunk(i);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float2 f = unpack2<__nv_bfloat16>(words[w]);
+      m = fmaxf(m, fmaxf(finite_abs(f.x), finite_abs(f.y)));
+    }
+  }
+#pragma unroll
+  for (int d = 16; d >= 1; d /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+  // e = 14 - floor(log2 m), kept where both 2^e and 2^-e are normal floats; m = 0: e = 0.
+  const int e = m > 0.0f ? max(-126, min(126, 14 - (((__float_as_int(m) >> 23) & 0xff) - 127)))
+                         : 0;
+  const float up = __int_as_float((127 + e) << 23);
+#pragma unroll
+  for (int i = 0; i < kMine; ++i) {
+    const uint4 raw = *chunk(i);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+    uint32_t out[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float2 f = unpack2<__nv_bfloat16>(words[w]);
+      out[w] = pack2<__half>(f.x * up, f.y * up);
+    }
+    *chunk(i) = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+  return __int_as_float((127 - e) << 23);
+}
+
 // A consumer warpgroup's turn to issue its products: wait for it, then (after issuing) pass it.
 __device__ __forceinline__ void take_turn(int wg) {
   sm90::barrier_sync(ws::kTurnBarrier0 + wg, 256);
@@ -643,8 +699,18 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     // proxy itself.)
     constexpr bool kGenericWrites = kPaged || Cfg::kFp8;
     if constexpr (Cfg::kFp8) sm90::fence_async_shared();
+    // The softmax's factors for this block: the kernel's, or with Q rewritten in f16 scaled by
+    // 2^e, times 2^-e (the warp's logits come out 2^e too large).
+    float c_blk = c, scale_over_cap_blk = scale_over_cap;
     if (num_tiles > 0) {
       const uint32_t q_tile = base + qs * Cfg::kQTileBytes + wg * (Cfg::kQTileBytes / 2);
+      if constexpr (Cfg::kQToF16) {
+        const float unscale =
+            q_rows_to_f16<Cfg>(q_stage + wg * (Cfg::kQTileBytes / 2), cwarp & 3, lane);
+        (soft_cap ? scale_over_cap_blk : c_blk) *= unscale;
+        sm90::fence_async_shared();  // this thread's f16 rows -> the warpgroup's wgmma reads
+        sm90::barrier_sync(ws::kConsumerBarrier0 + wg, 128);
+      }
       float s[1][kNTiles][4];
       float(&s_acc)[kNTiles * 4] = reinterpret_cast<float(&)[kNTiles * 4]>(s);
       PFragments<Cfg> pf;  // P of the previous tile, the A operand of its P.V
@@ -656,7 +722,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         sm90::fence();
 #pragma unroll
         for (int k = 0; k < Cfg::kDqk / 16; ++k)
-          sm90::mma_ss<QT>(s_acc, sm90::k_major(q_tile, Cfg::kWgRows, 0, k),
+          sm90::mma_ss<typename Cfg::Qk>(s_acc, sm90::k_major(q_tile, Cfg::kWgRows, 0, k),
                            sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
         sm90::commit();
       };
@@ -679,10 +745,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       // The soft cap, the mask and the online softmax of tile t: s becomes P (in place).
       const auto scores = [&](int t, float(&corr)[1][2]) {
         const int j0 = b.kv_lo + t * Cfg::kKvTile;
-        if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap);
+        if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap_blk);
         if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
           apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
-        return softmax.update_scores(s, c, corr);
+        return softmax.update_scores(s, c_blk, corr);
       };
 
       // Tile 0: S_0 alone.
@@ -732,7 +798,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n)));
     }
     float scale[1][2], lse[1][2];
-    softmax.finish(c, scale, lse, Cfg::kFp8 ? p.v_scale : 1.0f);
+    softmax.finish(c_blk, scale, lse, Cfg::kFp8 ? p.v_scale : 1.0f);
     // A merged store stages the state in the warp's Q rows, which hold other warps' rows of the
     // same warpgroup: the warpgroup must be past its last Q.K^T first.
     if (p.merge_o != nullptr && b.partial < 0) sm90::barrier_sync(ws::kConsumerBarrier0 + wg, 128);
