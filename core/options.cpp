@@ -44,6 +44,11 @@ bool env_prefill_sm90_ws() { return on_unless_zero("FLASHKV_PREFILL_SM90_WS"); }
 
 bool env_prefill_sm90_ws_paged() { return on_unless_zero("FLASHKV_PREFILL_SM90_WS_PAGED"); }
 
+bool env_prefill_sm90_overlap() {
+  const char* env = std::getenv("FLASHKV_PREFILL_SM90_OVERLAP");
+  return env != nullptr && std::strcmp(env, "1") == 0;
+}
+
 bool env_decode_pdl() { return on_unless_zero("FLASHKV_DECODE_PDL"); }
 
 }  // namespace flashkv

@@ -65,6 +65,11 @@ bool env_prefill_sm90_ws();
 // FLASHKV_PREFILL_SM90_WS_PAGED: false only for "0" (paged K/V skips the warp-specialized kernel).
 bool env_prefill_sm90_ws_paged();
 
+// FLASHKV_PREFILL_SM90_OVERLAP: true only for "1" (the warp-specialized prefill kernel issues a
+// row block's first Q.K^T under the previous block's epilogue, at head dims 64 and 128 with
+// 16-bit K/V; not yet the default).
+bool env_prefill_sm90_overlap();
+
 // FLASHKV_DECODE_PDL: false only for "0" (decode launches without programmatic dependent launch).
 bool env_decode_pdl();
 

@@ -663,10 +663,35 @@ __device__ __forceinline__ void pass_turn(int wg) {
   sm90::barrier_arrive(ws::kTurnBarrier0 + (wg ^ 1), 256);
 }
 
+// The row block of this CTA's walk (for_each_row_block's order) after the one at packed row `row0`
+// of item `item` (the first block: item = the worker's first - 1), for a consumer that looks
+// ahead: its number of K/V tiles, or -1 where there is none.
+template <typename Cfg>
+__device__ __forceinline__ int next_block_tiles(const AttentionParams& p, int item, int row0,
+                                                int group) {
+  if (item >= p.worker_indptr[blockIdx.x] && row0 + Cfg::kCtaRows < p.items[item].q_len * group)
+    return num_kv_tiles<Cfg>(
+        make_row_block(p, p.items[item], group, row0 + Cfg::kCtaRows, Cfg::kCtaRows));
+  for (int i = item + 1; i < p.worker_indptr[blockIdx.x + 1]; ++i)
+    if (p.items[i].q_len > 0)
+      return num_kv_tiles<Cfg>(make_row_block(p, p.items[i], group, 0, Cfg::kCtaRows));
+  return -1;
+}
+
 // The consumer warpgroups (threads 128..383; `ctid` is the thread's index among them).
-template <typename Cfg, bool kPaged>
+// kOverlap (FLASHKV_PREFILL_SM90_OVERLAP=1; two Q stages and 16-bit K/V only): a block's S_0 is
+// issued before the block starts, with the previous block's last P.V, so that it runs under that
+// block's epilogue instead of alone after it (the next block's Q has its own stage, and its first
+// K tile follows the last one in the ring); the first block's before the walk, and one after a
+// block without keys in that block's place. Every block thus starts with one S_0 in flight and
+// ends having issued the next: where the next block has no keys (or there is none) that S_0 is a
+// dummy product of the block's own Q stage, discarded. ptxas serialises every wgmma of the kernel
+// where the products in flight differ between paths (a product issued under a condition).
+template <typename Cfg, bool kPaged, bool kOverlap = false>
 __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char* smem,
                                         const WsBarriers<Cfg>& bars, int ctid) {
+  static_assert(!kOverlap || (Cfg::kQStages == 2 && !Cfg::kFp8),
+                "the overlap needs the next block's Q in its own stage");
   using QT = typename Cfg::Q;
   using QRing = ws::Ring<Cfg::kQStages>;
   using Ring = ws::Ring<Cfg::kKvStages>;
@@ -684,8 +709,72 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   // Warpgroup 1 lets warpgroup 0 go first.
   if (wg == 1) pass_turn(1);
   int block_n = 0, tile_n = 0;
+  using Scores = float[1][kNTiles][4];
+  using ScoresAcc = float[kNTiles * 4];
+  // kOverlap: S of the tile in hand, carried from block to block (else each block has its own).
+  [[maybe_unused]] Scores s_carried;
+  [[maybe_unused]] ScoresAcc& s_carried_acc = reinterpret_cast<ScoresAcc&>(s_carried);
+  int item = p.worker_indptr[blockIdx.x] - 1;  // kOverlap: the block's item
+  // The warpgroup's Q tile in Q stage `q_stage_index`.
+  const auto q_tile_of = [&](int q_stage_index) {
+    return base + q_stage_index * Cfg::kQTileBytes + wg * (Cfg::kQTileBytes / 2);
+  };
+  // Paged K/V tiles, and with fp8 Q and the K/V tiles, were written by the producer's threads
+  // (the generic proxy); wgmma reads through the async proxy. (TMA writes through the async
+  // proxy itself.)
+  constexpr bool kGenericWrites = kPaged || Cfg::kFp8;
+  // S_t = Q.K_t^T into s_acc (K stage n, once it has landed; Q: the tile at q_tile).
+  const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile) {
+    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
+    if constexpr (kGenericWrites) sm90::fence_async_shared();
+    const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes;
+    sm90::fence();
+#pragma unroll
+    for (int k = 0; k < Cfg::kDqk / 16; ++k)
+      sm90::mma_ss<typename Cfg::Qk>(s_acc, sm90::k_major(q_tile, Cfg::kWgRows, 0, k),
+                                     sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
+    sm90::commit();
+  };
+  // kOverlap: the operands of block block_n's S_0, Q's tile and K tile n where `real` (once they
+  // have landed), else those of the dummy product, both from Q stage `own` (see above).
+  struct S0Operands {
+    uint32_t q_tile, k_tile;
+  };
+  const auto s0_operands = [&](bool real, int block_n, int n, int own) {
+    if (!real) return S0Operands{q_tile_of(own), base + own * Cfg::kQTileBytes};
+    sm90::mbar_wait(bars.q_full(QRing::stage(block_n)), QRing::full_parity(block_n));
+    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
+    if constexpr (kGenericWrites) sm90::fence_async_shared();
+    return S0Operands{q_tile_of(QRing::stage(block_n)),
+                      base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes};
+  };
+  // One wgmma sequence for both, so that the products in flight never depend on a branch.
+  const auto issue_s0 = [&](const S0Operands& op) {
+    sm90::fence();
+#pragma unroll
+    for (int k = 0; k < Cfg::kDqk / 16; ++k)
+      sm90::mma_ss<typename Cfg::Qk>(s_carried_acc, sm90::k_major(op.q_tile, Cfg::kWgRows, 0, k),
+                                     sm90::k_major(op.k_tile, Cfg::kKvTile, 0, k), k > 0);
+    sm90::commit();
+  };
+  if constexpr (kOverlap) {
+    const int group = p.num_qo_heads / p.num_kv_heads;
+    const S0Operands op = s0_operands(next_block_tiles<Cfg>(p, item, 0, group) > 0, 0, 0, 0);
+    take_turn(wg);
+    issue_s0(op);
+    pass_turn(wg);
+  }
   for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
     const int num_tiles = num_kv_tiles<Cfg>(b);
+    if constexpr (kOverlap) {
+      sm90::wait<0>();  // this block's S_0 (or the dummy)
+      sm90::pin(s_carried_acc);
+      if (b.row0 == 0) {  // a new item (for_each_row_block skips those without rows)
+        do {
+          ++item;
+        } while (p.items[item].q_len == 0);
+      }
+    }
     float o[1][Cfg::kDv / 8][4];
     zero_output(o);
     float(&o_acc)[Cfg::kDv / 2] = reinterpret_cast<float(&)[Cfg::kDv / 2]>(o);
@@ -694,16 +783,17 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     const int qs = QRing::stage(block_n);
     unsigned char* q_stage = smem + qs * Cfg::kQTileBytes;
     sm90::mbar_wait(bars.q_full(qs), QRing::full_parity(block_n));
-    // Paged K/V tiles, and with fp8 Q and the K/V tiles, were written by the producer's threads
-    // (the generic proxy); wgmma reads through the async proxy. (TMA writes through the async
-    // proxy itself.)
-    constexpr bool kGenericWrites = kPaged || Cfg::kFp8;
     if constexpr (Cfg::kFp8) sm90::fence_async_shared();
     // The softmax's factors for this block: the kernel's, or with Q rewritten in f16 scaled by
     // 2^e, times 2^-e (the warp's logits come out 2^e too large).
     float c_blk = c, scale_over_cap_blk = scale_over_cap;
+    // kOverlap: the number of K/V tiles of the next block (-1: none).
+    const int next_tiles = kOverlap ? next_block_tiles<Cfg>(p, item, b.row0, group) : -1;
     if (num_tiles > 0) {
-      const uint32_t q_tile = base + qs * Cfg::kQTileBytes + wg * (Cfg::kQTileBytes / 2);
+      const uint32_t q_tile = q_tile_of(qs);
+      Scores s_block;
+      Scores& s = kOverlap ? s_carried : s_block;
+      ScoresAcc& s_acc = reinterpret_cast<ScoresAcc&>(s);
       if constexpr (Cfg::kQToF16) {
         const float unscale =
             q_rows_to_f16<Cfg>(q_stage + wg * (Cfg::kQTileBytes / 2), cwarp & 3, lane);
@@ -711,21 +801,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         sm90::fence_async_shared();  // this thread's f16 rows -> the warpgroup's wgmma reads
         sm90::barrier_sync(ws::kConsumerBarrier0 + wg, 128);
       }
-      float s[1][kNTiles][4];
-      float(&s_acc)[kNTiles * 4] = reinterpret_cast<float(&)[kNTiles * 4]>(s);
       PFragments<Cfg> pf;  // P of the previous tile, the A operand of its P.V
-      // S_t = Q.K_t^T into s (K stage n, once it has landed).
-      const auto issue_qk = [&](int n) {
-        sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
-        if constexpr (kGenericWrites) sm90::fence_async_shared();
-        const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes;
-        sm90::fence();
-#pragma unroll
-        for (int k = 0; k < Cfg::kDqk / 16; ++k)
-          sm90::mma_ss<typename Cfg::Qk>(s_acc, sm90::k_major(q_tile, Cfg::kWgRows, 0, k),
-                           sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
-        sm90::commit();
-      };
       // O += P_{n}.V_{n} (pf, V stage n). N is 64 dims at head dim 64; else O goes in parts of
       // 128 dims (two 64-dim halves of the V tile each), two parts at head dim 256.
       constexpr int kParts = Cfg::kDv >= 128 ? Cfg::kDv / 128 : 1;
@@ -751,12 +827,14 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         return softmax.update_scores(s, c_blk, corr);
       };
 
-      // Tile 0: S_0 alone.
-      take_turn(wg);
-      issue_qk(tile_n);
-      pass_turn(wg);
-      sm90::wait<0>();
-      sm90::pin(s_acc);
+      // Tile 0: S_0 alone (kOverlap: issued and waited for already).
+      if constexpr (!kOverlap) {
+        take_turn(wg);
+        issue_qk(s_acc, tile_n, q_tile);
+        pass_turn(wg);
+        sm90::wait<0>();
+        sm90::pin(s_acc);
+      }
       if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(tile_n)));
       {
         float corr[1][2];
@@ -771,7 +849,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
         if constexpr (kGenericWrites) sm90::fence_async_shared();
         take_turn(wg);
-        issue_qk(n);
+        issue_qk(s_acc, n, q_tile);
         issue_pv(n - 1);
         pass_turn(wg);
         sm90::wait<1>();  // S_t
@@ -785,17 +863,29 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         if (moved) softmax.rescale(o, corr);
         pack_p<Cfg, typename Cfg::Pv>(s, pf);
       }
-      // The last tile's P.V.
+      // The last tile's P.V (kOverlap: and the next block's S_0 behind it; the wait for P.V
+      // leaves that S_0 in flight).
       const int n = tile_n + num_tiles - 1;
       sm90::mbar_wait(bars.v_full(Ring::stage(n)), Ring::full_parity(n));
       if constexpr (kGenericWrites) sm90::fence_async_shared();
+      [[maybe_unused]] S0Operands next_s0{};
+      if constexpr (kOverlap) next_s0 = s0_operands(next_tiles > 0, block_n + 1, n + 1, qs);
       take_turn(wg);
       sm90::fence();
       issue_pv(n);
+      if constexpr (kOverlap) issue_s0(next_s0);
       pass_turn(wg);
-      sm90::wait<0>();
+      if constexpr (kOverlap)
+        sm90::wait<1>();
+      else
+        sm90::wait<0>();
       sm90::pin(o_acc);
       if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n)));
+    } else if constexpr (kOverlap) {
+      const S0Operands op = s0_operands(next_tiles > 0, block_n + 1, tile_n, qs);
+      take_turn(wg);
+      issue_s0(op);
+      pass_turn(wg);
     }
     float scale[1][2], lse[1][2];
     softmax.finish(c_blk, scale, lse, Cfg::kFp8 ? p.v_scale : 1.0f);
@@ -807,13 +897,14 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     ++block_n;
     tile_n += num_tiles;
   });
+  if constexpr (kOverlap) sm90::wait<0>();  // the last block's dummy S_0
   // Balance the turns: warpgroup 1 passed one more than warpgroup 0 took.
   if (wg == 0) take_turn(0);
 }
 
 // grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h. `maps` is
 // unused with paged or fp8 K/V.
-template <typename QT, int D, int DV, KvFormat F, bool kPaged>
+template <typename QT, int D, int DV, KvFormat F, bool kPaged, bool kOverlap = false>
 __global__ void __launch_bounds__(384, 1)
     prefill_sm90_ws_kernel(const __grid_constant__ AttentionParams p,
                            const __grid_constant__ Sm90TmaMaps maps) {
@@ -851,7 +942,7 @@ __global__ void __launch_bounds__(384, 1)
     produce<Cfg, kPaged>(p, maps, smem, bars, tid);
   } else {
     ws::claim_registers<232>();
-    consume<Cfg, kPaged>(p, smem, bars, tid - 128);
+    consume<Cfg, kPaged, kOverlap>(p, smem, bars, tid - 128);
     if (p.merge_o) ptx::grid_dependency_wait();  // see prefill_kernel
   }
 }
@@ -897,7 +988,8 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
 // Launches the warp-specialized kernel; false (nothing launched) where it does not apply: paged
 // K/V with FLASHKV_PREFILL_SM90_WS_PAGED=0, paged or fp8 K/V in a pool of 2^31 rows or more (the
 // producer addresses rows with 32 bits), or 16-bit ragged K/V in a layout no tensor map can
-// describe.
+// describe. FLASHKV_PREFILL_SM90_OVERLAP=1 takes the kernel whose consumers overlap a block's S_0
+// with the previous block's epilogue where it applies (consume, kOverlap).
 template <typename QT, int D, int DV, KvFormat F>
 bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = Sm90WsConfig<QT, D, DV, F>;
@@ -913,8 +1005,13 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
         !encode_kv_map(&maps.v, p.v, type, p, DV, Cfg::kKvTile, p.v_stride_n, p.v_stride_h))
       return false;
   }
-  const auto kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true>
-                              : prefill_sm90_ws_kernel<QT, D, DV, F, false>;
+  auto kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true>
+                        : prefill_sm90_ws_kernel<QT, D, DV, F, false>;
+  if constexpr (Cfg::kQStages == 2 && !Cfg::kFp8) {
+    if (env_prefill_sm90_overlap())
+      kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true, true>
+                       : prefill_sm90_ws_kernel<QT, D, DV, F, false, true>;
+  }
   detail::cuda_check(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
       "prefill: cudaFuncSetAttribute");
