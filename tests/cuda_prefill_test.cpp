@@ -99,8 +99,8 @@ Inputs make_inputs(const Problem& pr, Rng& rng) {
     const int64_t row = int64_t{pr.hq} * pr.dqk;
     for (int64_t i = 0; i < in.q.numel(); ++i) {
       const int64_t t = i / row;
-      const double m =
-          pr.q_mixed_magnitudes ? std::ldexp(1.0, t % 3 == 0 ? -16 : t % 3 == 1 ? 0 : 6) : 1.0;
+      constexpr int kMixed[3] = {-16, 0, 6};  // exponents of the mixed magnitudes
+      const double m = pr.q_mixed_magnitudes ? std::ldexp(1.0, kMixed[t % 3]) : 1.0;
       store_from_double(in.q.data(), pr.dtype, i,
                         load_as_double(in.q.data(), pr.dtype, i) * m * pr.q_magnitude);
     }
@@ -933,9 +933,8 @@ void for_each_prefill_kernel(Fn&& fn) {
       if (config[3][0] == '1' && dqk != 64 && dqk != 128) continue;  // no such kernel there
       SCOPED_TRACE(testing::Message()
                    << "head dims " << dqk << "/" << dv << " FLASHKV_PREFILL_SM90=" << config[0]
-                   << " FLASHKV_PREFILL_SM90_WS=" << config[1]
-                   << " FLASHKV_PREFILL_SM90_WS_PAGED=" << config[2]
-                   << " FLASHKV_PREFILL_SM90_OVERLAP=" << config[3]);
+                   << " FLASHKV_PREFILL_SM90_WS=" << config[1] << " FLASHKV_PREFILL_SM90_WS_PAGED="
+                   << config[2] << " FLASHKV_PREFILL_SM90_OVERLAP=" << config[3]);
       test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
       test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
       test::ScopedEnv ws_paged("FLASHKV_PREFILL_SM90_WS_PAGED", config[2]);

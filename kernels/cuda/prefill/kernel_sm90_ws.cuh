@@ -612,8 +612,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
 // as they are. Returns 2^-e. Lane l takes row l % 16 and half the row's 16-byte chunks, so that
 // the 8 lanes of a shared-memory phase hit 8 rows (8 different swizzled bank groups).
 template <typename Cfg>
-__device__ __forceinline__ float q_rows_to_f16(unsigned char* wg_q_tile, int warp_in_wg,
-                                               int lane) {
+__device__ __forceinline__ float q_rows_to_f16(unsigned char* wg_q_tile, int warp_in_wg, int lane) {
   constexpr int kMine = Cfg::kDqk / 16;  // a lane's chunks of 8 values: half a row
   const int row = 16 * warp_in_wg + (lane & 15), first = (lane >> 4) * kMine;
   const auto chunk = [&](int i) {
@@ -637,8 +636,7 @@ __device__ __forceinline__ float q_rows_to_f16(unsigned char* wg_q_tile, int war
 #pragma unroll
   for (int d = 16; d >= 1; d /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
   // e = 14 - floor(log2 m), kept where both 2^e and 2^-e are normal floats; m = 0: e = 0.
-  const int e = m > 0.0f ? max(-126, min(126, 14 - (((__float_as_int(m) >> 23) & 0xff) - 127)))
-                         : 0;
+  const int e = m > 0.0f ? max(-126, min(126, 14 - (((__float_as_int(m) >> 23) & 0xff) - 127))) : 0;
   const float up = __int_as_float((127 + e) << 23);
 #pragma unroll
   for (int i = 0; i < kMine; ++i) {
