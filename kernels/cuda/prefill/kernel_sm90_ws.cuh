@@ -721,17 +721,21 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   // (the generic proxy); wgmma reads through the async proxy. (TMA writes through the async
   // proxy itself.)
   constexpr bool kGenericWrites = kPaged || Cfg::kFp8;
-  // S_t = Q.K_t^T into s_acc (K stage n, once it has landed; Q: the tile at q_tile).
-  const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile) {
-    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
-    if constexpr (kGenericWrites) sm90::fence_async_shared();
-    const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes;
+  // S = Q.K^T into s_acc, one product group (Q: the warpgroup's tile at q_tile, K: the tile at
+  // k_tile).
+  const auto qk_products = [&](ScoresAcc& s_acc, uint32_t q_tile, uint32_t k_tile) {
     sm90::fence();
 #pragma unroll
     for (int k = 0; k < Cfg::kDqk / 16; ++k)
       sm90::mma_ss<typename Cfg::Qk>(s_acc, sm90::k_major(q_tile, Cfg::kWgRows, 0, k),
                                      sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
     sm90::commit();
+  };
+  // S_t = Q.K_t^T into s_acc (K stage n, once it has landed).
+  const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile) {
+    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
+    if constexpr (kGenericWrites) sm90::fence_async_shared();
+    qk_products(s_acc, q_tile, base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes);
   };
   // kOverlap: the operands of block block_n's S_0, Q's tile and K tile n where `real` (once they
   // have landed), else those of the dummy product, both from Q stage `own` (see above).
@@ -748,12 +752,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   };
   // One wgmma sequence for both, so that the products in flight never depend on a branch.
   const auto issue_s0 = [&](const S0Operands& op) {
-    sm90::fence();
-#pragma unroll
-    for (int k = 0; k < Cfg::kDqk / 16; ++k)
-      sm90::mma_ss<typename Cfg::Qk>(s_carried_acc, sm90::k_major(op.q_tile, Cfg::kWgRows, 0, k),
-                                     sm90::k_major(op.k_tile, Cfg::kKvTile, 0, k), k > 0);
-    sm90::commit();
+    qk_products(s_carried_acc, op.q_tile, op.k_tile);
   };
   if constexpr (kOverlap) {
     const int group = p.num_qo_heads / p.num_kv_heads;
