@@ -86,9 +86,9 @@ __device__ __forceinline__ void zero_output(float (&o)[kMTiles][kDvTiles][4]) {
       for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.0f;
 }
 
-// P (the softmax numerators s) rounded to the 16-bit type QT (V's: Q's but with the Hopper
-// kernel's bulk-copied fp8 K/V), as MMA A fragments: the C fragments of key tiles 2kk and 2kk+1
-// are exactly the A fragment of k16 step kk.
+// P (the softmax numerators s) rounded to the 16-bit type QT, V's (Q's, but f16 where the Hopper
+// kernel widens fp8 K/V), as MMA A fragments: the C fragments of key tiles 2kk and 2kk+1 are
+// exactly the A fragment of k16 step kk.
 template <typename Cfg>
 using PFragments = uint32_t[Cfg::kMTiles][Cfg::kKvTile / 16][4];
 
