@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A model of how the warp-specialized Hopper prefill kernel's warpgroups hand stages to each other
-(kernels/cuda/prefill/kernel_sm90_ws.cuh: `produce` for 16-bit ragged K/V with two Q stages,
-and `consume` with and without kOverlap), checked over random row-block sequences and random
+(kernels/cuda/prefill/sm90_ws_producer.cuh: `produce` for 16-bit ragged K/V with two Q stages;
+sm90_ws_consumer.cuh: `consume` with and without kOverlap), checked over random row-block sequences and random
 interleavings of the three warpgroups.
 
 The producer and the two consumer warpgroups are generators that yield where they wait. Modelled:

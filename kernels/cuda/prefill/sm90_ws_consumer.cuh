@@ -1,0 +1,317 @@
+// The warp-specialized Hopper prefill kernel (kernel_sm90_ws.cuh), part 3: the two consumer
+// warpgroups, which issue the products, run the masks and the online softmax, and store the
+// output.
+//
+// Included by kernel_sm90_ws.cuh.
+#pragma once
+
+#include <cstdint>
+
+#include "common/convert.cuh"
+#include "flashkv/kernels/params.h"
+#include "prefill/epilogue.cuh"
+#include "prefill/mainloop.cuh"
+#include "prefill/mask.cuh"
+#include "prefill/sm90_ws_config.cuh"
+#include "prefill/softmax.cuh"
+#include "prefill/wgmma.cuh"
+
+namespace flashkv::cuda::prefill_detail {
+
+// fp8 K/V with bf16 Q: consumer warp w of a warpgroup rewrites its 16 rows of the warpgroup's
+// [64, D] Q tile from bf16 to f16, each value times 2^e, one e for the warp's rows, chosen from
+// their largest finite |q|, m, so that m lands in [2^14, 2^15) (f16's top binade is [2^15,
+// 65504]). Every value from 2^-32 m up converts exactly (down to there f16 holds bf16's 8
+// significant bits), smaller ones to within 2^-39 m, so a logit's error is at most 2^-39 of the
+// largest any of the rows could make with that key (m times the sum of its |k|); inf and NaN stay
+// as they are. Returns 2^-e. Lane l takes row l % 16 and half the row's 16-byte chunks, so that
+// the 8 lanes of a shared-memory phase hit 8 rows (8 different swizzled bank groups).
+template <typename Cfg>
+__device__ __forceinline__ float q_rows_to_f16(unsigned char* wg_q_tile, int warp_in_wg, int lane) {
+  constexpr int kMine = Cfg::kDqk / 16;  // a lane's chunks of 8 values: half a row
+  const int row = 16 * warp_in_wg + (lane & 15), first = (lane >> 4) * kMine;
+  const auto chunk = [&](int i) {
+    return reinterpret_cast<uint4*>(wg_q_tile + sm90::tile_offset(64, row, first + i));
+  };
+  const auto finite_abs = [](float x) {
+    const float a = fabsf(x);
+    return a < __int_as_float(0x7f800000) ? a : 0.0f;  // NaN compares false
+  };
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kMine; ++i) {
+    const uint4 raw = *chunk(i);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float2 f = unpack2<__nv_bfloat16>(words[w]);
+      m = fmaxf(m, fmaxf(finite_abs(f.x), finite_abs(f.y)));
+    }
+  }
+#pragma unroll
+  for (int d = 16; d >= 1; d /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+  // e = 14 - floor(log2 m), kept where both 2^e and 2^-e are normal floats; m = 0: e = 0.
+  const int e = m > 0.0f ? max(-126, min(126, 14 - (((__float_as_int(m) >> 23) & 0xff) - 127))) : 0;
+  const float up = __int_as_float((127 + e) << 23);
+#pragma unroll
+  for (int i = 0; i < kMine; ++i) {
+    const uint4 raw = *chunk(i);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+    uint32_t out[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float2 f = unpack2<__nv_bfloat16>(words[w]);
+      out[w] = pack2<__half>(f.x * up, f.y * up);
+    }
+    *chunk(i) = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+  return __int_as_float((127 - e) << 23);
+}
+
+// A consumer warpgroup's turn to issue its products: wait for it, then (after issuing) pass it.
+__device__ __forceinline__ void take_turn(int wg) {
+  sm90::barrier_sync(ws::kTurnBarrier0 + wg, 256);
+}
+__device__ __forceinline__ void pass_turn(int wg) {
+  sm90::barrier_arrive(ws::kTurnBarrier0 + (wg ^ 1), 256);
+}
+
+// The row block of this CTA's walk (for_each_row_block's order) after the one at packed row `row0`
+// of item `item` (the first block: item = the worker's first - 1), for a consumer that looks
+// ahead: its number of K/V tiles, or -1 where there is none.
+template <typename Cfg>
+__device__ __forceinline__ int next_block_tiles(const AttentionParams& p, int item, int row0,
+                                                int group) {
+  if (item >= p.worker_indptr[blockIdx.x] && row0 + Cfg::kCtaRows < p.items[item].q_len * group)
+    return num_kv_tiles<Cfg>(
+        make_row_block(p, p.items[item], group, row0 + Cfg::kCtaRows, Cfg::kCtaRows));
+  for (int i = item + 1; i < p.worker_indptr[blockIdx.x + 1]; ++i)
+    if (p.items[i].q_len > 0)
+      return num_kv_tiles<Cfg>(make_row_block(p, p.items[i], group, 0, Cfg::kCtaRows));
+  return -1;
+}
+
+// The consumer warpgroups (threads 128..383; `ctid` is the thread's index among them).
+// kOverlap (FLASHKV_PREFILL_SM90_OVERLAP=1; two Q stages and 16-bit K/V only): a block's S_0 is
+// issued before the block starts, with the previous block's last P.V, so that it runs under that
+// block's epilogue instead of alone after it (the next block's Q has its own stage, and its first
+// K tile follows the last one in the ring); the first block's before the walk, and one after a
+// block without keys in that block's place. Every block thus starts with one S_0 in flight and
+// ends having issued the next: where the next block has no keys (or there is none) that S_0 is a
+// dummy product of the block's own Q stage, discarded. ptxas serialises every wgmma of the kernel
+// where the products in flight differ between paths (a product issued under a condition).
+template <typename Cfg, bool kPaged, bool kOverlap = false>
+__device__ __forceinline__ void consume(const AttentionParams& p, unsigned char* smem,
+                                        const WsBarriers<Cfg>& bars, int ctid) {
+  static_assert(!kOverlap || (Cfg::kQStages == 2 && !Cfg::kFp8),
+                "the overlap needs the next block's Q in its own stage");
+  using QT = typename Cfg::Q;
+  using QRing = ws::Ring<Cfg::kQStages>;
+  using Ring = ws::Ring<Cfg::kKvStages>;
+  constexpr int kNTiles = Cfg::kKvTile / 8;
+  const int lane = ctid & 31, cwarp = ctid >> 5, wg = cwarp >> 2;
+  const int warp_row0 = cwarp * Cfg::kRowsPerWarp;
+  const uint32_t base = smem_addr(smem);
+
+  // Logit scale (fp8 K's scale folds in here) and the softmax's base-2 factor.
+  const float logit_scale = p.sm_scale * (Cfg::kFp8 ? p.k_scale : 1.0f);
+  const bool soft_cap = p.logits_soft_cap > 0.0f;
+  const float c = soft_cap ? kLog2e : logit_scale * kLog2e;
+  const float scale_over_cap = soft_cap ? logit_scale / p.logits_soft_cap : 0.0f;
+
+  // Warpgroup 1 lets warpgroup 0 go first.
+  if (wg == 1) pass_turn(1);
+  int block_n = 0, tile_n = 0;
+  using Scores = float[1][kNTiles][4];
+  using ScoresAcc = float[kNTiles * 4];
+  // kOverlap: S of the tile in hand, carried from block to block (else each block has its own).
+  [[maybe_unused]] Scores s_carried;
+  [[maybe_unused]] ScoresAcc& s_carried_acc = reinterpret_cast<ScoresAcc&>(s_carried);
+  int item = p.worker_indptr[blockIdx.x] - 1;  // kOverlap: the block's item
+  // The warpgroup's Q tile in Q stage `q_stage_index`.
+  const auto q_tile_of = [&](int q_stage_index) {
+    return base + q_stage_index * Cfg::kQTileBytes + wg * (Cfg::kQTileBytes / 2);
+  };
+  // Paged K/V tiles, and with fp8 Q and the K/V tiles, were written by the producer's threads
+  // (the generic proxy); wgmma reads through the async proxy. (TMA writes through the async
+  // proxy itself.)
+  constexpr bool kGenericWrites = kPaged || Cfg::kFp8;
+  // S = Q.K^T into s_acc, one product group (Q: the warpgroup's tile at q_tile, K: the tile at
+  // k_tile).
+  const auto qk_products = [&](ScoresAcc& s_acc, uint32_t q_tile, uint32_t k_tile) {
+    sm90::fence();
+#pragma unroll
+    for (int k = 0; k < Cfg::kDqk / 16; ++k)
+      sm90::mma_ss<typename Cfg::Qk>(s_acc, sm90::k_major(q_tile, Cfg::kWgRows, 0, k),
+                                     sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
+    sm90::commit();
+  };
+  // S_t = Q.K_t^T into s_acc (K stage n, once it has landed).
+  const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile) {
+    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
+    if constexpr (kGenericWrites) sm90::fence_async_shared();
+    qk_products(s_acc, q_tile, base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes);
+  };
+  // kOverlap: the operands of block block_n's S_0, Q's tile and K tile n where `real` (once they
+  // have landed), else those of the dummy product, both from Q stage `own` (see above).
+  struct S0Operands {
+    uint32_t q_tile, k_tile;
+  };
+  const auto s0_operands = [&](bool real, int block_n, int n, int own) {
+    if (!real) return S0Operands{q_tile_of(own), base + own * Cfg::kQTileBytes};
+    sm90::mbar_wait(bars.q_full(QRing::stage(block_n)), QRing::full_parity(block_n));
+    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
+    if constexpr (kGenericWrites) sm90::fence_async_shared();
+    return S0Operands{q_tile_of(QRing::stage(block_n)),
+                      base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes};
+  };
+  // One wgmma sequence for both, so that the products in flight never depend on a branch.
+  const auto issue_s0 = [&](const S0Operands& op) {
+    qk_products(s_carried_acc, op.q_tile, op.k_tile);
+  };
+  if constexpr (kOverlap) {
+    const int group = p.num_qo_heads / p.num_kv_heads;
+    const S0Operands op = s0_operands(next_block_tiles<Cfg>(p, item, 0, group) > 0, 0, 0, 0);
+    take_turn(wg);
+    issue_s0(op);
+    pass_turn(wg);
+  }
+  for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
+    const int num_tiles = num_kv_tiles<Cfg>(b);
+    if constexpr (kOverlap) {
+      sm90::wait<0>();  // this block's S_0 (or the dummy)
+      sm90::pin(s_carried_acc);
+      if (b.row0 == 0) {  // a new item (for_each_row_block skips those without rows)
+        do {
+          ++item;
+        } while (p.items[item].q_len == 0);
+      }
+    }
+    float o[1][Cfg::kDv / 8][4];
+    zero_output(o);
+    float(&o_acc)[Cfg::kDv / 2] = reinterpret_cast<float(&)[Cfg::kDv / 2]>(o);
+    OnlineSoftmax<1> softmax;
+    softmax.init();
+    const int qs = QRing::stage(block_n);
+    unsigned char* q_stage = smem + qs * Cfg::kQTileBytes;
+    sm90::mbar_wait(bars.q_full(qs), QRing::full_parity(block_n));
+    if constexpr (Cfg::kFp8) sm90::fence_async_shared();
+    // The softmax's factors for this block: the kernel's, or with Q rewritten in f16 scaled by
+    // 2^e, times 2^-e (the warp's logits come out 2^e too large).
+    float c_blk = c, scale_over_cap_blk = scale_over_cap;
+    // kOverlap: the number of K/V tiles of the next block (-1: none).
+    const int next_tiles = kOverlap ? next_block_tiles<Cfg>(p, item, b.row0, group) : -1;
+    if (num_tiles > 0) {
+      const uint32_t q_tile = q_tile_of(qs);
+      Scores s_block;
+      Scores& s = kOverlap ? s_carried : s_block;
+      ScoresAcc& s_acc = reinterpret_cast<ScoresAcc&>(s);
+      if constexpr (Cfg::kQToF16) {
+        const float unscale =
+            q_rows_to_f16<Cfg>(q_stage + wg * (Cfg::kQTileBytes / 2), cwarp & 3, lane);
+        (soft_cap ? scale_over_cap_blk : c_blk) *= unscale;
+        sm90::fence_async_shared();  // this thread's f16 rows -> the warpgroup's wgmma reads
+        sm90::barrier_sync(ws::kConsumerBarrier0 + wg, 128);
+      }
+      PFragments<Cfg> pf;  // P of the previous tile, the A operand of its P.V
+      // O += P_{n}.V_{n} (pf, V stage n). N is 64 dims at head dim 64; else O goes in parts of
+      // 128 dims (two 64-dim halves of the V tile each), two parts at head dim 256.
+      constexpr int kParts = Cfg::kDv >= 128 ? Cfg::kDv / 128 : 1;
+      constexpr int kPartAcc = Cfg::kDv / 2 / kParts;
+      float(&o_parts)[kParts][kPartAcc] = reinterpret_cast<float(&)[kParts][kPartAcc]>(o);
+      const auto issue_pv = [&](int n) {
+        const uint32_t v_tile = base + Cfg::kVOffset + Ring::stage(n) * Cfg::kVTileBytes;
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
+#pragma unroll
+          for (int part = 0; part < kParts; ++part)
+            sm90::mma_rs<typename Cfg::Pv>(
+                o_parts[part], pf[0][kk],
+                sm90::n_major(v_tile + part * 2 * Cfg::kKvTile * 128, Cfg::kKvTile, kk));
+        sm90::commit();
+      };
+      // The soft cap, the mask and the online softmax of tile t: s becomes P (in place).
+      const auto scores = [&](int t, float(&corr)[1][2]) {
+        const int j0 = b.kv_lo + t * Cfg::kKvTile;
+        if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap_blk);
+        if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
+          apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
+        return softmax.update_scores(s, c_blk, corr);
+      };
+
+      // Tile 0: S_0 alone (kOverlap: issued and waited for already).
+      if constexpr (!kOverlap) {
+        take_turn(wg);
+        issue_qk(s_acc, tile_n, q_tile);
+        pass_turn(wg);
+        sm90::wait<0>();
+        sm90::pin(s_acc);
+      }
+      if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(tile_n)));
+      {
+        float corr[1][2];
+        scores(0, corr);  // O is still 0: nothing to rescale
+        pack_p<Cfg, typename Cfg::Pv>(s, pf);
+      }
+      // Tile t: S_t, then P_{t-1}.V_{t-1} behind it, which runs while S_t is read. (ptxas waits
+      // for P.V before the softmax's exponentials, short of registers otherwise, so the overlap
+      // left is between the warpgroups.)
+      for (int t = 1; t < num_tiles; ++t) {
+        const int n = tile_n + t;
+        sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
+        if constexpr (kGenericWrites) sm90::fence_async_shared();
+        take_turn(wg);
+        issue_qk(s_acc, n, q_tile);
+        issue_pv(n - 1);
+        pass_turn(wg);
+        sm90::wait<1>();  // S_t
+        sm90::pin(s_acc);
+        if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(n)));
+        float corr[1][2];
+        const bool moved = scores(t, corr);
+        sm90::wait<0>();  // P_{t-1}.V_{t-1}: O, pf and V stage n - 1 are free
+        sm90::pin(o_acc);
+        if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));
+        if (moved) softmax.rescale(o, corr);
+        pack_p<Cfg, typename Cfg::Pv>(s, pf);
+      }
+      // The last tile's P.V (kOverlap: and the next block's S_0 behind it; the wait for P.V
+      // leaves that S_0 in flight).
+      const int n = tile_n + num_tiles - 1;
+      sm90::mbar_wait(bars.v_full(Ring::stage(n)), Ring::full_parity(n));
+      if constexpr (kGenericWrites) sm90::fence_async_shared();
+      [[maybe_unused]] S0Operands next_s0{};
+      if constexpr (kOverlap) next_s0 = s0_operands(next_tiles > 0, block_n + 1, n + 1, qs);
+      take_turn(wg);
+      sm90::fence();
+      issue_pv(n);
+      if constexpr (kOverlap) issue_s0(next_s0);
+      pass_turn(wg);
+      if constexpr (kOverlap)
+        sm90::wait<1>();
+      else
+        sm90::wait<0>();
+      sm90::pin(o_acc);
+      if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n)));
+    } else if constexpr (kOverlap) {
+      const S0Operands op = s0_operands(next_tiles > 0, block_n + 1, tile_n, qs);
+      take_turn(wg);
+      issue_s0(op);
+      pass_turn(wg);
+    }
+    float scale[1][2], lse[1][2];
+    softmax.finish(c_blk, scale, lse, Cfg::kFp8 ? p.v_scale : 1.0f);
+    // A merged store stages the state in the warp's Q rows, which hold other warps' rows of the
+    // same warpgroup: the warpgroup must be past its last Q.K^T first.
+    if (p.merge_o != nullptr && b.partial < 0) sm90::barrier_sync(ws::kConsumerBarrier0 + wg, 128);
+    store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, q_stage, o, scale, lse);
+    if (lane == 0) sm90::mbar_arrive(bars.q_empty(qs));
+    ++block_n;
+    tile_n += num_tiles;
+  });
+  if constexpr (kOverlap) sm90::wait<0>();  // the last block's dummy S_0
+  // Balance the turns: warpgroup 1 passed one more than warpgroup 0 took.
+  if (wg == 0) take_turn(0);
+}
+
+}  // namespace flashkv::cuda::prefill_detail

@@ -1,0 +1,384 @@
+// The warp-specialized Hopper prefill kernel (kernel_sm90_ws.cuh), part 2: the producer
+// warpgroup, which fills the Q, K and V stages: TMA copies of ragged 16-bit K/V, cp.async gathers
+// of paged K/V, and fp8 K/V copied into a staging ring and widened.
+//
+// Included by kernel_sm90_ws.cuh.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/convert.cuh"
+#include "common/paging.cuh"
+#include "flashkv/kernels/params.h"
+#include "prefill/load.cuh"
+#include "prefill/mask.cuh"
+#include "prefill/primitives.cuh"
+#include "prefill/sm90_ws_config.cuh"
+#include "prefill/wgmma.cuh"
+
+namespace flashkv::cuda::prefill_detail {
+
+// Paged K/V: producer thread t's key of a tile, key t (its kv_indices entry is loaded a tile
+// ahead, so the load's latency passes while the tile before is copied).
+struct PagedKey {
+  int32_t entry = 0;  // the kv_indices entry (slot, or page) of key j of the next fetch
+
+  __device__ __forceinline__ void fetch(const AttentionParams& p, const RowBlock& b, int j) {
+    entry = j < b.kv_hi ? p.kv_indices[b.kv_base + page_index(p, j)] : 0;
+  }
+  // The pool row of key j (fetched last), clamped into the pool so that a bad index can never
+  // address outside it; -1 past the block's keys.
+  __device__ __forceinline__ int32_t row(const AttentionParams& p, const RowBlock& b, int j) const {
+    return j < b.kv_hi ? static_cast<int32_t>(paged_pool_row(p, entry, j)) : -1;
+  }
+};
+
+// Copies one operand (K or V) of a paged tile into a stage: warp w of the producer copies keys
+// 32w .. 32w + 31, whose rows its own lanes hold (`key_row`, -1: zero-fill), 4 rows a pass and 8
+// threads a row, each thread the row's 16-byte chunk c of each of the kHalves 64-dim halves
+// (c = lane % 8).
+template <typename Cfg, int kHalves>
+__device__ __forceinline__ void copy_paged_operand(const typename Cfg::Q* src, int64_t stride_n,
+                                                   int64_t head_off, int32_t key_row,
+                                                   unsigned char* stage, int warp, int lane) {
+  const int c = lane & 7;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int holder = 4 * i + (lane >> 3);
+    const int32_t r = __shfl_sync(0xffffffffu, key_row, holder);
+    const int key = 32 * warp + holder;
+    const bool valid = r >= 0;
+    const typename Cfg::Q* row_src = src + (valid ? r * stride_n + head_off + c * 8 : 0);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+      cp_async_16(stage + sm90::tile_offset(Cfg::kKvTile, key, c + 8 * h), row_src + 64 * h,
+                  valid ? 16 : 0);
+  }
+}
+
+// The producer's K/V tiles [t_begin, t_end) of one row block, ragged K/V: TMA copies of whole
+// tiles by thread 0; the warpgroup copies a tile that runs past the block's keys. `tile_n` counts
+// the ring's uses.
+template <typename Cfg>
+__device__ __forceinline__ void produce_ragged_tiles(const AttentionParams& p,
+                                                     const Sm90TmaMaps& maps, unsigned char* smem,
+                                                     const WsBarriers<Cfg>& bars, const RowBlock& b,
+                                                     int kv_head, int t_begin, int t_end,
+                                                     int& tile_n, int tid) {
+  using QT = typename Cfg::Q;
+  using Ring = ws::Ring<Cfg::kKvStages>;
+  const uint32_t base = smem_addr(smem);
+  for (int t = t_begin; t < t_end; ++t, ++tile_n) {
+    const int j0 = b.kv_lo + t * Cfg::kKvTile;
+    const int s = Ring::stage(tile_n);
+    const uint32_t k_dst = base + Cfg::kKOffset + s * Cfg::kKTileBytes;
+    const uint32_t v_dst = base + Cfg::kVOffset + s * Cfg::kVTileBytes;
+    const int row = b.kv_base + j0;  // ragged: K/V row of key j0
+    if (j0 + Cfg::kKvTile <= b.kv_hi) {
+      if (tid == 0) {
+        sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
+        constexpr uint32_t kHalfBytes = Cfg::kKvTile * 128;
+        ws::arrive_expect_tx(bars.k_full(s), Cfg::kKTileBytes);
+#pragma unroll
+        for (int h = 0; h < Cfg::kQkHalves; ++h)
+          ws::tma_load_3d(k_dst + h * kHalfBytes, &maps.k, 64 * h, kv_head, row, bars.k_full(s));
+        sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
+        ws::arrive_expect_tx(bars.v_full(s), Cfg::kVTileBytes);
+#pragma unroll
+        for (int h = 0; h < Cfg::kVHalves; ++h)
+          ws::tma_load_3d(v_dst + h * kHalfBytes, &maps.v, 64 * h, kv_head, row, bars.v_full(s));
+      }
+      continue;
+    }
+    // The block's last tile runs past its keys: copy the keys in range, zero the rest. Only
+    // thread 0 has waited for every earlier use of the ring (a parity wait tells phases apart
+    // only one apart), so it waits for the stage and the others follow it.
+    if (tid == 0) {
+      sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
+      sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
+    }
+    sm90::barrier_sync(ws::kProducerBarrier, 128);
+    const QT* k = static_cast<const QT*>(p.k) + static_cast<int64_t>(kv_head) * p.k_stride_h;
+    const QT* v = static_cast<const QT*>(p.v) + static_cast<int64_t>(kv_head) * p.v_stride_h;
+#pragma unroll 2
+    for (int i = 0; i < Cfg::kKvTile / 16; ++i) {
+      const int key = (tid >> 3) + 16 * i;
+      const bool valid = j0 + key < b.kv_hi;
+      const int64_t r = valid ? static_cast<int64_t>(row) + key : 0;
+      const QT* k_src = k + r * p.k_stride_n + (tid & 7) * 8;
+      const QT* v_src = v + r * p.v_stride_n + (tid & 7) * 8;
+      constexpr int kHalves = Cfg::kQkHalves > Cfg::kVHalves ? Cfg::kQkHalves : Cfg::kVHalves;
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        const uint32_t off = sm90::tile_offset(Cfg::kKvTile, key, (tid & 7) + 8 * h);
+        if (h < Cfg::kQkHalves)
+          cp_async_16(smem + (k_dst - base) + off, k_src + 64 * h, valid ? 16 : 0);
+        if (h < Cfg::kVHalves)
+          cp_async_16(smem + (v_dst - base) + off, v_src + 64 * h, valid ? 16 : 0);
+      }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    sm90::fence_async_shared();
+    sm90::barrier_sync(ws::kProducerBarrier, 128);
+    if (tid == 0) {
+      sm90::mbar_arrive(bars.k_full(s));
+      sm90::mbar_arrive(bars.v_full(s));
+    }
+  }
+}
+
+// The producer's K/V tiles [t_begin, t_end) of one row block, paged K/V: every thread waits for
+// every use of a stage itself (so none skips a phase), copies its part of the tile, and its copies
+// arrive on the stage's full barrier when they land.
+template <typename Cfg>
+__device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, unsigned char* smem,
+                                                    const WsBarriers<Cfg>& bars, const RowBlock& b,
+                                                    int kv_head, int t_begin, int t_end,
+                                                    int& tile_n, int tid) {
+  using QT = typename Cfg::Q;
+  using Ring = ws::Ring<Cfg::kKvStages>;
+  const int warp = tid >> 5, lane = tid & 31;
+  const QT* k = static_cast<const QT*>(p.k);
+  const QT* v = static_cast<const QT*>(p.v);
+  const int64_t k_head = static_cast<int64_t>(kv_head) * p.k_stride_h;
+  const int64_t v_head = static_cast<int64_t>(kv_head) * p.v_stride_h;
+  // Thread t holds key t of each tile; with 64-key tiles the upper two warps hold none and copy
+  // nothing, but still arrive on the full barriers (which count all 128 threads).
+  const bool holds_key = tid < Cfg::kKvTile;
+  const bool copies = warp < Cfg::kKvTile / 32;
+  PagedKey key;
+  if (t_begin < t_end && holds_key) key.fetch(p, b, b.kv_lo + t_begin * Cfg::kKvTile + tid);
+  for (int t = t_begin; t < t_end; ++t, ++tile_n) {
+    const int j = b.kv_lo + t * Cfg::kKvTile + tid;
+    const int32_t key_row = holds_key ? key.row(p, b, j) : -1;
+    if (holds_key && t + 1 < t_end) key.fetch(p, b, j + Cfg::kKvTile);
+    const int s = Ring::stage(tile_n);
+    sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
+    if (copies)
+      copy_paged_operand<Cfg, Cfg::kQkHalves>(k, p.k_stride_n, k_head, key_row,
+                                              smem + Cfg::kKOffset + s * Cfg::kKTileBytes, warp,
+                                              lane);
+    ws::cp_async_arrive_noinc(bars.k_full(s));
+    sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
+    if (copies)
+      copy_paged_operand<Cfg, Cfg::kVHalves>(v, p.v_stride_n, v_head, key_row,
+                                             smem + Cfg::kVOffset + s * Cfg::kVTileBytes, warp,
+                                             lane);
+    ws::cp_async_arrive_noinc(bars.v_full(s));
+  }
+}
+
+// The block's 128 packed Q rows into Q stage `qs`, 8 threads a row, 16 chunks each; padding rows
+// zero-filled. A block without keys copies nothing (its epilogue may stage a merge state there).
+template <typename Cfg>
+__device__ __forceinline__ void copy_q_block(const AttentionParams& p, const RowBlock& b,
+                                             int kv_head, int group, bool has_keys,
+                                             unsigned char* q_stage, int tid) {
+  using QT = typename Cfg::Q;
+#pragma unroll
+  for (int i = 0; i < (has_keys ? Cfg::kCtaRows / 16 : 0); ++i) {
+    const int row = (tid >> 3) + 16 * i;
+    bool valid;
+    const QT* src = q_row_source<QT>(p, b, kv_head, group, row, (tid & 7) * 8, valid);
+#pragma unroll
+    for (int h = 0; h < Cfg::kQkHalves; ++h)
+      cp_async_16(q_stage + q_stage_offset<Cfg::kDqk>(row, (tid & 7) + 8 * h),
+                  valid ? src + 64 * h : src, valid ? 16 : 0);
+  }
+}
+
+// fp8 K/V. Each producer warp takes a quarter of a tile's keys; lane l < kKvTile / 4 of warp w
+// holds key w * kKvTile / 4 + l (its pool row). The warp copies those keys' rows kRowsPerPass
+// rows a pass, kLanes lanes a row, each lane the row's 16-byte chunks (16 fp8 values) c, c +
+// kLanes, .. (c = lane % kLanes). A lane later widens exactly the chunks it copied, so it needs no
+// barrier with the others between its copies and its reads.
+template <typename Cfg, int kDim, typename Out>
+struct Fp8Operand {
+  static constexpr int kLanes = kDim / 16 < 8 ? kDim / 16 : 8;  // lanes a row
+  static constexpr int kRowsPerPass = 32 / kLanes;
+  static constexpr int kKeysPerWarp = Cfg::kKvTile / 4;
+  static constexpr int kPasses = kKeysPerWarp / kRowsPerPass;
+  static constexpr int kChunks = kDim / 16 / kLanes;  // a lane's chunks of a row
+
+  // The row of a pass this lane copies and widens. fp8 chunk q widens to 16-bit chunks 2q and 2q +
+  // 1, in the 64-dim half q / 4, whose swizzled places in a row are {0, 2, 4, 6} ^ (row % 8) for
+  // the first of each pair. With 8 lanes a row, lanes 4-7 of each group of 8 (chunks in an odd
+  // half) take the row next to their group's, so that the 8 lanes of a store phase hit 8
+  // different bank groups (and 64 bytes of each of two rows when they read or copy).
+  static __device__ __forceinline__ int row_in_pass(int lane) {
+    const int row = lane / kLanes;
+    return kLanes == 8 ? row ^ ((lane >> 2) & 1) : row;
+  }
+
+  // Copies the operand's fp8 rows (`key_row`: the pool row of the key this lane holds; -1:
+  // zero-fill) into the staging tile [kKvTile, kDim] bytes.
+  static __device__ __forceinline__ void copy(const unsigned char* src, int64_t stride_n,
+                                              int64_t head_off, int32_t key_row,
+                                              unsigned char* staging) {
+    const int tid = ws::tid_here(), warp = tid >> 5, lane = tid & 31, c = lane % kLanes;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int holder = kRowsPerPass * i + row_in_pass(lane);
+      const int32_t r = __shfl_sync(0xffffffffu, key_row, holder);
+      const int key = kKeysPerWarp * warp + holder;
+      const bool valid = r >= 0;
+      const unsigned char* row_src = src + (valid ? r * stride_n + head_off : 0);
+#pragma unroll
+      for (int m = 0; m < kChunks; ++m)
+        cp_async_16(staging + key * kDim + (c + kLanes * m) * 16, row_src + (c + kLanes * m) * 16,
+                    valid ? 16 : 0);
+    }
+  }
+
+  // 16 fp8 values to pairs of Out, by the hardware conversions (fp8_pair_to_16: one instruction a
+  // pair to f16, three to bf16). An integer path for bf16 (byte placement and an exact multiply)
+  // ran slower: the producer is short of issue slots, not of conversion throughput
+  // (docs/perf/prefill.md).
+  static __device__ __forceinline__ void widen_chunk(const uint32_t (&words)[4],
+                                                     uint32_t (&out)[8]) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      out[2 * w] = fp8_pair_to_16<Out, Cfg::kKvFormat, false>(words[w]);
+      out[2 * w + 1] = fp8_pair_to_16<Out, Cfg::kKvFormat, true>(words[w]);
+    }
+  }
+
+  // Widens the chunks this lane copied into the swizzled 16-bit tile.
+  static __device__ __forceinline__ void widen(const unsigned char* staging, unsigned char* tile) {
+    const int tid = ws::tid_here(), warp = tid >> 5, lane = tid & 31, c = lane % kLanes;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int key = kKeysPerWarp * warp + kRowsPerPass * i + row_in_pass(lane);
+#pragma unroll
+      for (int m = 0; m < kChunks; ++m) {
+        const int q = c + kLanes * m;
+        const uint4 raw = *reinterpret_cast<const uint4*>(staging + key * kDim + q * 16);
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+        uint32_t out[8];
+        widen_chunk(words, out);
+        *reinterpret_cast<uint4*>(tile + sm90::tile_offset(Cfg::kKvTile, key, 2 * q)) =
+            make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(tile + sm90::tile_offset(Cfg::kKvTile, key, 2 * q + 1)) =
+            make_uint4(out[4], out[5], out[6], out[7]);
+      }
+    }
+  }
+};
+
+// One row block of the producer with fp8 K/V. Tile u's fp8 K and V rows go to staging stage
+// (tile_n + u) % kFp8Stages with cp.async, their landing counted on that stage's `staged`
+// barriers (each thread's copies arrive as they land); the producer then widens each into the
+// K and V rings and arrives on their full barriers (128 arrivals: every thread fences its own
+// stores to the async proxy first). The copies of tile u + kFp8Stages are issued as soon as tile
+// u's staging is widened. Q is copied with cp.async too, its landing counted on the Q stage's
+// full barrier, so the producer never waits for its own copies but through the barriers.
+template <typename Cfg, bool kPaged>
+__device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsigned char* smem,
+                                                  const WsBarriers<Cfg>& bars, const RowBlock& b,
+                                                  int kv_head, int group, int block_n, int& tile_n,
+                                                  int tid) {
+  using QRing = ws::Ring<Cfg::kQStages>;
+  using Ring = ws::Ring<Cfg::kKvStages>;
+  using Staging = ws::Ring<Cfg::kFp8Stages>;
+  using KOp = Fp8Operand<Cfg, Cfg::kDqk, typename Cfg::Qk>;
+  using VOp = Fp8Operand<Cfg, Cfg::kDv, typename Cfg::Pv>;
+  const int warp = tid >> 5, lane = tid & 31;
+  const auto* k = static_cast<const unsigned char*>(p.k);
+  const auto* v = static_cast<const unsigned char*>(p.v);
+  const int64_t k_head = static_cast<int64_t>(kv_head) * p.k_stride_h;
+  const int64_t v_head = static_cast<int64_t>(kv_head) * p.v_stride_h;
+  const int num_tiles = num_kv_tiles<Cfg>(b);
+  const bool holds_key = lane < KOp::kKeysPerWarp;
+  const int held = KOp::kKeysPerWarp * warp + lane;  // the key of a tile this lane holds
+  PagedKey key;
+  if (kPaged && num_tiles > 0 && holds_key) key.fetch(p, b, b.kv_lo + held);
+  int32_t key_row = -1;  // the held key's pool row in the tile being issued
+  const auto staging = [&](int n) {
+    return smem + Cfg::kStagingOffset + Staging::stage(n) * Cfg::kStagingBytes;
+  };
+  const auto issue_k = [&](int u) {
+    const int j = b.kv_lo + u * Cfg::kKvTile + held;
+    if constexpr (kPaged) {
+      key_row = holds_key ? key.row(p, b, j) : -1;
+      if (holds_key && u + 1 < num_tiles) key.fetch(p, b, j + Cfg::kKvTile);
+    } else {
+      key_row =
+          holds_key && j < b.kv_hi ? static_cast<int32_t>(ragged_kv_row(p, b.kv_base, j)) : -1;
+    }
+    KOp::copy(k, p.k_stride_n, k_head, key_row, staging(tile_n + u));
+    ws::cp_async_arrive_noinc(bars.staged(0, Staging::stage(tile_n + u)));
+  };
+  const auto issue_v = [&](int u) {  // the tile issue_k issued last
+    VOp::copy(v, p.v_stride_n, v_head, key_row, staging(tile_n + u) + Cfg::kKvTile * Cfg::kDqk);
+    ws::cp_async_arrive_noinc(bars.staged(1, Staging::stage(tile_n + u)));
+  };
+  const auto widen = [&](int t) {
+    const int n = tile_n + t, s = Ring::stage(n);
+    sm90::mbar_wait(bars.staged(0, Staging::stage(n)), Staging::full_parity(n));
+    sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(n));
+    KOp::widen(staging(n), smem + Cfg::kKOffset + s * Cfg::kKTileBytes);
+    sm90::fence_async_shared();
+    sm90::mbar_arrive(bars.k_full(s));
+    if (t + Cfg::kFp8Stages < num_tiles) issue_k(t + Cfg::kFp8Stages);
+    sm90::mbar_wait(bars.staged(1, Staging::stage(n)), Staging::full_parity(n));
+    sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(n));
+    VOp::widen(staging(n) + Cfg::kKvTile * Cfg::kDqk, smem + Cfg::kVOffset + s * Cfg::kVTileBytes);
+    sm90::fence_async_shared();
+    sm90::mbar_arrive(bars.v_full(s));
+    if (t + Cfg::kFp8Stages < num_tiles) issue_v(t + Cfg::kFp8Stages);
+  };
+  for (int u = 0; u < min(num_tiles, Cfg::kFp8Stages); ++u) {
+    issue_k(u);
+    issue_v(u);
+  }
+  const int early = Cfg::tiles_before_q(num_tiles);
+  for (int t = 0; t < early; ++t) widen(t);
+  const int qs = QRing::stage(block_n);
+  sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
+  copy_q_block<Cfg>(p, b, kv_head, group, num_tiles > 0, smem + qs * Cfg::kQTileBytes, tid);
+  ws::cp_async_arrive_noinc(bars.q_full(qs));
+  for (int t = early; t < num_tiles; ++t) widen(t);
+  tile_n += num_tiles;
+}
+
+// The producer warpgroup (threads 0..127 of the CTA; `tid` is the thread's index in it).
+template <typename Cfg, bool kPaged>
+__device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaMaps& maps,
+                                        unsigned char* smem, const WsBarriers<Cfg>& bars, int tid) {
+  using QT = typename Cfg::Q;
+  using QRing = ws::Ring<Cfg::kQStages>;
+  using Ring = ws::Ring<Cfg::kKvStages>;
+  const uint32_t base = smem_addr(smem);
+  int block_n = 0, tile_n = 0;
+  for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
+    if constexpr (Cfg::kFp8) {
+      produce_fp8_block<Cfg, kPaged>(p, smem, bars, b, kv_head, group, block_n, tile_n, tid);
+      ++block_n;
+      return;
+    }
+    const int num_tiles = num_kv_tiles<Cfg>(b);
+    const auto tiles = [&](int t_begin, int t_end) {
+      if constexpr (kPaged)
+        produce_paged_tiles<Cfg>(p, smem, bars, b, kv_head, t_begin, t_end, tile_n, tid);
+      else
+        produce_ragged_tiles<Cfg>(p, maps, smem, bars, b, kv_head, t_begin, t_end, tile_n, tid);
+    };
+    const int early = Cfg::tiles_before_q(num_tiles);  // then Q, then the rest
+    tiles(0, early);
+    // Q (a block without keys takes a Q stage too, unfilled).
+    const int qs = QRing::stage(block_n);
+    sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
+    copy_q_block<Cfg>(p, b, kv_head, group, num_tiles > 0, smem + qs * Cfg::kQTileBytes, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    sm90::fence_async_shared();  // generic-proxy writes -> the consumers' wgmma reads
+    sm90::barrier_sync(ws::kProducerBarrier, 128);
+    if (tid == 0) sm90::mbar_arrive(bars.q_full(qs));
+    ++block_n;
+    tiles(early, num_tiles);
+  });
+}
+
+}  // namespace flashkv::cuda::prefill_detail
