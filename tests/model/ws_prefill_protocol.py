@@ -1,26 +1,32 @@
 #!/usr/bin/env python3
 """A model of how the warp-specialized Hopper prefill kernel's warpgroups hand stages to each other
-(kernels/cuda/prefill/sm90_ws_producer.cuh: `produce` for 16-bit ragged K/V with two Q stages;
-sm90_ws_consumer.cuh: `consume` with and without kOverlap), checked over random row-block sequences and random
-interleavings of the three warpgroups.
+(kernels/cuda/prefill/sm90_ws_producer.cuh: `produce`, for 16-bit K/V and for fp8 K/V through
+the staging ring; sm90_ws_consumer.cuh: `consume`, with and without kOverlap), checked over
+random row-block sequences and random interleavings of the warpgroups and of the copies landing.
 
-The producer and the two consumer warpgroups are generators that yield where they wait. Modelled:
-the mbarriers (arrival counts, completed phases, waits on a phase's parity as the kernel issues
-them: full barriers for use n of a two-stage ring on phase n / 2, empty barriers on the one
-before), the two turn barriers (one bar.arrive by the warpgroup passing, one bar.sync by the one
-taking), and each warpgroup's products in flight (wgmma groups, retired oldest first by
-wait_group). Checked:
+The producer and the two consumer warpgroups are generators that yield where they wait; a fourth
+actor lands the producer's asynchronous copies (TMA or cp.async, counted on their barrier as
+they land) one at a time, in order. Modelled: the mbarriers (arrival counts, completed phases,
+waits on a phase's parity as the kernel issues them: full barriers of use n of a ring of S
+stages on phase n / S, empty barriers on the one before), the two turn barriers (one bar.arrive
+by the warpgroup passing, one bar.sync by the one taking), and each warpgroup's products in
+flight (wgmma groups, retired oldest first by wait_group). The configurations are the kernel's:
+two Q stages, or one (the block's first K/V tiles go ahead of its Q), with 16-bit K/V or with an
+fp8 staging ring of one or two stages, and the overlapping consumer with two Q stages and 16-bit
+K/V. Checked:
   - no deadlock;
   - every parity wait passes on exactly the phase it means (a parity tells apart only neighbouring
     phases: a wait that could pass two phases late would be a hang or a wrong pass on the GPU);
   - a real product reads a stage only after its data landed, and no stage is rewritten while a
     real product in flight reads it (the dummy S_0 of kOverlap reads a stage it never uses);
+  - no staging stage is overwritten before the producer widened what it held;
   - a turn barrier never holds two passes, and the turns balance at the end.
 The model is kept next to the kernel by hand: change both together. Finally, the script checks
 itself: each of a few seeded protocol bugs must be caught.
 
 Usage: ws_prefill_protocol.py [sequences]   (exit status 1 on any failure)
 """
+import collections
 import random
 import sys
 
@@ -36,30 +42,41 @@ class Barrier:
             self.done, self.pending = self.done + 1, self.count
 
 
+Config = collections.namedtuple("Config", "q_stages fp8_stages overlap")
+CONFIGS = [Config(2, 0, False), Config(2, 0, True), Config(1, 0, False), Config(1, 2, False),
+           Config(1, 1, False), Config(2, 2, False)]
+
+
 class Kernel:
     """One CTA's walk over `blocks` (each block's number of K/V tiles). `bug` seeds a protocol bug
     for the self-check."""
 
-    def __init__(self, blocks, overlap, seed, bug=None):
-        self.blocks, self.overlap, self.rng, self.bug = blocks, overlap, random.Random(seed), bug
-        full = lambda: [Barrier(1) for _ in range(2)]  # the producer's one arrival (and its bytes)
-        empty = lambda: [Barrier(8) for _ in range(2)]  # lane 0 of each of the 8 consumer warps
-        self.q_full, self.q_empty = full(), empty()
-        self.k_full, self.k_empty = full(), empty()
-        self.v_full, self.v_empty = full(), empty()
+    def __init__(self, blocks, config, seed, bug=None):
+        self.blocks, self.cfg, self.rng, self.bug = blocks, config, random.Random(seed), bug
+        qs, fs = config.q_stages, config.fp8_stages
+        # Full: the producer's arrival (its bytes, or one per thread, as one); empty: lane 0 of
+        # each of the 8 consumer warps.
+        self.q_full, self.q_empty = [Barrier(1) for _ in range(qs)], [Barrier(8) for _ in range(qs)]
+        self.k_full, self.k_empty = [Barrier(1) for _ in range(2)], [Barrier(8) for _ in range(2)]
+        self.v_full, self.v_empty = [Barrier(1) for _ in range(2)], [Barrier(8) for _ in range(2)]
+        self.staged = {"K": [Barrier(1) for _ in range(fs)], "V": [Barrier(1) for _ in range(fs)]}
+        self.staging_use = {"K": [None] * fs, "V": [None] * fs}  # [use held, widened]
         self.turns = [0, 0]
         self.in_flight = [[], []]  # per warpgroup: the stages each product group reads
+        self.copies = collections.deque()  # the producer's copies in flight, landing in order
+        self.producing = True
 
-    # Waits for use n of a two-stage ring: full, phase n // 2 complete; empty, the use before.
-    def wait_full(self, bar, n):
-        while bar.done < n // 2 + 1:
+    # Waits for use n of a ring of `stages` stages: full, phase n // stages complete; empty, the
+    # use before.
+    def wait_full(self, bar, n, stages=2):
+        while bar.done < n // stages + 1:
             yield
-        assert bar.done == n // 2 + 1, "a full wait passed a phase late"
+        assert bar.done == n // stages + 1, "a full wait passed a phase late"
 
-    def wait_empty(self, bar, n):
-        while bar.done < n // 2:
+    def wait_empty(self, bar, n, stages=2):
+        while bar.done < n // stages:
             yield
-        assert bar.done == n // 2, "an empty wait passed a phase late"
+        assert bar.done == n // stages, "an empty wait passed a phase late"
 
     def take_turn(self, wg):
         while self.turns[wg] == 0:
@@ -73,10 +90,11 @@ class Kernel:
     def issue(self, wg, reads):
         """One product group; reads: (kind, stage, use) for a real read, (kind, stage, None) for
         the dummy's."""
-        rings = {"Q": self.q_full, "K": self.k_full, "V": self.v_full}
         for kind, stage, use in reads:
             if use is not None:
-                assert rings[kind][stage].done >= use // 2 + 1, f"{kind} read before it landed"
+                ring = {"Q": (self.q_full, self.cfg.q_stages), "K": (self.k_full, 2),
+                        "V": (self.v_full, 2)}[kind]
+                assert ring[0][stage].done >= use // ring[1] + 1, f"{kind} read before it landed"
         self.in_flight[wg].append(reads)
 
     def wait_group(self, wg, keep):
@@ -89,30 +107,92 @@ class Kernel:
                     assert not (k == kind and s == stage and use is not None), (
                         f"{kind} stage {stage} rewritten under a product in flight")
 
-    def producer(self):
-        tile_n = 0
-        for b, tiles in enumerate(self.blocks):
-            yield from self.wait_empty(self.q_empty[b % 2], b)
-            self.write("Q", b % 2)
-            self.q_full[b % 2].arrive()
-            for n in range(tile_n, tile_n + tiles):
-                yield from self.wait_empty(self.k_empty[n % 2], n)
-                self.write("K", n % 2)
-                self.k_full[n % 2].arrive()
-                yield from self.wait_empty(self.v_empty[n % 2], n)
-                self.write("V", n % 2)
-                self.v_full[n % 2].arrive()
-            tile_n += tiles
+    def copy(self, kind, stage, bar):
+        """An asynchronous copy into a stage, arriving on `bar` as it lands."""
+        def land():
+            self.write(kind, stage)
+            bar.arrive()
+        self.copies.append(land)
 
+    def memory(self):
+        while self.producing or self.copies:
+            if self.copies:
+                self.copies.popleft()()
+            yield
+
+    # --- the producer ------------------------------------------------------------------------
+    def producer(self):
+        cfg, tile_n = self.cfg, 0
+        for b, tiles in enumerate(self.blocks):
+            if cfg.fp8_stages:
+                yield from self.produce_fp8_block(b, tiles, tile_n)
+            else:
+                early = min(tiles, 2) if cfg.q_stages == 1 else 0  # Cfg::tiles_before_q
+                for n in range(tile_n, tile_n + early):
+                    yield from self.produce_tile(n)
+                yield from self.produce_q(b)
+                for n in range(tile_n + early, tile_n + tiles):
+                    yield from self.produce_tile(n)
+            tile_n += tiles
+        self.producing = False
+
+    def produce_q(self, b):
+        qs = b % self.cfg.q_stages
+        yield from self.wait_empty(self.q_empty[qs], b, self.cfg.q_stages)
+        self.copy("Q", qs, self.q_full[qs])
+
+    def produce_tile(self, n):  # produce_ragged_tiles / produce_paged_tiles
+        yield from self.wait_empty(self.k_empty[n % 2], n)
+        self.copy("K", n % 2, self.k_full[n % 2])
+        yield from self.wait_empty(self.v_empty[n % 2], n)
+        self.copy("V", n % 2, self.v_full[n % 2])
+
+    def produce_fp8_block(self, b, tiles, tile_n):
+        stages = self.cfg.fp8_stages
+
+        def stage_copy(kind, n):  # issue_k / issue_v: fp8 rows into staging stage n % stages
+            s = n % stages
+            held = self.staging_use[kind][s]
+            assert held is None or held[1], f"staging {kind} stage {s} overwritten before widened"
+            self.staging_use[kind][s] = [n, False]
+            self.copies.append(lambda: self.staged[kind][s].arrive())
+
+        def widen(n):
+            s = n % stages
+            for kind, empty, full in (("K", self.k_empty, self.k_full),
+                                      ("V", self.v_empty, self.v_full)):
+                yield from self.wait_full(self.staged[kind][s], n, stages)
+                yield from self.wait_empty(empty[n % 2], n)
+                assert self.staging_use[kind][s][0] == n
+                self.staging_use[kind][s][1] = True
+                self.write(kind, n % 2)  # the widened tile, written by the producer's threads
+                full[n % 2].arrive()
+                if n + stages < tile_n + tiles and self.bug != "staging reused early":
+                    stage_copy(kind, n + stages)
+                if self.bug == "staging reused early" and n + stages + 1 < tile_n + tiles:
+                    stage_copy(kind, n + stages + 1)
+
+        for n in range(tile_n, tile_n + min(tiles, stages)):
+            stage_copy("K", n)
+            stage_copy("V", n)
+        early = min(tiles, 2) if self.cfg.q_stages == 1 else 0
+        for n in range(tile_n, tile_n + early):
+            yield from widen(n)
+        yield from self.produce_q(b)
+        for n in range(tile_n + early, tile_n + tiles):
+            yield from widen(n)
+
+    # --- the consumers -----------------------------------------------------------------------
     def consumer(self, wg):
-        blocks, overlap, bug = self.blocks, self.overlap, self.bug
+        blocks, cfg, bug = self.blocks, self.cfg, self.bug
+        q_stages, overlap = cfg.q_stages, cfg.overlap
 
         def s0_reads(real, block_n, n, own):  # consume's s0_operands
             if not real:
                 return [("Q", own, None)]
-            yield from self.wait_full(self.q_full[block_n % 2], block_n)
+            yield from self.wait_full(self.q_full[block_n % q_stages], block_n, q_stages)
             yield from self.wait_full(self.k_full[n % 2], n)
-            return [("Q", block_n % 2, block_n), ("K", n % 2, n)]
+            return [("Q", block_n % q_stages, block_n), ("K", n % 2, n)]
 
         if wg == 1:
             self.pass_turn(1)
@@ -125,8 +205,8 @@ class Kernel:
         for b, tiles in enumerate(blocks):
             if overlap and bug != "no wait at the block's start":
                 self.wait_group(wg, 0)
-            qs = block_n % 2
-            yield from self.wait_full(self.q_full[qs], block_n)
+            qs = block_n % q_stages
+            yield from self.wait_full(self.q_full[qs], block_n, q_stages)
             next_tiles = blocks[b + 1] if b + 1 < len(blocks) else -1
             if tiles > 0:
                 if not overlap:
@@ -175,8 +255,8 @@ class Kernel:
             yield from self.take_turn(0)
 
     def run(self):
-        actors = [self.producer(), self.consumer(0), self.consumer(1)]
-        alive, steps = [0, 1, 2], 0
+        actors = [self.producer(), self.consumer(0), self.consumer(1), self.memory()]
+        alive, steps = [0, 1, 2, 3], 0
         while alive:
             i = self.rng.choice(alive)
             try:
@@ -184,30 +264,30 @@ class Kernel:
             except StopIteration:
                 alive.remove(i)
             steps += 1
-            assert steps < 100000, "deadlock"
+            assert steps < 200000, "deadlock"
         assert self.turns == [0, 0], "the turns do not balance"
 
 
 def failures(sequences, bug=None):
-    """Runs `sequences` random block sequences on both consumers; returns the first failure."""
+    """Runs `sequences` random block sequences on every configuration; returns the first failure."""
     for seed in range(sequences):
         r = random.Random(seed)
-        blocks = [r.choice([0, 0, 1, 1, 2, 3, 5, 9]) for _ in range(r.randint(0, 7))]
-        for overlap in (False, True):
+        blocks = [r.choice([0, 0, 1, 1, 2, 3, 5, 9]) for _ in range(r.randint(0, 10))]
+        for config in CONFIGS:
             try:
-                Kernel(blocks, overlap, seed, bug).run()
+                Kernel(blocks, config, seed, bug).run()
             except AssertionError as e:
-                return f"{'kOverlap' if overlap else 'default'} consumer, blocks {blocks}: {e}"
+                return f"{config}, blocks {blocks}: {e}"
     return None
 
 
 def main():
-    sequences = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    sequences = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
     failure = failures(sequences)
-    print(f"{2 * sequences} walks:", failure or "no failure")
+    print(f"{len(CONFIGS) * sequences} walks:", failure or "no failure")
     ok = failure is None
     for bug in ("no wait at the block's start", "the next S_0 on the wrong tile",
-                "P.V left in flight"):
+                "P.V left in flight", "staging reused early"):
         caught = failures(sequences, bug)
         print(f"seeded bug '{bug}':", f"caught ({caught})" if caught else "NOT caught")
         ok &= caught is not None
