@@ -49,6 +49,11 @@ bool env_prefill_sm90_overlap() {
   return env != nullptr && std::strcmp(env, "1") == 0;
 }
 
+bool env_prefill_sm90_fp8_two_q() {
+  const char* env = std::getenv("FLASHKV_PREFILL_SM90_FP8_TWO_Q");
+  return env != nullptr && std::strcmp(env, "1") == 0;
+}
+
 bool env_decode_pdl() { return on_unless_zero("FLASHKV_DECODE_PDL"); }
 
 }  // namespace flashkv

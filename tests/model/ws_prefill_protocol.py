@@ -12,7 +12,7 @@ stages on phase n / S, empty barriers on the one before), the two turn barriers 
 by the warpgroup passing, one bar.sync by the one taking), and each warpgroup's products in
 flight (wgmma groups, retired oldest first by wait_group). The configurations are the kernel's:
 two Q stages, or one (the block's first K/V tiles go ahead of its Q), with 16-bit K/V or with an
-fp8 staging ring of one or two stages, and the overlapping consumer with two Q stages and 16-bit
+fp8 staging ring of one or two stages (FLASHKV_PREFILL_SM90_FP8_TWO_Q: two Q stages and one), and the overlapping consumer with two Q stages and 16-bit
 K/V. Checked:
   - no deadlock;
   - every parity wait passes on exactly the phase it means (a parity tells apart only neighbouring
@@ -44,7 +44,7 @@ class Barrier:
 
 Config = collections.namedtuple("Config", "q_stages fp8_stages overlap")
 CONFIGS = [Config(2, 0, False), Config(2, 0, True), Config(1, 0, False), Config(1, 2, False),
-           Config(1, 1, False), Config(2, 2, False)]
+           Config(1, 1, False), Config(2, 2, False), Config(2, 1, False)]
 
 
 class Kernel:

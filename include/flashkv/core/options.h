@@ -70,6 +70,11 @@ bool env_prefill_sm90_ws_paged();
 // 16-bit K/V; not yet the default).
 bool env_prefill_sm90_overlap();
 
+// FLASHKV_PREFILL_SM90_FP8_TWO_Q: true only for "1" (with fp8 K/V at head dim 128 the
+// warp-specialized prefill kernel keeps two Q stages and one fp8 staging stage instead of one and
+// two; not yet the default).
+bool env_prefill_sm90_fp8_two_q();
+
 // FLASHKV_DECODE_PDL: false only for "0" (decode launches without programmatic dependent launch).
 bool env_decode_pdl();
 
