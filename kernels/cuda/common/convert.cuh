@@ -130,19 +130,6 @@ __device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t word) {
   return fp8x2_to_f16x2<kFormat>(kHigh ? hi : lo);
 }
 
-// fp8_pair_to_f16x2 in Q's 16-bit type: f16 as it is, bf16 through fp32 (exact: every fp8 value
-// is a bf16 value; NaN stays NaN).
-template <typename QT, KvFormat kFormat, bool kHigh>
-__device__ __forceinline__ uint32_t fp8_pair_to_16(uint32_t word) {
-  const uint32_t h = fp8_pair_to_f16x2<kFormat, kHigh>(word);
-  if constexpr (std::is_same<QT, half>::value) {
-    return h;
-  } else {
-    const float2 f = unpack2<half>(h);
-    return pack2<QT>(f.x, f.y);
-  }
-}
-
 // fp8 byte -> float, exact (every e4m3/e5m2 value is representable in f16 and bf16, so the
 // later narrowing to the 16-bit type is exact too). Done by bit placement and one multiply by a
 // power of two, which also handles subnormals; NaN stays NaN.

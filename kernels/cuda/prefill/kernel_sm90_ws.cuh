@@ -13,8 +13,8 @@
 //     they land (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own copies.
 //     fp8 K/V (ragged or paged): the threads copy each tile's fp8 rows into a staging ring the
 //     same way, then widen them exactly into the 16-bit rings in f16, in which both products then
-//     run (produce_fp8_block; Sm90WsConfig::Qk and Pv: with bf16 Q the consumers first rewrite
-//     their Q rows in f16, q_rows_to_f16);
+//     run (produce_fp8_block; Sm90WsConfig::Mma: with bf16 Q the consumers first rewrite their
+//     Q rows in f16, q_rows_to_f16);
 //   - two consumers of 64 packed query rows each (the plan's 128-row tile), issuing as
 //     kernel_sm90.cuh does S_t = Q.K_t^T with P_{t-1}.V_{t-1} behind it. They take turns to issue
 //     their products (two named barriers), so one warpgroup's softmax runs under the other's

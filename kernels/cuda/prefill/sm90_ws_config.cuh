@@ -55,14 +55,13 @@ struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
   using Base = Sm90Shape<QT, D, DV>;
   static constexpr KvFormat kKvFormat = F;
   static constexpr bool kFp8 = F != KvFormat::kSame;
-  // The 16-bit types of the products, Q's but f16 with fp8 K/V: e4m3 and e5m2 widen to f16 in
-  // one conversion a pair against three to bf16, and the producer is short of issue slots.
-  // Q.K^T (Qk): with bf16 Q the consumers rewrite their Q rows in f16 first, scaled by a power of
-  // two (q_rows_to_f16). P.V (Pv): P, in [0, 1], keeps three more mantissa bits in f16 than in
-  // bf16.
-  using Qk = std::conditional_t<kFp8, __half, QT>;
-  using Pv = std::conditional_t<kFp8, __half, QT>;
-  static constexpr bool kQToF16 = !std::is_same<QT, Qk>::value;
+  // The 16-bit type of both products (Q.K^T and P.V): Q's, but f16 with fp8 K/V. e4m3 and e5m2
+  // widen to f16 in one conversion a pair against four to bf16, and the producer is short of
+  // issue slots; P, in [0, 1], keeps three more mantissa bits in f16 than in bf16. With bf16 Q
+  // (kQToF16) the consumers rewrite their Q rows in f16 first, scaled by a power of two
+  // (q_rows_to_f16).
+  using Mma = std::conditional_t<kFp8, __half, QT>;
+  static constexpr bool kQToF16 = !std::is_same<QT, Mma>::value;
   static constexpr int kThreads = 384;  // producer warpgroup, then two consumer warpgroups
   static constexpr int kWgRows = 64;    // a consumer warpgroup's rows
   using Base::kKTileBytes;

@@ -142,8 +142,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     sm90::fence();
 #pragma unroll
     for (int k = 0; k < Cfg::kDqk / 16; ++k)
-      sm90::mma_ss<typename Cfg::Qk>(s_acc, sm90::k_major(q_tile, Cfg::kWgRows, 0, k),
-                                     sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
+      sm90::mma_ss<typename Cfg::Mma>(s_acc, sm90::k_major(q_tile, Cfg::kWgRows, 0, k),
+                                      sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
     sm90::commit();
   };
   // S_t = Q.K_t^T into s_acc (K stage n, once it has landed).
@@ -225,7 +225,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
 #pragma unroll
           for (int part = 0; part < kParts; ++part)
-            sm90::mma_rs<typename Cfg::Pv>(
+            sm90::mma_rs<typename Cfg::Mma>(
                 o_parts[part], pf[0][kk],
                 sm90::n_major(v_tile + part * 2 * Cfg::kKvTile * 128, Cfg::kKvTile, kk));
         sm90::commit();
@@ -251,7 +251,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       {
         float corr[1][2];
         scores(0, corr);  // O is still 0: nothing to rescale
-        pack_p<Cfg, typename Cfg::Pv>(s, pf);
+        pack_p<Cfg, typename Cfg::Mma>(s, pf);
       }
       // Tile t: S_t, then P_{t-1}.V_{t-1} behind it, which runs while S_t is read. (ptxas waits
       // for P.V before the softmax's exponentials, short of registers otherwise, so the overlap
@@ -273,7 +273,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         sm90::pin(o_acc);
         if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));
         if (moved) softmax.rescale(o, corr);
-        pack_p<Cfg, typename Cfg::Pv>(s, pf);
+        pack_p<Cfg, typename Cfg::Mma>(s, pf);
       }
       // The last tile's P.V (kOverlap: and the next block's S_0 behind it; the wait for P.V
       // leaves that S_0 in flight).

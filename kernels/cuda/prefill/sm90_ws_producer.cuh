@@ -194,7 +194,7 @@ __device__ __forceinline__ void copy_q_block(const AttentionParams& p, const Row
 // rows a pass, kLanes lanes a row, each lane the row's 16-byte chunks (16 fp8 values) c, c +
 // kLanes, .. (c = lane % kLanes). A lane later widens exactly the chunks it copied, so it needs no
 // barrier with the others between its copies and its reads.
-template <typename Cfg, int kDim, typename Out>
+template <typename Cfg, int kDim>
 struct Fp8Operand {
   static constexpr int kLanes = kDim / 16 < 8 ? kDim / 16 : 8;  // lanes a row
   static constexpr int kRowsPerPass = 32 / kLanes;
@@ -232,16 +232,16 @@ struct Fp8Operand {
     }
   }
 
-  // 16 fp8 values to pairs of Out, by the hardware conversions (fp8_pair_to_16: one instruction a
-  // pair to f16, three to bf16). An integer path for bf16 (byte placement and an exact multiply)
-  // ran slower: the producer is short of issue slots, not of conversion throughput
-  // (docs/perf/prefill.md).
+  // 16 fp8 values to f16 pairs (Sm90WsConfig::Mma), one conversion a pair. Widening to bf16
+  // took four (the f16 conversion, two to fp32 and a pack); an integer path for bf16 (byte
+  // placement and an exact multiply) ran slower still: the producer is short of issue slots, not
+  // of conversion throughput (docs/perf/prefill.md).
   static __device__ __forceinline__ void widen_chunk(const uint32_t (&words)[4],
                                                      uint32_t (&out)[8]) {
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      out[2 * w] = fp8_pair_to_16<Out, Cfg::kKvFormat, false>(words[w]);
-      out[2 * w + 1] = fp8_pair_to_16<Out, Cfg::kKvFormat, true>(words[w]);
+      out[2 * w] = fp8_pair_to_f16x2<Cfg::kKvFormat, false>(words[w]);
+      out[2 * w + 1] = fp8_pair_to_f16x2<Cfg::kKvFormat, true>(words[w]);
     }
   }
 
@@ -282,8 +282,8 @@ __device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsi
   using QRing = ws::Ring<Cfg::kQStages>;
   using Ring = ws::Ring<Cfg::kKvStages>;
   using Staging = ws::Ring<Cfg::kFp8Stages>;
-  using KOp = Fp8Operand<Cfg, Cfg::kDqk, typename Cfg::Qk>;
-  using VOp = Fp8Operand<Cfg, Cfg::kDv, typename Cfg::Pv>;
+  using KOp = Fp8Operand<Cfg, Cfg::kDqk>;
+  using VOp = Fp8Operand<Cfg, Cfg::kDv>;
   const int warp = tid >> 5, lane = tid & 31;
   const auto* k = static_cast<const unsigned char*>(p.k);
   const auto* v = static_cast<const unsigned char*>(p.v);
