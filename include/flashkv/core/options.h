@@ -6,7 +6,8 @@
 // switch between calls in one process; a caller that wants the value fixed for the process
 // (decode's launch attribute) keeps it in a static of its own. A value a switch does not accept
 // throws flashkv::Error naming the variable and the values it accepts; the on/off switches of
-// the CUDA kernels accept anything and are off only for "0".
+// the CUDA kernels accept anything and are off only for "0", but those that choose a kernel not
+// yet the default, which are on only for "1".
 #pragma once
 
 #include <cstddef>
@@ -40,6 +41,13 @@ inline constexpr EnvSwitch kEnvSwitches[] = {
     {"FLASHKV_PREFILL_SM90_WS_PAGED", "0",
      "0: paged K/V skips the warp-specialized sm_90a prefill kernel, as with "
      "FLASHKV_PREFILL_SM90_WS=0 (ragged K/V keeps it)"},
+    {"FLASHKV_PREFILL_SM90_FP8_TWO_Q", "1",
+     "1: with fp8 K/V at head dim 128, the warp-specialized sm_90a prefill kernel with two Q "
+     "stages and one fp8 staging stage instead of one and two (not yet the default)"},
+    {"FLASHKV_PREFILL_SM90_OVERLAP", "1",
+     "1: at head dims 64 and 128 with 16-bit K/V, the warp-specialized sm_90a prefill kernel that "
+     "starts each row block's first product under the previous block's epilogue (not yet the "
+     "default)"},
     {"FLASHKV_DECODE_PDL", "0", "0: decode launches without programmatic dependent launch (sm_90)"},
 };
 inline constexpr size_t kNumEnvSwitches = sizeof(kEnvSwitches) / sizeof(kEnvSwitches[0]);
@@ -65,15 +73,15 @@ bool env_prefill_sm90_ws();
 // FLASHKV_PREFILL_SM90_WS_PAGED: false only for "0" (paged K/V skips the warp-specialized kernel).
 bool env_prefill_sm90_ws_paged();
 
-// FLASHKV_PREFILL_SM90_OVERLAP: true only for "1" (the warp-specialized prefill kernel issues a
-// row block's first Q.K^T under the previous block's epilogue, at head dims 64 and 128 with
-// 16-bit K/V; not yet the default).
-bool env_prefill_sm90_overlap();
-
 // FLASHKV_PREFILL_SM90_FP8_TWO_Q: true only for "1" (with fp8 K/V at head dim 128 the
 // warp-specialized prefill kernel keeps two Q stages and one fp8 staging stage instead of one and
 // two; not yet the default).
 bool env_prefill_sm90_fp8_two_q();
+
+// FLASHKV_PREFILL_SM90_OVERLAP: true only for "1" (the warp-specialized prefill kernel issues a
+// row block's first Q.K^T under the previous block's epilogue, at head dims 64 and 128 with
+// 16-bit K/V; not yet the default).
+bool env_prefill_sm90_overlap();
 
 // FLASHKV_DECODE_PDL: false only for "0" (decode launches without programmatic dependent launch).
 bool env_decode_pdl();
