@@ -186,44 +186,47 @@ decltype(auto) with_flag(bool flag, Fn&& fn) {
 
 // One item per (request, q_tile rows), KV trimmed to what the tile's rows can see, with its
 // cost and sort key; returns the longest KV range. The loops are specialised on the masks,
-// which are fixed per batch.
+// which are fixed per batch. The batch's fields are read into locals first: the key stores are
+// bytes, which may alias anything, and would otherwise reload them for every tile.
 int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* tiles) {
+  const int32_t batch = b.batch_size;
+  const int32_t* const qo_indptr = b.qo_indptr;
+  const int32_t* const kv_lens = b.kv_len;
+  const int32_t window = b.window_left;
   // Room for the most tiles the rows can make (no division per request), trimmed below.
   const int64_t room =
-      decode ? b.batch_size
-             : max_tiles_of(b.qo_indptr[b.batch_size] - b.qo_indptr[0], b.batch_size, q_tile);
+      decode ? batch : max_tiles_of(qo_indptr[batch] - qo_indptr[0], batch, q_tile);
   tiles->resize(room);
   WorkItem* const first = tiles->items.data();
   WorkItem* t = first;
   uint64_t* cost = tiles->cost.data();
   uint8_t* key = tiles->key.data();
   int64_t longest = 0, total = 0;
-  auto emit = [&](const WorkItem& item) {
-    *t++ = item;
-    const int64_t c = item_cost(item);
+  auto emit = [&](int32_t r, int32_t q_begin, int32_t q_len, int32_t lo, int32_t hi) {
+    *t++ = {r, q_begin, q_len, lo, hi, -1, 0, 0};
+    const int64_t c = int64_t{q_len} * (int64_t{hi} - lo + kItemOverhead);
     *cost++ = static_cast<uint64_t>(c);
     *key++ = cost_key(static_cast<uint64_t>(c));
-    longest = std::max<int64_t>(longest, item.kv_end - item.kv_begin);
+    longest = std::max(longest, int64_t{hi} - lo);
     total += c;
   };
-  const int32_t window = b.window_left;
   with_flag(window >= 0, [&](auto windowed) {
     if (decode) {
-      for (int32_t r = 0; r < b.batch_size; ++r) {
-        const int32_t kv_len = b.kv_len[r];
+      for (int32_t r = 0; r < batch; ++r) {
+        const int32_t kv_len = kv_lens[r];
         // The one row sits at position kv_len - 1: causal trims nothing.
         int32_t lo = 0;
         if constexpr (windowed)
           lo = std::clamp(window_first_key(query_position(kv_len, 1, 0), window), 0, kv_len);
-        emit({r, r, 1, lo, kv_len, -1, 0, 0});
+        emit(r, r, 1, lo, kv_len);
       }
       return;
     }
     with_flag(b.causal, [&](auto causal) {
-      for (int32_t r = 0; r < b.batch_size; ++r) {
-        const int32_t q0 = b.qo_indptr[r];
-        const int32_t q_len = b.qo_indptr[r + 1] - q0;
-        const int64_t kv_len = b.kv_len[r];
+      for (int32_t r = 0; r < batch; ++r) {
+        const int32_t q0 = qo_indptr[r];
+        const int32_t q_len = qo_indptr[r + 1] - q0;
+        const int64_t kv_len = kv_lens[r];
         for (int32_t row = 0; row < q_len; row += q_tile) {
           const int32_t rows = std::min(q_tile, q_len - row);
           // The tile's rows sit at first_pos .. last_pos (core/visibility.h); together they see
@@ -234,7 +237,7 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
           if constexpr (windowed)
             lo = std::clamp<int64_t>(window_first_key<int64_t>(first_pos, window), 0, kv_len);
           if constexpr (causal) hi = std::clamp<int64_t>(causal_key_end(last_pos), lo, kv_len);
-          emit({r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi), -1, 0, 0});
+          emit(r, q0 + row, rows, static_cast<int32_t>(lo), static_cast<int32_t>(hi));
         }
       }
     });
@@ -273,7 +276,7 @@ int64_t auto_part(const ItemList& tiles, int64_t longest, int64_t workers, int64
   const int64_t whole = ceil_div(longest, align) + 1;
   auto items_at = [&](int64_t part) {
     int64_t n = 0;
-    for (const WorkItem& t : tiles.items)
+    for (const WorkItem& t : tiles)
       n += num_parts(units_of(t.kv_begin, t.kv_end, a), static_cast<uint32_t>(part));
     return n;
   };
@@ -297,7 +300,7 @@ int64_t auto_part(const ItemList& tiles, int64_t longest, int64_t workers, int64
   // Makespan estimate: waves of `workers` items of the average cost, or the costliest item.
   auto makespan = [&](int64_t part, int64_t* items) {
     int64_t n = 0, total = 0, costliest = 0;
-    for (const WorkItem& t : tiles.items) {
+    for (const WorkItem& t : tiles) {
       const uint32_t units = units_of(t.kv_begin, t.kv_end, a);
       const uint32_t parts = num_parts(units, static_cast<uint32_t>(part));
       const int64_t len = int64_t{t.kv_end} - t.kv_begin;
@@ -591,7 +594,7 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   if (num_items <= W) {  // one item a worker, in planning order
     p.worker_indptr.resize(W + 1);
     for (int32_t w = 0; w <= W; ++w) p.worker_indptr[w] = std::min(w, num_items);
-    p.items.assign(items->items.begin(), items->items.end());
+    p.items.assign(items->begin(), items->end());
   } else {
     balance(*items, W, s, &p);
   }

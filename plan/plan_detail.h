@@ -45,19 +45,30 @@ inline int64_t item_cost(const WorkItem& it) {
   return int64_t{it.q_len} * (int64_t{it.kv_end} - it.kv_begin + kItemOverhead);
 }
 
-// Items in planning order, with each one's cost (item_cost) and sort key (cost_key).
+// Items in planning order, with each one's cost (item_cost) and sort key (cost_key). The
+// vectors only grow (a plan reuses its scratch, and shrinking then growing would clear the
+// regrown part each time); `size()` items are in use.
 struct ItemList {
   std::vector<WorkItem> items;
   std::vector<uint64_t> cost;
   std::vector<uint8_t> key;
   int64_t total_cost = 0;
 
+  // Room for at least n items; sets the size to n.
   void resize(size_t n) {
-    items.resize(n);
-    cost.resize(n);
-    key.resize(n);
+    if (items.size() < n) {
+      items.resize(n);
+      cost.resize(n);
+      key.resize(n);
+    }
+    count = n;
   }
-  size_t size() const { return items.size(); }
+  size_t size() const { return count; }
+  const WorkItem* begin() const { return items.data(); }
+  const WorkItem* end() const { return items.data() + count; }
+
+ private:
+  size_t count = 0;
 };
 
 // Per-thread scratch, so steady-state planning allocates nothing.
