@@ -47,10 +47,15 @@
 
 namespace flashkv::cuda::prefill_detail {
 
+// FLASHKV_PREFILL_SM90_EXP2_POLY=1: the exponentials of one n-tile in this many (a quarter: at
+// head dim 64 the special-function unit then carries three quarters of its load, and the FMA
+// pipe, at 128 lanes a cycle against 16, about 9 instructions for each of the rest).
+constexpr int kExp2PolyEvery = 4;
+
 // grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h. `maps` is
 // unused with paged or fp8 K/V.
 template <typename QT, int D, int DV, KvFormat F, bool kPaged, bool kOverlap = false,
-          bool kQFirst = false>
+          bool kQFirst = false, int kPolyEvery = 0>
 __global__ void __launch_bounds__(384, 1)
     prefill_sm90_ws_kernel(const __grid_constant__ AttentionParams p,
                            const __grid_constant__ Sm90TmaMaps maps) {
@@ -88,7 +93,7 @@ __global__ void __launch_bounds__(384, 1)
     produce<Cfg, kPaged>(p, maps, smem, bars, tid);
   } else {
     ws::claim_registers<232>();
-    consume<Cfg, kPaged, kOverlap>(p, smem, bars, tid - 128);
+    consume<Cfg, kPaged, kOverlap, kPolyEvery>(p, smem, bars, tid - 128);
     if (p.merge_o) ptx::grid_dependency_wait();  // see prefill_kernel
   }
 }
@@ -137,7 +142,9 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
 // describe. FLASHKV_PREFILL_SM90_OVERLAP=1 takes the kernel whose consumers overlap a block's S_0
 // with the previous block's epilogue where it applies (consume, kOverlap);
 // FLASHKV_PREFILL_SM90_FP8_TWO_Q=1, with fp8 K/V, the one with two Q stages where the default
-// has one (Sm90WsConfig, kQFirst: head dim 128).
+// has one (Sm90WsConfig, kQFirst: head dim 128); FLASHKV_PREFILL_SM90_EXP2_POLY=1, at head dim
+// 64 with 16-bit K/V, the one that takes a quarter of the exponentials to the FMA pipe
+// (kPolyEvery; it does not overlap, and wins over FLASHKV_PREFILL_SM90_OVERLAP).
 template <typename QT, int D, int DV, KvFormat F>
 bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = Sm90WsConfig<QT, D, DV, F>;
@@ -160,6 +167,11 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
     if (env_prefill_sm90_overlap())
       kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true, true>
                        : prefill_sm90_ws_kernel<QT, D, DV, F, false, true>;
+  }
+  if constexpr (D == 64 && !Cfg::kFp8) {
+    if (env_prefill_sm90_exp2_poly())
+      kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true, false, false, kExp2PolyEvery>
+                       : prefill_sm90_ws_kernel<QT, D, DV, F, false, false, false, kExp2PolyEvery>;
   }
   using QFirst = Sm90WsConfig<QT, D, DV, F, true>;
   if constexpr (Cfg::kFp8 && QFirst::kQStages != Cfg::kQStages) {

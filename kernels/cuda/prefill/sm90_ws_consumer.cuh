@@ -100,7 +100,7 @@ __device__ __forceinline__ int next_block_tiles(const AttentionParams& p, int it
 // ends having issued the next: where the next block has no keys (or there is none) that S_0 is a
 // dummy product of the block's own Q stage, discarded. ptxas serialises every wgmma of the kernel
 // where the products in flight differ between paths (a product issued under a condition).
-template <typename Cfg, bool kPaged, bool kOverlap = false>
+template <typename Cfg, bool kPaged, bool kOverlap = false, int kPolyEvery = 0>
 __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char* smem,
                                         const WsBarriers<Cfg>& bars, int ctid) {
   static_assert(!kOverlap || (Cfg::kQStages == 2 && !Cfg::kFp8),
@@ -236,7 +236,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap_blk);
         if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
           apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
-        return softmax.update_scores(s, c_blk, corr);
+        return softmax.template update_scores<kPolyEvery>(s, c_blk, corr);
       };
 
       // Tile 0: S_0 alone (kOverlap: issued and waited for already).
