@@ -203,8 +203,9 @@ int64_t build_tiles(const BatchShape& b, bool decode, int32_t q_tile, ItemList* 
   uint8_t* key = tiles->key.data();
   int64_t longest = 0, total = 0;
   auto emit = [&](int32_t r, int32_t q_begin, int32_t q_len, int32_t lo, int32_t hi) {
-    *t++ = {r, q_begin, q_len, lo, hi, -1, 0, 0};
-    const int64_t c = int64_t{q_len} * (int64_t{hi} - lo + kItemOverhead);
+    const WorkItem item{r, q_begin, q_len, lo, hi, -1, 0, 0};
+    *t++ = item;
+    const int64_t c = item_cost(item);
     *cost++ = static_cast<uint64_t>(c);
     *key++ = cost_key(static_cast<uint64_t>(c));
     longest = std::max(longest, int64_t{hi} - lo);

@@ -20,6 +20,7 @@
 #include "json.h"
 #include "report.h"
 #include "roofline.h"
+#include "test_util.h"
 
 namespace flashkv::bench {
 namespace {
@@ -195,6 +196,70 @@ TEST(Bench, PairedCasesAreTimedInAlternatingRoundsAndReportTheirRatio) {
   EXPECT_THROW(run_cases({twin}, machine, quick_timing()), Error);
 }
 
+// bench --ab: each case with a twin under a switch, timed in alternating rounds. The CPU kernels
+// read FLASHKV_CPU_ISA on every call, so the twin's runs show that they ran under it.
+TEST(Bench, SwitchTwinsRunUnderTheirSwitchAndPutItBack) {
+  test::ScopedEnv isa("FLASHKV_CPU_ISA", nullptr);  // unset around the test
+  const Roofline machine = measure_roofline(Device::cpu(), quick_roofline());
+  BenchCase plain = decode_case(2, 130, Device::cpu(), 8, 2, 64);
+  BenchCase sinks = plain;
+  sinks.sinks = sinks.paired = true;  // a model's twin becomes a case of its own
+  const std::vector<BenchCase> cases = switch_twins({plain, sinks}, "FLASHKV_CPU_ISA=scalar");
+  ASSERT_EQ(cases.size(), 4u);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EXPECT_EQ(cases[i].paired, i % 2 == 1) << i;
+    EXPECT_EQ(cases[i].env, i % 2 ? "FLASHKV_CPU_ISA=scalar" : "") << i;
+    EXPECT_EQ(cases[i].sinks, i >= 2) << i;
+  }
+  EXPECT_NE(cases[1].str().find(" FLASHKV_CPU_ISA=scalar"), std::string::npos) << cases[1].str();
+  const BenchReport report = run_cases(cases, machine, quick_timing());
+  ASSERT_EQ(report.cases.size(), 4u);
+  EXPECT_EQ(std::getenv("FLASHKV_CPU_ISA"), nullptr);  // put back
+  const CaseResult& twin = report.cases[1];
+  EXPECT_EQ(twin.rounds, 7);
+  EXPECT_GT(twin.vs_twin_min, 0);
+  EXPECT_LE(twin.vs_twin_min, twin.vs_twin);
+  EXPECT_LE(twin.vs_twin, twin.vs_twin_max);
+  std::ostringstream table;
+  print_table_row(table, twin);
+  EXPECT_NE(table.str().find(" FLASHKV_CPU_ISA=scalar ("), std::string::npos) << table.str();
+  const std::string json = to_json(report);
+  EXPECT_NE(json.find("\"env\": \"FLASHKV_CPU_ISA=scalar\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"env\": \"\""), std::string::npos) << json;
+  EXPECT_NE(to_csv(report).find(",FLASHKV_CPU_ISA=scalar\n"), std::string::npos);
+
+  // A value the CPU kernels refuse fails the twin's runs (not its twin's), and the variable is
+  // still put back.
+  try {
+    run_cases(switch_twins({plain}, "FLASHKV_CPU_ISA=bogus"), machine, quick_timing());
+    ADD_FAILURE() << "expected the twin's runs to throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FLASHKV_CPU_ISA: expected scalar"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(std::getenv("FLASHKV_CPU_ISA"), nullptr);
+  // Without the rounds (a case run alone) the switch applies too.
+  BenchCase alone = plain;
+  alone.env = "FLASHKV_CPU_ISA=bogus";
+  EXPECT_THROW(run_case(alone, machine, quick_timing()), Error);
+  EXPECT_EQ(std::getenv("FLASHKV_CPU_ISA"), nullptr);
+
+  // Only flashkv's switches, as NAME=VALUE.
+  for (const char* bad : {"FLASHKV_NOT_A_SWITCH=1", "FLASHKV_CPU_ISA", "=1", "PATH=/"}) {
+    SCOPED_TRACE(bad);
+    EXPECT_THROW(switch_twins({plain}, bad), Error);
+    alone.env = bad;
+    EXPECT_THROW(validate_case(alone), Error);
+  }
+  try {
+    switch_twins({plain}, "FLASHKV_NOT_A_SWITCH=1");
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'FLASHKV_NOT_A_SWITCH' is not a flashkv switch"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Bench, MaskedWorkCountsOnlyTheAllowedPairs) {
   // Non-causal prefill 4 x 4096: every row sees all 4096 keys.
   BenchCase p = prefill_case(4, 4096, Device::cpu());
@@ -320,8 +385,8 @@ TEST(Bench, NewCaseKindsRunOnCpu) {
   EXPECT_NE(json.find("\"mask\": \"non-causal\""), std::string::npos);
   EXPECT_NE(json.find("\"page_size\": 16"), std::string::npos);
   EXPECT_NE(json.find("\"plans\": []"), std::string::npos) << json;
-  EXPECT_NE(csv.find(",sinks,mask\n"), std::string::npos);
-  EXPECT_NE(csv.find(",tree\n"), std::string::npos) << csv;
+  EXPECT_NE(csv.find(",sinks,mask,env\n"), std::string::npos);
+  EXPECT_NE(csv.find(",tree,\n"), std::string::npos) << csv;
   std::ostringstream table;
   print_table(table, report);
   EXPECT_NE(table.str().find(" non-causal\n"), std::string::npos) << table.str();

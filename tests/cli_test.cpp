@@ -224,6 +224,26 @@ TEST(Cli, BenchQuickWritesJsonCsvAndRoofline) {
   EXPECT_NE(plot.find("matmul "), std::string::npos);
 }
 
+// bench --ab: each case, then its twin under the switch, with the twin's ratio and spread.
+TEST(Cli, BenchAbTimesEachCaseWithATwinUnderTheSwitch) {
+  const std::string json = temp_path("bench_ab.json");
+  const RunResult r = flashkv(
+      "bench --device cpu --grid quick --op decode --min-seconds 0 --roofline-mb 8 --ab "
+      "FLASHKV_CPU_PREFETCH=off --json " +
+      json);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find(" FLASHKV_CPU_PREFETCH=off ("), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("vs the row above; 7 rounds"), std::string::npos) << r.out;
+  const JsonValue j = parse_json(read_file(json));
+  const std::vector<JsonValue>& cases = j.find("cases")->items();
+  ASSERT_EQ(cases.size(), 2u);
+  EXPECT_EQ(cases[0].find("env")->string(), "");
+  EXPECT_EQ(cases[0].find("vs_twin"), nullptr);
+  EXPECT_EQ(cases[1].find("env")->string(), "FLASHKV_CPU_PREFETCH=off");
+  EXPECT_GT(number(cases[1], "vs_twin"), 0);
+  EXPECT_EQ(number(cases[1], "rounds"), 7);
+}
+
 // `flashkv check --device cpu --quick`, run once for the tests that read its output.
 const RunResult& quick_check() {
   static const RunResult r = flashkv("check --device cpu --quick");
@@ -279,13 +299,27 @@ TEST(Cli, HelpExitsZero) {
 }
 
 TEST(Cli, BadFlagsAreOneLineAndExitTwo) {
-  for (const char* cmd :
-       {"serve --frobnicate", "serve --requests many", "serve --dtype fp4",
-        "serve --heads 6 --kv-heads 4", "serve --head-dim 72", "serve --requests",
-        "bench --grid huge", "bench --op attention", "check --op everything", "info --verbose",
-        "nonsense", "serve --device tpu", "serve --json /nonexistent-dir/x.json",
-        "serve --save-workload /nonexistent-dir/w.json", "soak --speculative maybe",
-        "soak --steps -5", "soak --kv-slots 100", "soak --flush-every 0", "soak --heads 3"}) {
+  for (const char* cmd : {"serve --frobnicate",
+                          "serve --requests many",
+                          "serve --dtype fp4",
+                          "serve --heads 6 --kv-heads 4",
+                          "serve --head-dim 72",
+                          "serve --requests",
+                          "bench --grid huge",
+                          "bench --op attention",
+                          "bench --ab FLASHKV_NOPE=1",
+                          "bench --ab nonsense",
+                          "check --op everything",
+                          "info --verbose",
+                          "nonsense",
+                          "serve --device tpu",
+                          "serve --json /nonexistent-dir/x.json",
+                          "serve --save-workload /nonexistent-dir/w.json",
+                          "soak --speculative maybe",
+                          "soak --steps -5",
+                          "soak --kv-slots 100",
+                          "soak --flush-every 0",
+                          "soak --heads 3"}) {
     const RunResult r = flashkv(cmd);
     EXPECT_EQ(r.code, 2) << cmd << ": " << r.err;
     EXPECT_EQ(count_lines(r.err), 1) << cmd << ": " << r.err;

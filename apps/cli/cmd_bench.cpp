@@ -97,6 +97,10 @@ int cmd_bench(int argc, char** argv) {
       {"--csv", "FILE", "write every case as CSV", ""},
       {"--plot", "FILE.svg", "write a roofline chart (SVG)", ""},
       {"--roofline-only", "", "measure the machine only", ""},
+      {"--ab", "NAME=VALUE",
+       "time each case in alternating rounds with a twin run under the switch NAME=VALUE (a "
+       "FLASHKV_* variable), and print the twin's time ratio and its spread",
+       ""},
       {"--min-seconds", "S", "time each case for at least this long (at least 5 runs)", "0.25"},
       {"--roofline-mb", "N", "MiB the bandwidth loops stream (auto: CPU 8x LLC, GPU 2 GiB)",
        "auto"}};
@@ -125,7 +129,10 @@ int cmd_bench(int argc, char** argv) {
   timing.min_seconds = args.get_double("--min-seconds", 0, 3600);
   bench::RooflineOptions roof;
   roof.buffer_bytes = size_t(args.get_int("--roofline-mb", 1, 1 << 16, 0)) << 20;
-  if (cp_ranks > 0) return bench_cp(args, cp_ranks, op, grid, timing, roof);
+  if (cp_ranks > 0) {
+    if (args.given("--ab")) args.fail("--ab is not supported with --cp");
+    return bench_cp(args, cp_ranks, op, grid, timing, roof);
+  }
   for (const char* flag : {"--json", "--csv", "--plot"}) args.require_writable(flag);
 
   const Device device = args.device();
@@ -151,6 +158,13 @@ int cmd_bench(int argc, char** argv) {
   std::vector<bench::BenchCase> cases;
   for (const bench::BenchCase& c : grid_cases)
     if (op == "all" || bench::parse_op(op) == c.op) cases.push_back(c);
+  if (args.given("--ab")) {
+    try {
+      cases = bench::switch_twins(cases, args.get("--ab"));
+    } catch (const Error& e) {
+      args.fail(str_cat("--ab: ", e.what()));
+    }
+  }
   bench::BenchReport report;
   report.machine = bench::measure_roofline(device, roof);
   bench::print_machine(std::cout, report.machine);

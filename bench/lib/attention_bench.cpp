@@ -10,6 +10,7 @@
 
 #include "cuda_timing.h"
 #include "flashkv/core/buffer.h"
+#include "flashkv/core/options.h"
 #include "flashkv/core/thread_pool.h"
 #include "flashkv/ops/attention.h"
 
@@ -332,7 +333,8 @@ std::string BenchCase::str() const {
                  logit_cap > 0 ? str_cat(" cap=", logit_cap) : std::string(), sinks ? " sinks" : "",
                  op == BenchOp::verify              ? " tree-mask"
                  : !causal && op != BenchOp::decode ? " non-causal"
-                                                    : "");
+                                                    : "",
+                 env.empty() ? std::string() : str_cat(" ", env));
 }
 
 BenchCase decode_case(int batch, int kv_len, Device device, int hq, int hkv, int d, DType kv_dtype,
@@ -425,7 +427,53 @@ double case_bytes(const BenchCase& c) {
          kv_row * (paged_tokens * dtype_size(c.kv_dtype) + new_tokens * dtype_size(c.dtype));
 }
 
+namespace {
+
+// The variable a case's switch sets (BenchCase::env: "NAME=VALUE"); throws flashkv::Error unless
+// NAME is one of kEnvSwitches.
+std::string switch_name(const std::string& env) {
+  const size_t eq = env.find('=');
+  FLASHKV_CHECK(eq != std::string::npos && eq > 0, "env: expected NAME=VALUE, got '", env, "'");
+  const std::string name = env.substr(0, eq);
+  for (const EnvSwitch& s : kEnvSwitches)
+    if (name == s.name) return name;
+  std::string known;
+  for (const EnvSwitch& s : kEnvSwitches) known += str_cat(known.empty() ? "" : ", ", s.name);
+  throw_error(str_cat("env: '", name, "' is not a flashkv switch (expected one of ", known, ")"));
+}
+
+// Sets a case's switch for its lifetime, then puts back what the variable held (or unsets it).
+class CaseSwitch {
+ public:
+  explicit CaseSwitch(const std::string& env) {
+    if (env.empty()) return;
+    name_ = switch_name(env);
+    if (const char* outer = std::getenv(name_.c_str())) {
+      had_ = true;
+      saved_ = outer;
+    }
+    FLASHKV_CHECK(setenv(name_.c_str(), env.c_str() + name_.size() + 1, 1) == 0, "env: setenv ",
+                  name_, " failed");
+  }
+  ~CaseSwitch() {
+    if (name_.empty()) return;
+    if (had_)
+      setenv(name_.c_str(), saved_.c_str(), 1);
+    else
+      unsetenv(name_.c_str());
+  }
+  CaseSwitch(const CaseSwitch&) = delete;
+  CaseSwitch& operator=(const CaseSwitch&) = delete;
+
+ private:
+  std::string name_, saved_;
+  bool had_ = false;
+};
+
+}  // namespace
+
 void validate_case(const BenchCase& c) {
+  if (!c.env.empty()) switch_name(c.env);
   FLASHKV_CHECK(c.batch >= 1, "batch: expected >= 1, got ", c.batch);
   FLASHKV_CHECK(c.qo_len >= 1, "qo_len: expected >= 1, got ", c.qo_len);
   FLASHKV_CHECK(c.kv_len >= c.qo_len, "kv_len: expected >= qo_len (", c.qo_len, "), got ",
@@ -504,7 +552,18 @@ std::pair<CaseResult, CaseResult> run_pair(const BenchCase& a, const BenchCase& 
                                            const Roofline& machine, const BenchOptions& o) {
   constexpr int kRounds = 7;
   CaseState sa, sb;
-  const std::function<void(Stream)> run_a = prepare(a, o, sa), run_b = prepare(b, o, sb);
+  // Each side under its own switch (BenchCase::env): while it is prepared and timed, and on the
+  // CPU, whose calls alternate inside a round, around each call.
+  const auto prepared = [&](const BenchCase& c, CaseState& state) {
+    CaseSwitch on(c.env);
+    std::function<void(Stream)> run = prepare(c, o, state);
+    if (c.env.empty() || !c.device.is_cpu()) return run;
+    return std::function<void(Stream)>([run, env = c.env](Stream s) {
+      CaseSwitch each(env);
+      run(s);
+    });
+  };
+  const std::function<void(Stream)> run_a = prepared(a, sa), run_b = prepared(b, sb);
   BenchOptions round = o;
   round.min_seconds = o.min_seconds / kRounds;
   round.max_runs = std::max(o.min_runs, o.max_runs / kRounds);
@@ -515,8 +574,14 @@ std::pair<CaseResult, CaseResult> run_pair(const BenchCase& a, const BenchCase& 
     if (a.device.is_cpu()) {
       ratios.push_back(time_cpu_interleaved(run_a, run_b, round, ra, rb));
     } else {
-      ra = time_run(a.device, run_a, round);
-      rb = time_run(b.device, run_b, round);
+      {
+        CaseSwitch on(a.env);
+        ra = time_run(a.device, run_a, round);
+      }
+      {
+        CaseSwitch on(b.env);
+        rb = time_run(b.device, run_b, round);
+      }
       ratios.push_back(median(rb.us) / median(ra.us));
     }
     for (auto [to, from] : {std::pair{&ta, &ra}, std::pair{&tb, &rb}}) {
@@ -537,9 +602,24 @@ std::pair<CaseResult, CaseResult> run_pair(const BenchCase& a, const BenchCase& 
 
 CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOptions& o) {
   check_runnable(c, machine, o);
+  const CaseSwitch on(c.env);
   CaseState state;
   const std::function<void(Stream)> run = prepare(c, o, state);
   return result_of(c, time_run(c.device, run, o), machine);
+}
+
+std::vector<BenchCase> switch_twins(const std::vector<BenchCase>& cases, const std::string& env) {
+  switch_name(env);
+  std::vector<BenchCase> out;
+  for (BenchCase c : cases) {
+    c.paired = false;
+    c.env.clear();
+    out.push_back(c);
+    c.paired = true;
+    c.env = env;
+    out.push_back(c);
+  }
+  return out;
 }
 
 void set_rates(CaseResult& r, const Roofline& machine, double scale) {

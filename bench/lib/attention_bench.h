@@ -63,6 +63,9 @@ struct BenchCase {
   // changed, e.g. sinks added), so a drift of the machine during the run (clocks, heat, other
   // load) falls on both alike; the result then carries the time ratio to that twin.
   bool paired = false;
+  // "NAME=VALUE": an environment switch (a variable of kEnvSwitches, core/options.h) set while
+  // this case is prepared and timed, and put back after (bench --ab, switch_twins); empty: none.
+  std::string env;
   // prefill and extend: whether the new tokens attend to each other causally (false: each new
   // token sees all of them, as an encoder's prefill). Decode and verify ignore it.
   bool causal = true;
@@ -79,7 +82,7 @@ struct BenchCase {
   // causal false), "tree" (verify) or "none" (decode: one row, the last position).
   const char* mask_name() const;
   // e.g. "decode B=16 qo=1 kv=4096 32/8/128 P=1 shuffled bf16/bf16 cpu"; a non-causal case ends
-  // in " non-causal", a verify case in " tree-mask".
+  // in " non-causal", a verify case in " tree-mask", a case with a switch in " NAME=VALUE".
   std::string str() const;
 };
 
@@ -180,6 +183,12 @@ void fill_random(const Tensor& t, uint64_t seed);
 // A result's GB/s, TFLOP/s and roofline fraction from its time (r.c and r.us set), against
 // `scale` machines like `machine` (the ranks of a --cp run; 1 otherwise).
 void set_rates(CaseResult& r, const Roofline& machine, double scale = 1);
+
+// bench --ab: each case, then its twin with the switch `env` ("NAME=VALUE", NAME a variable of
+// kEnvSwitches) set, timed in alternating rounds with it (paired), so that the twin's ratio and
+// its spread compare the two in one run. Twins the cases already had (a model's sinks) become
+// cases of their own, each with its twin.
+std::vector<BenchCase> switch_twins(const std::vector<BenchCase>& cases, const std::string& env);
 
 // Runs one case on its device (must be machine.device) and reports its figures.
 CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOptions& options = {});
