@@ -13,6 +13,7 @@
 #include "flashkv/core/device.h"
 #include "json.h"
 #include "model_presets.h"
+#include "test_util.h"
 #include "workload.h"
 
 namespace flashkv::app {
@@ -23,9 +24,7 @@ struct RunResult {
   std::string out, err;
 };
 
-std::string temp_path(const std::string& name) {
-  return ::testing::TempDir() + "flashkv_cli_" + name;
-}
+std::string temp_path(const std::string& name) { return test::temp_file("cli_" + name); }
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -360,8 +360,8 @@ std::string slurp(const std::string& path) {
 }
 
 CliRun flashkv(const std::string& args) {
-  const std::string out = ::testing::TempDir() + "flashkv_cp_stdout";
-  const std::string err = ::testing::TempDir() + "flashkv_cp_stderr";
+  const std::string out = test::temp_file("cp_stdout");
+  const std::string err = test::temp_file("cp_stderr");
   const std::string cmd =
       std::string("'") + FLASHKV_CLI_PATH + "' " + args + " >'" + out + "' 2>'" + err + "'";
   const int status = std::system(cmd.c_str());
@@ -373,7 +373,7 @@ CliRun flashkv(const std::string& args) {
 }
 
 TEST(ServeCp, CommandLineOneRank) {
-  const std::string json = ::testing::TempDir() + "flashkv_cp_serve.json";
+  const std::string json = test::temp_file("cp_serve.json");
   const CliRun r = flashkv(
       "serve --cp 1 --cp-layout contiguous --requests 6 --layers 2 --check "
       "--quiet --json " +
@@ -391,7 +391,7 @@ TEST(ServeCp, CommandLineOneRank) {
 // The new tokens' K/V passed round a ring (on one rank, its own block): checked clean, and named
 // in the report and the JSON.
 TEST(ServeCp, CommandLineOneRankRing) {
-  const std::string json = ::testing::TempDir() + "flashkv_cp_serve_ring.json";
+  const std::string json = test::temp_file("cp_serve_ring.json");
   const CliRun r = flashkv(
       "serve --cp 1 --cp-kv-pass ring --window 24 --requests 6 --layers 2 --check --quiet "
       "--json " +
@@ -445,7 +445,7 @@ TEST(ServeCp, CommandLineRefusals) {
 // bench --cp 1: the context-parallel grid on one rank (no MPI), its breakdown in the table and
 // in the JSON.
 TEST(ServeCp, BenchOneRank) {
-  const std::string json = ::testing::TempDir() + "flashkv_cp_bench.json";
+  const std::string json = test::temp_file("cp_bench.json");
   const CliRun r = flashkv(
       "bench --cp 1 --grid quick --op decode --min-seconds 0 --roofline-mb 8 --json " + json);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
@@ -477,7 +477,7 @@ TEST(ServeCpCuda, CommandLineOneRank) {
     }
     GTEST_SKIP() << "no GPU";
   }
-  const std::string json = ::testing::TempDir() + "flashkv_cp_serve_cuda.json";
+  const std::string json = test::temp_file("cp_serve_cuda.json");
   CliRun r =
       flashkv("serve --cp 1 --device cuda --requests 8 --layers 4 --check --quiet --json " + json);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
@@ -493,7 +493,7 @@ TEST(ServeCpCuda, CommandLineOneRank) {
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("context par  1 rank, KV interleaved"), std::string::npos) << r.out;
 
-  const std::string bench_json = ::testing::TempDir() + "flashkv_cp_bench_cuda.json";
+  const std::string bench_json = test::temp_file("cp_bench_cuda.json");
   r = flashkv("bench --cp 1 --device cuda --grid quick --min-seconds 0 --json " + bench_json);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
 #if FLASHKV_WITH_NCCL

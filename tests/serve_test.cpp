@@ -85,7 +85,7 @@ TEST(Json, RejectsMalformedTextWithItsPosition) {
 }
 
 TEST(Json, ReadFileNamesThePath) {
-  const std::string path = ::testing::TempDir() + "json_test.json";
+  const std::string path = test::temp_file("json_test.json");
   std::ofstream(path) << "{\"a\": [1,\n 2,, 3]}";
   const std::string e = error_of([&] { read_json_file(path); });
   EXPECT_EQ(e.rfind(path + ": line 2, column 4:", 0), 0u) << e;
@@ -160,7 +160,7 @@ TEST(Workload, EncoderLensAreSeededAndInRange) {
 }
 
 TEST(Workload, FileFormat) {
-  const std::string path = ::testing::TempDir() + "workload_test.json";
+  const std::string path = test::temp_file("workload_test.json");
   std::ofstream(path) << R"({"name": "t", "prefixes": {"p": [9, 8, 7]},
       "speculative": {"topk": 3, "steps": 1, "accept_rate": 0.5},
       "requests": [{"arrival": 5, "prefix": "p", "prompt": [1, 2], "output": 2},

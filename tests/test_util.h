@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -16,6 +17,12 @@
 #include "flashkv/reference/reference.h"
 
 namespace flashkv::test {
+
+// A file name in the test temporary directory, distinct per process: two test binaries on one
+// machine (a CI run beside a developer's) must not use each other's files.
+inline std::string temp_file(const std::string& name) {
+  return ::testing::TempDir() + "flashkv_" + std::to_string(getpid()) + "_" + name;
+}
 
 // A seeded generator; the seed shows in every failure message through SCOPED_TRACE.
 class Rng {
