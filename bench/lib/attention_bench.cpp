@@ -434,7 +434,7 @@ namespace {
 std::string switch_name(const std::string& env) {
   const size_t eq = env.find('=');
   FLASHKV_CHECK(eq != std::string::npos && eq > 0, "env: expected NAME=VALUE, got '", env, "'");
-  const std::string name = env.substr(0, eq);
+  std::string name = env.substr(0, eq);
   for (const EnvSwitch& s : kEnvSwitches)
     if (name == s.name) return name;
   std::string known;

@@ -11,7 +11,8 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "flashkv/kernels/float_bits.h"
 
 #if defined(__CUDACC__)
 #define FLASHKV_EXP2_HD __host__ __device__ __forceinline__
@@ -21,25 +22,8 @@
 
 namespace flashkv::exp2_poly_detail {
 
-FLASHKV_EXP2_HD uint32_t bits_of(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-
-FLASHKV_EXP2_HD float float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
+using float_bits::bits_of;
+using float_bits::float_of;
 
 // 2^f ~ 1 + f (c1 + f (c2 + f c3)) on [-1/2, 1/2], the constant term held at exactly 1 so that
 // 2^0 = 1 and 2^-127 = 0 come out exact; the other three minimise the largest relative error

@@ -5,9 +5,9 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #include "flashkv/core/dtype.h"
+#include "flashkv/kernels/float_bits.h"
 
 #if defined(__CUDACC__)
 #define FLASHKV_KV_HD __host__ __device__ __forceinline__
@@ -17,25 +17,8 @@
 
 namespace flashkv::kv_convert {
 
-FLASHKV_KV_HD uint32_t bits_of(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-
-FLASHKV_KV_HD float float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
+using float_bits::bits_of;
+using float_bits::float_of;
 
 // Element i of an i32 or i64 index array.
 FLASHKV_KV_HD int64_t load_index(const void* data, bool is_i64, int64_t i) {
