@@ -226,7 +226,11 @@ TEST(Bench, SwitchTwinsRunUnderTheirSwitchAndPutItBack) {
   const std::string json = to_json(report);
   EXPECT_NE(json.find("\"env\": \"FLASHKV_CPU_ISA=scalar\""), std::string::npos) << json;
   EXPECT_NE(json.find("\"env\": \"\""), std::string::npos) << json;
-  EXPECT_NE(to_csv(report).find(",FLASHKV_CPU_ISA=scalar\n"), std::string::npos);
+  const std::string csv = to_csv(report);
+  EXPECT_NE(csv.find(",FLASHKV_CPU_ISA=scalar," + app::json_number(twin.vs_twin) + ","),
+            std::string::npos)
+      << csv;
+  EXPECT_NE(csv.find(",7\n"), std::string::npos) << csv;
 
   // A value the CPU kernels refuse fails the twin's runs (not its twin's), and the variable is
   // still put back.
@@ -244,6 +248,10 @@ TEST(Bench, SwitchTwinsRunUnderTheirSwitchAndPutItBack) {
   EXPECT_THROW(run_case(alone, machine, quick_timing()), Error);
   EXPECT_EQ(std::getenv("FLASHKV_CPU_ISA"), nullptr);
 
+  // The cases the twins are compared with run the default: the variable must be unset.
+  isa.set("avx2");
+  EXPECT_THROW(switch_twins({plain}, "FLASHKV_CPU_ISA=scalar"), Error);
+  isa.set(nullptr);
   // Only flashkv's switches, as NAME=VALUE.
   for (const char* bad : {"FLASHKV_NOT_A_SWITCH=1", "FLASHKV_CPU_ISA", "=1", "PATH=/"}) {
     SCOPED_TRACE(bad);
@@ -385,8 +393,9 @@ TEST(Bench, NewCaseKindsRunOnCpu) {
   EXPECT_NE(json.find("\"mask\": \"non-causal\""), std::string::npos);
   EXPECT_NE(json.find("\"page_size\": 16"), std::string::npos);
   EXPECT_NE(json.find("\"plans\": []"), std::string::npos) << json;
-  EXPECT_NE(csv.find(",sinks,mask,env\n"), std::string::npos);
-  EXPECT_NE(csv.find(",tree,\n"), std::string::npos) << csv;
+  EXPECT_NE(csv.find(",sinks,mask,env,vs_twin,vs_twin_min,vs_twin_max,rounds\n"),
+            std::string::npos);
+  EXPECT_NE(csv.find(",tree,,,,,\n"), std::string::npos) << csv;
   std::ostringstream table;
   print_table(table, report);
   EXPECT_NE(table.str().find(" non-causal\n"), std::string::npos) << table.str();

@@ -223,7 +223,7 @@ std::string to_csv(const BenchReport& report) {
   std::ostringstream os;
   os << "op,device,batch,qo_len,kv_len,prefix_len,num_qo_heads,num_kv_heads,head_dim,page_size,"
         "kv_layout,dtype,kv_dtype,us,gbps,tflops,roofline_fraction,runs,cuda_graph,window_left,"
-        "logit_cap,sinks,mask,env\n";
+        "logit_cap,sinks,mask,env,vs_twin,vs_twin_min,vs_twin_max,rounds\n";
   for (const CaseResult& r : report.cases) {
     const BenchCase& c = r.c;
     os << op_name(c.op) << ',' << c.device.str() << ',' << c.batch << ',' << c.qo_len << ','
@@ -232,7 +232,14 @@ std::string to_csv(const BenchReport& report) {
        << ',' << dtype_name(c.kv_dtype) << ',' << json_number(r.us) << ',' << json_number(r.gbps)
        << ',' << json_number(r.tflops) << ',' << json_number(r.roofline_fraction) << ',' << r.runs
        << ',' << (r.cuda_graph ? 1 : 0) << ',' << c.window_left << ',' << json_number(c.logit_cap)
-       << ',' << (c.sinks ? 1 : 0) << ',' << c.mask_name() << ',' << c.env << '\n';
+       << ',' << (c.sinks ? 1 : 0) << ',' << c.mask_name() << ',' << c.env;
+    // A paired case's ratio to its twin (empty for the others, as the JSON leaves them out).
+    if (c.paired)
+      os << ',' << json_number(r.vs_twin) << ',' << json_number(r.vs_twin_min) << ','
+         << json_number(r.vs_twin_max) << ',' << r.rounds;
+    else
+      os << ",,,,";
+    os << '\n';
   }
   return os.str();
 }

@@ -609,7 +609,12 @@ CaseResult run_case(const BenchCase& c, const Roofline& machine, const BenchOpti
 }
 
 std::vector<BenchCase> switch_twins(const std::vector<BenchCase>& cases, const std::string& env) {
-  switch_name(env);
+  const std::string name = switch_name(env);
+  // The cases before the twins run with the variable as the environment has it: unset, so that
+  // they run the default.
+  FLASHKV_CHECK(std::getenv(name.c_str()) == nullptr, "env: ", name,
+                " is set in the environment; unset it, so that the cases the twins are compared "
+                "with run the default");
   std::vector<BenchCase> out;
   for (BenchCase c : cases) {
     c.paired = false;

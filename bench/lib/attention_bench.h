@@ -187,7 +187,8 @@ void set_rates(CaseResult& r, const Roofline& machine, double scale = 1);
 // bench --ab: each case, then its twin with the switch `env` ("NAME=VALUE", NAME a variable of
 // kEnvSwitches) set, timed in alternating rounds with it (paired), so that the twin's ratio and
 // its spread compare the two in one run. Twins the cases already had (a model's sinks) become
-// cases of their own, each with its twin.
+// cases of their own, each with its twin. Throws flashkv::Error when NAME is not a switch or is
+// set in the environment (the cases would not run the default).
 std::vector<BenchCase> switch_twins(const std::vector<BenchCase>& cases, const std::string& env);
 
 // Runs one case on its device (must be machine.device) and reports its figures.
