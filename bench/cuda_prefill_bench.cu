@@ -4,6 +4,8 @@
 // ceilings measured in the same run: a cuBLAS bf16 GEMM and a pure mma.sync loop.
 //
 //   cuda_prefill_bench [--iters N] [--csv FILE] [--case causal|extend]  (only that kind)
+//                      [--causal B:N[,B:N...]]  (the causal cases: B requests of N tokens each;
+//                                                 default 1:8192,4:4096,1:16384)
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -315,6 +317,7 @@ int main(int argc, char** argv) {
   int iters = 20;
   const char* csv = nullptr;
   std::string only;
+  std::vector<std::pair<int, int>> causal = {{1, 8192}, {4, 4096}, {1, 16384}};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--iters") && i + 1 < argc)
       iters = std::atoi(argv[++i]);
@@ -322,6 +325,19 @@ int main(int argc, char** argv) {
       csv = argv[++i];
     else if (!std::strcmp(argv[i], "--case") && i + 1 < argc)
       only = argv[++i];
+    else if (!std::strcmp(argv[i], "--causal") && i + 1 < argc) {
+      causal.clear();
+      for (const char* c = argv[++i]; *c != '\0';) {
+        int b = 0, n = 0, used = 0;
+        if (std::sscanf(c, "%d:%d%n", &b, &n, &used) != 2 || b < 1 || n < 1) {
+          std::fprintf(stderr, "--causal: expected B:N[,B:N...] with B, N >= 1, got '%s'\n", c);
+          return 2;
+        }
+        causal.emplace_back(b, n);
+        c += used;
+        if (*c == ',') ++c;
+      }
+    }
   }
   try {
     const DeviceInfo dev = device_info(Device::cuda());
@@ -332,7 +348,7 @@ int main(int argc, char** argv) {
         "ceilings: cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s; mma.sync m16n8k16 loop %.0f TFLOP/s\n",
         gemm, mma);
     std::vector<Row> rows;
-    for (auto [b, n] : {std::pair{1, 8192}, std::pair{4, 4096}, std::pair{1, 16384}})
+    for (auto [b, n] : causal)
       if (only.empty() || only == "causal") rows.push_back(bench_causal(b, n, iters));
     for (auto [b, pre, fresh] : {std::tuple{4, 3072, 1024}, std::tuple{16, 4096, 256}}) {
       if (!only.empty() && only != "extend") continue;
