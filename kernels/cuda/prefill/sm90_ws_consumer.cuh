@@ -77,7 +77,7 @@ __device__ __forceinline__ void pass_turn(int wg) {
 }
 
 // The consumer warpgroups (threads 128..383; `ctid` is the thread's index among them).
-template <typename Cfg, bool kPaged, int kPolyEvery = 0>
+template <typename Cfg, bool kPaged>
 __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char* smem,
                                         const WsBarriers<Cfg>& bars, int ctid) {
   using QT = typename Cfg::Q;
@@ -163,7 +163,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap_blk);
         if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
           apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
-        return softmax.template update_scores<kPolyEvery>(s, c_blk, corr);
+        return softmax.update_scores(s, c_blk, corr);
       };
 
       // Tile 0: S_0 alone.
