@@ -52,10 +52,6 @@ bool env_prefill_sm90_ws_paged() { return on_unless_zero("FLASHKV_PREFILL_SM90_W
 
 bool env_prefill_sm90_fp8_two_q() { return on_only_for_one("FLASHKV_PREFILL_SM90_FP8_TWO_Q"); }
 
-bool env_prefill_sm90_overlap() { return on_only_for_one("FLASHKV_PREFILL_SM90_OVERLAP"); }
-
-bool env_prefill_sm90_exp2_poly() { return on_only_for_one("FLASHKV_PREFILL_SM90_EXP2_POLY"); }
-
 bool env_decode_pdl() { return on_unless_zero("FLASHKV_DECODE_PDL"); }
 
 }  // namespace flashkv

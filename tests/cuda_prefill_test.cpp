@@ -918,30 +918,20 @@ constexpr std::pair<int, int> kSm90HeadDims[] = {{64, 64}, {128, 128}, {192, 128
 // the sm_80 kernel (FLASHKV_PREFILL_SM90=0), at 128 the cp.async sm_90a one
 // (FLASHKV_PREFILL_SM90_WS=0; at the others this is the sm_80 kernel again), and the
 // warp-specialized one, for ragged and for paged K/V; with FLASHKV_PREFILL_SM90_WS_PAGED=0, paged
-// K/V on the kernel below the warp-specialized one while ragged K/V keeps it; and at 64 and 128
-// the warp-specialized kernel that overlaps a block's first product with the previous block's
-// epilogue (FLASHKV_PREFILL_SM90_OVERLAP=1); at 64 the one that takes a quarter of the
-// exponentials to the FMA pipe (FLASHKV_PREFILL_SM90_EXP2_POLY=1). Elsewhere every run takes the
-// sm_80 kernel.
+// K/V on the kernel below the warp-specialized one while ragged K/V keeps it. Elsewhere every run
+// takes the sm_80 kernel.
 template <typename Fn>
 void for_each_prefill_kernel(Fn&& fn) {
-  const char* configs[][5] = {{"0", "0", "1", "0", "0"}, {"1", "0", "1", "0", "0"},
-                              {"1", "1", "1", "0", "0"}, {"1", "1", "0", "0", "0"},
-                              {"1", "1", "1", "1", "0"}, {"1", "1", "1", "0", "1"}};
+  const char* configs[][3] = {{"0", "0", "1"}, {"1", "0", "1"}, {"1", "1", "1"}, {"1", "1", "0"}};
   for (const auto& [dqk, dv] : kSm90HeadDims)
     for (const auto& config : configs) {
-      if (config[3][0] == '1' && dqk != 64 && dqk != 128) continue;  // no such kernel there
-      if (config[4][0] == '1' && dqk != 64) continue;
       SCOPED_TRACE(testing::Message()
                    << "head dims " << dqk << "/" << dv << " FLASHKV_PREFILL_SM90=" << config[0]
-                   << " FLASHKV_PREFILL_SM90_WS=" << config[1] << " FLASHKV_PREFILL_SM90_WS_PAGED="
-                   << config[2] << " FLASHKV_PREFILL_SM90_OVERLAP=" << config[3]
-                   << " FLASHKV_PREFILL_SM90_EXP2_POLY=" << config[4]);
+                   << " FLASHKV_PREFILL_SM90_WS=" << config[1]
+                   << " FLASHKV_PREFILL_SM90_WS_PAGED=" << config[2]);
       test::ScopedEnv sm90("FLASHKV_PREFILL_SM90", config[0]);
       test::ScopedEnv ws("FLASHKV_PREFILL_SM90_WS", config[1]);
       test::ScopedEnv ws_paged("FLASHKV_PREFILL_SM90_WS_PAGED", config[2]);
-      test::ScopedEnv overlap("FLASHKV_PREFILL_SM90_OVERLAP", config[3]);
-      test::ScopedEnv poly("FLASHKV_PREFILL_SM90_EXP2_POLY", config[4]);
       fn(dqk, dv);
     }
 }
@@ -1303,11 +1293,6 @@ TEST(CudaPrefill, NaNInKvReachesTheOutput) {
     pr.nan_k = nan_k;
     pr.nan_v = !nan_k;
     check_problem(pr, rng);
-    {
-      // The NaN key is a tile's first, whose exponentials this kernel computes with exp2_poly.
-      test::ScopedEnv poly("FLASHKV_PREFILL_SM90_EXP2_POLY", "1");
-      check_problem(pr, rng);
-    }
     pr.dqk = pr.dv = 128;
     pr.kv_dtype = DType::fp8_e4m3;
     pr.k_scale = 0.5f;

@@ -25,12 +25,11 @@ bool listed(const char* name) {
 }
 
 TEST(Options, EverySwitchIsListed) {
-  EXPECT_EQ(kNumEnvSwitches, 10u);
+  EXPECT_EQ(kNumEnvSwitches, 8u);
   for (const char* name :
        {"FLASHKV_NUM_THREADS", "FLASHKV_CPU_ISA", "FLASHKV_CPU_PREFETCH", "FLASHKV_PREFILL_SM90",
         "FLASHKV_PREFILL_SM90_WS", "FLASHKV_PREFILL_SM90_WS_PAGED",
-        "FLASHKV_PREFILL_SM90_FP8_TWO_Q", "FLASHKV_PREFILL_SM90_OVERLAP",
-        "FLASHKV_PREFILL_SM90_EXP2_POLY", "FLASHKV_DECODE_PDL"})
+        "FLASHKV_PREFILL_SM90_FP8_TWO_Q", "FLASHKV_DECODE_PDL"})
     EXPECT_TRUE(listed(name)) << name;
   for (const EnvSwitch& s : kEnvSwitches) {
     EXPECT_GT(std::strlen(s.values), 0u) << s.name;
@@ -131,9 +130,7 @@ TEST(Options, OptInCudaSwitchesAreOnOnlyForOne) {
     const char* name;
     bool (*read)();
   };
-  for (const Switch& s : {Switch{"FLASHKV_PREFILL_SM90_FP8_TWO_Q", &env_prefill_sm90_fp8_two_q},
-                          Switch{"FLASHKV_PREFILL_SM90_OVERLAP", &env_prefill_sm90_overlap},
-                          Switch{"FLASHKV_PREFILL_SM90_EXP2_POLY", &env_prefill_sm90_exp2_poly}}) {
+  for (const Switch& s : {Switch{"FLASHKV_PREFILL_SM90_FP8_TWO_Q", &env_prefill_sm90_fp8_two_q}}) {
     SCOPED_TRACE(s.name);
     {
       ScopedEnv e(s.name, nullptr);

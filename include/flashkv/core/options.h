@@ -44,15 +44,6 @@ inline constexpr EnvSwitch kEnvSwitches[] = {
     {"FLASHKV_PREFILL_SM90_FP8_TWO_Q", "1",
      "1: with fp8 K/V at head dim 128, the warp-specialized sm_90a prefill kernel with two Q "
      "stages and one fp8 staging stage instead of one and two (not yet the default)"},
-    {"FLASHKV_PREFILL_SM90_OVERLAP", "1",
-     "1: at head dims 64 and 128 with 16-bit K/V, the warp-specialized sm_90a prefill kernel that "
-     "starts each row block's first product under the previous block's epilogue (not yet the "
-     "default)"},
-    {"FLASHKV_PREFILL_SM90_EXP2_POLY", "1",
-     "1: at head dim 64 with 16-bit K/V, the warp-specialized sm_90a prefill kernel that computes "
-     "a "
-     "quarter of the softmax's exponentials with a polynomial on the FMA pipe (not yet the "
-     "default)"},
     {"FLASHKV_DECODE_PDL", "0", "0: decode launches without programmatic dependent launch (sm_90)"},
 };
 inline constexpr size_t kNumEnvSwitches = sizeof(kEnvSwitches) / sizeof(kEnvSwitches[0]);
@@ -82,16 +73,6 @@ bool env_prefill_sm90_ws_paged();
 // warp-specialized prefill kernel keeps two Q stages and one fp8 staging stage instead of one and
 // two; not yet the default).
 bool env_prefill_sm90_fp8_two_q();
-
-// FLASHKV_PREFILL_SM90_OVERLAP: true only for "1" (the warp-specialized prefill kernel issues a
-// row block's first Q.K^T under the previous block's epilogue, at head dims 64 and 128 with
-// 16-bit K/V; not yet the default).
-bool env_prefill_sm90_overlap();
-
-// FLASHKV_PREFILL_SM90_EXP2_POLY: true only for "1" (at head dim 64 with 16-bit K/V the
-// warp-specialized prefill kernel takes a quarter of the softmax's exponentials to the FMA pipe,
-// exp2_poly; not yet the default).
-bool env_prefill_sm90_exp2_poly();
 
 // FLASHKV_DECODE_PDL: false only for "0" (decode launches without programmatic dependent launch).
 bool env_decode_pdl();

@@ -47,15 +47,9 @@
 
 namespace flashkv::cuda::prefill_detail {
 
-// FLASHKV_PREFILL_SM90_EXP2_POLY=1: the exponentials of one n-tile in this many (a quarter: at
-// head dim 64 the special-function unit then carries three quarters of its load, and the FMA
-// pipe, at 128 lanes a cycle against 16, about 9 instructions for each of the rest).
-constexpr int kExp2PolyEvery = 4;
-
 // grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h. `maps` is
 // unused with paged or fp8 K/V.
-template <typename QT, int D, int DV, KvFormat F, bool kPaged, bool kOverlap = false,
-          bool kQFirst = false, int kPolyEvery = 0>
+template <typename QT, int D, int DV, KvFormat F, bool kPaged, bool kQFirst = false>
 __global__ void __launch_bounds__(384, 1)
     prefill_sm90_ws_kernel(const __grid_constant__ AttentionParams p,
                            const __grid_constant__ Sm90TmaMaps maps) {
@@ -93,7 +87,7 @@ __global__ void __launch_bounds__(384, 1)
     produce<Cfg, kPaged>(p, maps, smem, bars, tid);
   } else {
     ws::claim_registers<232>();
-    consume<Cfg, kPaged, kOverlap, kPolyEvery>(p, smem, bars, tid - 128);
+    consume<Cfg, kPaged>(p, smem, bars, tid - 128);
     if (p.merge_o) ptx::grid_dependency_wait();  // see prefill_kernel
   }
 }
@@ -139,12 +133,8 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
 // Launches the warp-specialized kernel; false (nothing launched) where it does not apply: paged
 // K/V with FLASHKV_PREFILL_SM90_WS_PAGED=0, paged or fp8 K/V in a pool of 2^31 rows or more (the
 // producer addresses rows with 32 bits), or 16-bit ragged K/V in a layout no tensor map can
-// describe. FLASHKV_PREFILL_SM90_OVERLAP=1 takes the kernel whose consumers overlap a block's S_0
-// with the previous block's epilogue where it applies (consume, kOverlap);
-// FLASHKV_PREFILL_SM90_FP8_TWO_Q=1, with fp8 K/V, the one with two Q stages where the default
-// has one (Sm90WsConfig, kQFirst: head dim 128); FLASHKV_PREFILL_SM90_EXP2_POLY=1, at head dim
-// 64 with 16-bit K/V, the one that takes a quarter of the exponentials to the FMA pipe
-// (kPolyEvery; it does not overlap, and wins over FLASHKV_PREFILL_SM90_OVERLAP).
+// describe. FLASHKV_PREFILL_SM90_FP8_TWO_Q=1 takes, with fp8 K/V, the kernel with two Q stages
+// where the default has one (Sm90WsConfig, kQFirst: head dim 128).
 template <typename QT, int D, int DV, KvFormat F>
 bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = Sm90WsConfig<QT, D, DV, F>;
@@ -163,21 +153,11 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   auto kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true>
                         : prefill_sm90_ws_kernel<QT, D, DV, F, false>;
   int smem_bytes = Cfg::kSmemBytes;
-  if constexpr (Cfg::kQStages == 2 && !Cfg::kFp8) {
-    if (env_prefill_sm90_overlap())
-      kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true, true>
-                       : prefill_sm90_ws_kernel<QT, D, DV, F, false, true>;
-  }
-  if constexpr (D == 64 && !Cfg::kFp8) {
-    if (env_prefill_sm90_exp2_poly())
-      kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true, false, false, kExp2PolyEvery>
-                       : prefill_sm90_ws_kernel<QT, D, DV, F, false, false, false, kExp2PolyEvery>;
-  }
   using QFirst = Sm90WsConfig<QT, D, DV, F, true>;
   if constexpr (Cfg::kFp8 && QFirst::kQStages != Cfg::kQStages) {
     if (env_prefill_sm90_fp8_two_q()) {
-      kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true, false, true>
-                       : prefill_sm90_ws_kernel<QT, D, DV, F, false, false, true>;
+      kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true, true>
+                       : prefill_sm90_ws_kernel<QT, D, DV, F, false, true>;
       smem_bytes = QFirst::kSmemBytes;
     }
   }

@@ -76,35 +76,10 @@ __device__ __forceinline__ void pass_turn(int wg) {
   sm90::barrier_arrive(ws::kTurnBarrier0 + (wg ^ 1), 256);
 }
 
-// The row block of this CTA's walk (for_each_row_block's order) after the one at packed row `row0`
-// of item `item` (the first block: item = the worker's first - 1), for a consumer that looks
-// ahead: its number of K/V tiles, or -1 where there is none.
-template <typename Cfg>
-__device__ __forceinline__ int next_block_tiles(const AttentionParams& p, int item, int row0,
-                                                int group) {
-  if (item >= p.worker_indptr[blockIdx.x] && row0 + Cfg::kCtaRows < p.items[item].q_len * group)
-    return num_kv_tiles<Cfg>(
-        make_row_block(p, p.items[item], group, row0 + Cfg::kCtaRows, Cfg::kCtaRows));
-  for (int i = item + 1; i < p.worker_indptr[blockIdx.x + 1]; ++i)
-    if (p.items[i].q_len > 0)
-      return num_kv_tiles<Cfg>(make_row_block(p, p.items[i], group, 0, Cfg::kCtaRows));
-  return -1;
-}
-
 // The consumer warpgroups (threads 128..383; `ctid` is the thread's index among them).
-// kOverlap (FLASHKV_PREFILL_SM90_OVERLAP=1; two Q stages and 16-bit K/V only): a block's S_0 is
-// issued before the block starts, with the previous block's last P.V, so that it runs under that
-// block's epilogue instead of alone after it (the next block's Q has its own stage, and its first
-// K tile follows the last one in the ring); the first block's before the walk, and one after a
-// block without keys in that block's place. Every block thus starts with one S_0 in flight and
-// ends having issued the next: where the next block has no keys (or there is none) that S_0 is a
-// dummy product of the block's own Q stage, discarded. ptxas serialises every wgmma of the kernel
-// where the products in flight differ between paths (a product issued under a condition).
-template <typename Cfg, bool kPaged, bool kOverlap = false, int kPolyEvery = 0>
+template <typename Cfg, bool kPaged>
 __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char* smem,
                                         const WsBarriers<Cfg>& bars, int ctid) {
-  static_assert(!kOverlap || (Cfg::kQStages == 2 && !Cfg::kFp8),
-                "the overlap needs the next block's Q in its own stage");
   using QT = typename Cfg::Q;
   using QRing = ws::Ring<Cfg::kQStages>;
   using Ring = ws::Ring<Cfg::kKvStages>;
@@ -124,21 +99,15 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   int block_n = 0, tile_n = 0;
   using Scores = float[1][kNTiles][4];
   using ScoresAcc = float[kNTiles * 4];
-  // kOverlap: S of the tile in hand, carried from block to block (else each block has its own).
-  [[maybe_unused]] Scores s_carried;
-  [[maybe_unused]] ScoresAcc& s_carried_acc = reinterpret_cast<ScoresAcc&>(s_carried);
-  int item = p.worker_indptr[blockIdx.x] - 1;  // kOverlap: the block's item
-  // The warpgroup's Q tile in Q stage `q_stage_index`.
-  const auto q_tile_of = [&](int q_stage_index) {
-    return base + q_stage_index * Cfg::kQTileBytes + wg * (Cfg::kQTileBytes / 2);
-  };
   // Paged K/V tiles, and with fp8 Q and the K/V tiles, were written by the producer's threads
   // (the generic proxy); wgmma reads through the async proxy. (TMA writes through the async
   // proxy itself.)
   constexpr bool kGenericWrites = kPaged || Cfg::kFp8;
-  // S = Q.K^T into s_acc, one product group (Q: the warpgroup's tile at q_tile, K: the tile at
-  // k_tile).
-  const auto qk_products = [&](ScoresAcc& s_acc, uint32_t q_tile, uint32_t k_tile) {
+  // S_t = Q.K_t^T into s_acc (K stage n, once it has landed; Q: the warpgroup's tile at q_tile).
+  const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile) {
+    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
+    if constexpr (kGenericWrites) sm90::fence_async_shared();
+    const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes;
     sm90::fence();
 #pragma unroll
     for (int k = 0; k < Cfg::kDqk / 16; ++k)
@@ -146,47 +115,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
                                       sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
     sm90::commit();
   };
-  // S_t = Q.K_t^T into s_acc (K stage n, once it has landed).
-  const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile) {
-    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
-    if constexpr (kGenericWrites) sm90::fence_async_shared();
-    qk_products(s_acc, q_tile, base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes);
-  };
-  // kOverlap: the operands of block block_n's S_0, Q's tile and K tile n where `real` (once they
-  // have landed), else those of the dummy product, both from Q stage `own` (see above).
-  struct S0Operands {
-    uint32_t q_tile, k_tile;
-  };
-  const auto s0_operands = [&](bool real, int block_n, int n, int own) {
-    if (!real) return S0Operands{q_tile_of(own), base + own * Cfg::kQTileBytes};
-    sm90::mbar_wait(bars.q_full(QRing::stage(block_n)), QRing::full_parity(block_n));
-    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
-    if constexpr (kGenericWrites) sm90::fence_async_shared();
-    return S0Operands{q_tile_of(QRing::stage(block_n)),
-                      base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes};
-  };
-  // One wgmma sequence for both, so that the products in flight never depend on a branch.
-  const auto issue_s0 = [&](const S0Operands& op) {
-    qk_products(s_carried_acc, op.q_tile, op.k_tile);
-  };
-  if constexpr (kOverlap) {
-    const int group = p.num_qo_heads / p.num_kv_heads;
-    const S0Operands op = s0_operands(next_block_tiles<Cfg>(p, item, 0, group) > 0, 0, 0, 0);
-    take_turn(wg);
-    issue_s0(op);
-    pass_turn(wg);
-  }
   for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
     const int num_tiles = num_kv_tiles<Cfg>(b);
-    if constexpr (kOverlap) {
-      sm90::wait<0>();  // this block's S_0 (or the dummy)
-      sm90::pin(s_carried_acc);
-      if (b.row0 == 0) {  // a new item (for_each_row_block skips those without rows)
-        do {
-          ++item;
-        } while (p.items[item].q_len == 0);
-      }
-    }
     float o[1][Cfg::kDv / 8][4];
     zero_output(o);
     float(&o_acc)[Cfg::kDv / 2] = reinterpret_cast<float(&)[Cfg::kDv / 2]>(o);
@@ -199,12 +129,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     // The softmax's factors for this block: the kernel's, or with Q rewritten in f16 scaled by
     // 2^e, times 2^-e (the warp's logits come out 2^e too large).
     float c_blk = c, scale_over_cap_blk = scale_over_cap;
-    // kOverlap: the number of K/V tiles of the next block (-1: none).
-    const int next_tiles = kOverlap ? next_block_tiles<Cfg>(p, item, b.row0, group) : -1;
     if (num_tiles > 0) {
-      const uint32_t q_tile = q_tile_of(qs);
-      Scores s_block;
-      Scores& s = kOverlap ? s_carried : s_block;
+      const uint32_t q_tile = base + qs * Cfg::kQTileBytes + wg * (Cfg::kQTileBytes / 2);
+      Scores s;
       ScoresAcc& s_acc = reinterpret_cast<ScoresAcc&>(s);
       if constexpr (Cfg::kQToF16) {
         const float unscale =
@@ -236,17 +163,15 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap_blk);
         if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
           apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
-        return softmax.template update_scores<kPolyEvery>(s, c_blk, corr);
+        return softmax.update_scores(s, c_blk, corr);
       };
 
-      // Tile 0: S_0 alone (kOverlap: issued and waited for already).
-      if constexpr (!kOverlap) {
-        take_turn(wg);
-        issue_qk(s_acc, tile_n, q_tile);
-        pass_turn(wg);
-        sm90::wait<0>();
-        sm90::pin(s_acc);
-      }
+      // Tile 0: S_0 alone.
+      take_turn(wg);
+      issue_qk(s_acc, tile_n, q_tile);
+      pass_turn(wg);
+      sm90::wait<0>();
+      sm90::pin(s_acc);
       if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(tile_n)));
       {
         float corr[1][2];
@@ -275,29 +200,17 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         if (moved) softmax.rescale(o, corr);
         pack_p<Cfg, typename Cfg::Mma>(s, pf);
       }
-      // The last tile's P.V (kOverlap: and the next block's S_0 behind it; the wait for P.V
-      // leaves that S_0 in flight).
+      // The last tile's P.V.
       const int n = tile_n + num_tiles - 1;
       sm90::mbar_wait(bars.v_full(Ring::stage(n)), Ring::full_parity(n));
       if constexpr (kGenericWrites) sm90::fence_async_shared();
-      [[maybe_unused]] S0Operands next_s0{};
-      if constexpr (kOverlap) next_s0 = s0_operands(next_tiles > 0, block_n + 1, n + 1, qs);
       take_turn(wg);
       sm90::fence();
       issue_pv(n);
-      if constexpr (kOverlap) issue_s0(next_s0);
       pass_turn(wg);
-      if constexpr (kOverlap)
-        sm90::wait<1>();
-      else
-        sm90::wait<0>();
+      sm90::wait<0>();
       sm90::pin(o_acc);
       if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n)));
-    } else if constexpr (kOverlap) {
-      const S0Operands op = s0_operands(next_tiles > 0, block_n + 1, tile_n, qs);
-      take_turn(wg);
-      issue_s0(op);
-      pass_turn(wg);
     }
     float scale[1][2], lse[1][2];
     softmax.finish(c_blk, scale, lse, Cfg::kFp8 ? p.v_scale : 1.0f);
@@ -309,7 +222,6 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     ++block_n;
     tile_n += num_tiles;
   });
-  if constexpr (kOverlap) sm90::wait<0>();  // the last block's dummy S_0
   // Balance the turns: warpgroup 1 passed one more than warpgroup 0 took.
   if (wg == 0) take_turn(0);
 }

@@ -5,7 +5,6 @@
 #pragma once
 
 #include "common/merge.cuh"
-#include "flashkv/kernels/exp2_poly.h"
 #include "prefill/primitives.cuh"
 
 namespace flashkv::cuda::prefill_detail {
@@ -43,10 +42,8 @@ struct OnlineSoftmax {
 
   // update() without the O rescale: the caller applies rescale(o, corr) before O next takes a
   // product (the sm_90a kernel's P.V of the previous tile may still be writing O). Returns
-  // whether any row of the warp moved its reference (else every corr is 1). kPolyEvery > 0: the
-  // exponentials of every kPolyEvery-th n-tile run on the FMA pipe (exp2_poly) instead of the
-  // special-function unit.
-  template <int kPolyEvery = 0, int kNTiles>
+  // whether any row of the warp moved its reference (else every corr is 1).
+  template <int kNTiles>
   __device__ __forceinline__ bool update_scores(float (&s)[kMTiles][kNTiles][4], float c,
                                                 float (&corr)[kMTiles][2]) {
     const float neg_inf = -__int_as_float(0x7f800000);
@@ -73,11 +70,8 @@ struct OnlineSoftmax {
         float sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-          const bool poly = kPolyEvery > 0 && nt % (kPolyEvery > 0 ? kPolyEvery : 1) == 0;
-          const float x0 = fmaf(s[mt][nt][2 * h], c, -m_scaled);
-          const float x1 = fmaf(s[mt][nt][2 * h + 1], c, -m_scaled);
-          s[mt][nt][2 * h] = poly ? exp2_poly(x0) : exp2_fast(x0);
-          s[mt][nt][2 * h + 1] = poly ? exp2_poly(x1) : exp2_fast(x1);
+          s[mt][nt][2 * h] = exp2_fast(fmaf(s[mt][nt][2 * h], c, -m_scaled));
+          s[mt][nt][2 * h + 1] = exp2_fast(fmaf(s[mt][nt][2 * h + 1], c, -m_scaled));
           sum += s[mt][nt][2 * h] + s[mt][nt][2 * h + 1];
         }
         row_sum[mt][h] = row_sum[mt][h] * corr[mt][h] + sum;

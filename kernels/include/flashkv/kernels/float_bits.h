@@ -1,5 +1,5 @@
 // A float's bits and back, for code compiled for the host and the device from one source
-// (kv_convert.h, exp2_poly.h): the intrinsics on the device, memcpy on the host.
+// (kv_convert.h): the intrinsics on the device, memcpy on the host.
 #pragma once
 
 #include <cstdint>
