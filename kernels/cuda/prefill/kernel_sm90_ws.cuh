@@ -59,14 +59,14 @@ __global__ void __launch_bounds__(384, 1)
   const WsBarriers<Cfg> bars{smem_addr(smem + Cfg::kBarOffset)};
   const int tid = threadIdx.x;
   if (tid == 0) {
-    // Q full: one arrival after the producer's barrier, or (fp8) one per producer thread's
-    // copies.
+    // Q full: one arrival per producer thread's copies.
     for (int s = 0; s < Cfg::kQStages; ++s) {
-      sm90::mbar_init(bars.q_full(s), Cfg::kFp8 ? 128 : 1);
+      sm90::mbar_init(bars.q_full(s), 128);
       sm90::mbar_init(bars.q_empty(s), 8);
     }
-    // K/V full: one arrival with the TMA's byte count, or one per producer thread (its copies
-    // with paged K/V, its widened stores with fp8).
+    // K/V full: one arrival with the TMA's byte count (or after the copies of a tile that runs
+    // past the block's keys), or one per producer thread (its copies with paged K/V, its widened
+    // stores with fp8).
     const int full_arrivals = kPaged || Cfg::kFp8 ? 128 : 1;
     for (int s = 0; s < Cfg::kKvStages; ++s) {
       sm90::mbar_init(bars.k_full(s), full_arrivals);

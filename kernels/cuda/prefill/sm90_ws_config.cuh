@@ -143,6 +143,14 @@ __device__ __forceinline__ void fence_barrier_init() {
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
+// An arrival on `bar` once every cp.async this thread issued so far has landed, which does not
+// count towards the barrier's arrival count: the barrier's phase completes once its counted
+// arrivals are in and every such tracked arrival has followed. So a barrier that expects one
+// arrival (TMA's) can also wait for a warpgroup's copies: each thread calls this, then, after
+// they all have, one thread arrives.
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 template <int kRegs>
 __device__ __forceinline__ void release_registers() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
@@ -157,6 +165,7 @@ __device__ __forceinline__ void tma_load_3d(uint32_t, const CUtensorMap*, int, i
 }
 __device__ __forceinline__ void fence_barrier_init() {}
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t) {}
+__device__ __forceinline__ void cp_async_arrive(uint32_t) {}
 template <int kRegs>
 __device__ __forceinline__ void release_registers() {}
 template <int kRegs>

@@ -99,14 +99,16 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   int block_n = 0, tile_n = 0;
   using Scores = float[1][kNTiles][4];
   using ScoresAcc = float[kNTiles * 4];
-  // Paged K/V tiles, and with fp8 Q and the K/V tiles, were written by the producer's threads
-  // (the generic proxy); wgmma reads through the async proxy. (TMA writes through the async
+  // Q, paged and fp8 K/V tiles, and a ragged block's last tile where it runs past the block's
+  // keys were written by the producer's threads (the generic proxy); wgmma reads through the
+  // async proxy, so the consumers fence them once they have landed. (TMA writes through the async
   // proxy itself.)
   constexpr bool kGenericWrites = kPaged || Cfg::kFp8;
-  // S_t = Q.K_t^T into s_acc (K stage n, once it has landed; Q: the warpgroup's tile at q_tile).
-  const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile) {
+  // S_t = Q.K_t^T into s_acc (K stage n, once it has landed; Q: the warpgroup's tile at q_tile;
+  // `last`: the block's last tile).
+  const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile, bool last) {
     sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
-    if constexpr (kGenericWrites) sm90::fence_async_shared();
+    if (kGenericWrites || last) sm90::fence_async_shared();
     const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes;
     sm90::fence();
 #pragma unroll
@@ -125,7 +127,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     const int qs = QRing::stage(block_n);
     unsigned char* q_stage = smem + qs * Cfg::kQTileBytes;
     sm90::mbar_wait(bars.q_full(qs), QRing::full_parity(block_n));
-    if constexpr (Cfg::kFp8) sm90::fence_async_shared();
+    sm90::fence_async_shared();
     // The softmax's factors for this block: the kernel's, or with Q rewritten in f16 scaled by
     // 2^e, times 2^-e (the warp's logits come out 2^e too large).
     float c_blk = c, scale_over_cap_blk = scale_over_cap;
@@ -168,7 +170,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
 
       // Tile 0: S_0 alone.
       take_turn(wg);
-      issue_qk(s_acc, tile_n, q_tile);
+      issue_qk(s_acc, tile_n, q_tile, num_tiles == 1);
       pass_turn(wg);
       sm90::wait<0>();
       sm90::pin(s_acc);
@@ -186,7 +188,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
         if constexpr (kGenericWrites) sm90::fence_async_shared();
         take_turn(wg);
-        issue_qk(s_acc, n, q_tile);
+        issue_qk(s_acc, n, q_tile, t == num_tiles - 1);
         issue_pv(n - 1);
         pass_turn(wg);
         sm90::wait<1>();  // S_t
@@ -203,7 +205,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       // The last tile's P.V.
       const int n = tile_n + num_tiles - 1;
       sm90::mbar_wait(bars.v_full(Ring::stage(n)), Ring::full_parity(n));
-      if constexpr (kGenericWrites) sm90::fence_async_shared();
+      sm90::fence_async_shared();  // the last tile: copied by the producer's threads where partial
       take_turn(wg);
       sm90::fence();
       issue_pv(n);

@@ -118,9 +118,11 @@ __device__ __forceinline__ void produce_ragged_tiles(const AttentionParams& p,
           cp_async_16(smem + (v_dst - base) + off, v_src + 64 * h, valid ? 16 : 0);
       }
     }
-    cp_async_commit();
-    cp_async_wait<0>();
-    sm90::fence_async_shared();
+    // The full barriers expect one arrival (the TMA path's): each thread's copies are tracked
+    // on them, then thread 0 arrives once all threads have issued theirs. The producer moves on
+    // while the copies land; the consumers fence them for wgmma (consume).
+    ws::cp_async_arrive(bars.k_full(s));
+    ws::cp_async_arrive(bars.v_full(s));
     sm90::barrier_sync(ws::kProducerBarrier, 128);
     if (tid == 0) {
       sm90::mbar_arrive(bars.k_full(s));
@@ -371,11 +373,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
     const int qs = QRing::stage(block_n);
     sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
     copy_q_block<Cfg>(p, b, kv_head, group, num_tiles > 0, smem + qs * Cfg::kQTileBytes, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    sm90::fence_async_shared();  // generic-proxy writes -> the consumers' wgmma reads
-    sm90::barrier_sync(ws::kProducerBarrier, 128);
-    if (tid == 0) sm90::mbar_arrive(bars.q_full(qs));
+    ws::cp_async_arrive_noinc(bars.q_full(qs));  // the consumers fence the copies for wgmma
     ++block_n;
     tiles(early, num_tiles);
   });
