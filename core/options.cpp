@@ -14,12 +14,6 @@ bool on_unless_zero(const char* name) {
   return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
-// A switch that is off unless set to "1" (a kernel that is not yet the default).
-bool on_only_for_one(const char* name) {
-  const char* env = std::getenv(name);
-  return env != nullptr && std::strcmp(env, "1") == 0;
-}
-
 }  // namespace
 
 int env_num_threads() {
@@ -49,8 +43,6 @@ bool env_prefill_sm90() { return on_unless_zero("FLASHKV_PREFILL_SM90"); }
 bool env_prefill_sm90_ws() { return on_unless_zero("FLASHKV_PREFILL_SM90_WS"); }
 
 bool env_prefill_sm90_ws_paged() { return on_unless_zero("FLASHKV_PREFILL_SM90_WS_PAGED"); }
-
-bool env_prefill_sm90_fp8_two_q() { return on_only_for_one("FLASHKV_PREFILL_SM90_FP8_TWO_Q"); }
 
 bool env_decode_pdl() { return on_unless_zero("FLASHKV_DECODE_PDL"); }
 

@@ -998,25 +998,20 @@ TEST(CudaPrefill, AllKernelsAtEveryHeadDim) {
 // fp8 K/V (e4m3 and e5m2, with scales) at head dims 64, 128, 256 and 192 / 128. On Hopper the
 // warp-specialized kernel widens it in its producer (but at 192 / 128, which the sm_80 kernel
 // takes); each head dim runs on it and on the sm_80 kernel (FLASHKV_PREFILL_SM90=0), which serves
-// every other device, and at 128 on the warp-specialized kernel with two Q stages too. Paged (with
-// scales) at page sizes 16 and 1, K/V of subnormals only, ragged with a custom mask, a window and a
-// soft cap with f16 Q, bf16 Q of magnitudes f16 cannot hold (with and without a soft cap) and of
-// mixed magnitudes, split KV merged, and many row blocks a worker with lengths off the tile (the
-// staging ring's phases wrap, and the last tile of every block is zero-filled past its keys).
+// every other device. Paged (with scales) at page sizes 16 and 1, K/V of subnormals only, ragged
+// with a custom mask, a window and a soft cap with f16 Q, bf16 Q of magnitudes f16 cannot hold
+// (with and without a soft cap) and of mixed magnitudes, split KV merged, and many row blocks a
+// worker with lengths off the tile (the staging ring's phases wrap, and the last tile of every
+// block is zero-filled past its keys).
 TEST(CudaPrefill, Fp8KvOnEveryKernel) {
   FLASHKV_REQUIRE_GPU();
-  // FLASHKV_PREFILL_SM90, FLASHKV_PREFILL_SM90_FP8_TWO_Q (two Q stages: a kernel of its own at
-  // head dim 128 only).
-  const std::pair<const char*, const char*> configs[] = {{"1", "0"}, {"0", "0"}, {"1", "1"}};
   for (const auto& [dqk, dv] : kSm90HeadDims)
-    for (const auto& [sm90, two_q] : configs)
+    for (const char* sm90 : {"1", "0"})
       for (DType kv : {DType::fp8_e4m3, DType::fp8_e5m2}) {
-        if (two_q[0] == '1' && dqk != 128) continue;
         SCOPED_TRACE(testing::Message()
-                     << "head dims " << dqk << "/" << dv << " FLASHKV_PREFILL_SM90=" << sm90
-                     << " FLASHKV_PREFILL_SM90_FP8_TWO_Q=" << two_q << " " << dtype_name(kv));
+                     << "head dims " << dqk << "/" << dv << " FLASHKV_PREFILL_SM90=" << sm90 << " "
+                     << dtype_name(kv));
         test::ScopedEnv env("FLASHKV_PREFILL_SM90", sm90);
-        test::ScopedEnv env_two_q("FLASHKV_PREFILL_SM90_FP8_TWO_Q", two_q);
         FLASHKV_SEEDED_RNG(rng, 1900 + static_cast<int>(kv));
         const auto base = [&, dqk = dqk, dv = dv] {  // paged, page size 16, causal
           Problem b = small_variant_problem();

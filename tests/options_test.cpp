@@ -25,11 +25,10 @@ bool listed(const char* name) {
 }
 
 TEST(Options, EverySwitchIsListed) {
-  EXPECT_EQ(kNumEnvSwitches, 8u);
+  EXPECT_EQ(kNumEnvSwitches, 7u);
   for (const char* name :
        {"FLASHKV_NUM_THREADS", "FLASHKV_CPU_ISA", "FLASHKV_CPU_PREFETCH", "FLASHKV_PREFILL_SM90",
-        "FLASHKV_PREFILL_SM90_WS", "FLASHKV_PREFILL_SM90_WS_PAGED",
-        "FLASHKV_PREFILL_SM90_FP8_TWO_Q", "FLASHKV_DECODE_PDL"})
+        "FLASHKV_PREFILL_SM90_WS", "FLASHKV_PREFILL_SM90_WS_PAGED", "FLASHKV_DECODE_PDL"})
     EXPECT_TRUE(listed(name)) << name;
   for (const EnvSwitch& s : kEnvSwitches) {
     EXPECT_GT(std::strlen(s.values), 0u) << s.name;
@@ -120,29 +119,6 @@ TEST(Options, CudaSwitchesAreOffOnlyForZero) {
     for (const char* on : {"1", "", "00", "off"}) {
       ScopedEnv e(s.name, on);
       EXPECT_TRUE(s.read()) << "'" << on << "'";
-    }
-  }
-}
-
-// The switches to kernels not yet the default: on only for "1", read on every call.
-TEST(Options, OptInCudaSwitchesAreOnOnlyForOne) {
-  struct Switch {
-    const char* name;
-    bool (*read)();
-  };
-  for (const Switch& s : {Switch{"FLASHKV_PREFILL_SM90_FP8_TWO_Q", &env_prefill_sm90_fp8_two_q}}) {
-    SCOPED_TRACE(s.name);
-    {
-      ScopedEnv e(s.name, nullptr);
-      EXPECT_FALSE(s.read());
-    }
-    {
-      ScopedEnv e(s.name, "1");
-      EXPECT_TRUE(s.read());
-    }
-    for (const char* off : {"0", "", "01", "on", "true"}) {
-      ScopedEnv e(s.name, off);
-      EXPECT_FALSE(s.read()) << "'" << off << "'";
     }
   }
 }

@@ -41,9 +41,6 @@ inline constexpr EnvSwitch kEnvSwitches[] = {
     {"FLASHKV_PREFILL_SM90_WS_PAGED", "0",
      "0: paged K/V skips the warp-specialized sm_90a prefill kernel, as with "
      "FLASHKV_PREFILL_SM90_WS=0 (ragged K/V keeps it)"},
-    {"FLASHKV_PREFILL_SM90_FP8_TWO_Q", "1",
-     "1: with fp8 K/V at head dim 128, the warp-specialized sm_90a prefill kernel with two Q "
-     "stages and one fp8 staging stage instead of one and two (not yet the default)"},
     {"FLASHKV_DECODE_PDL", "0", "0: decode launches without programmatic dependent launch (sm_90)"},
 };
 inline constexpr size_t kNumEnvSwitches = sizeof(kEnvSwitches) / sizeof(kEnvSwitches[0]);
@@ -68,11 +65,6 @@ bool env_prefill_sm90_ws();
 
 // FLASHKV_PREFILL_SM90_WS_PAGED: false only for "0" (paged K/V skips the warp-specialized kernel).
 bool env_prefill_sm90_ws_paged();
-
-// FLASHKV_PREFILL_SM90_FP8_TWO_Q: true only for "1" (with fp8 K/V at head dim 128 the
-// warp-specialized prefill kernel keeps two Q stages and one fp8 staging stage instead of one and
-// two; not yet the default).
-bool env_prefill_sm90_fp8_two_q();
 
 // FLASHKV_DECODE_PDL: false only for "0" (decode launches without programmatic dependent launch).
 bool env_decode_pdl();

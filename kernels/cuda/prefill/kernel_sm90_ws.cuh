@@ -49,11 +49,11 @@ namespace flashkv::cuda::prefill_detail {
 
 // grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h. `maps` is
 // unused with paged or fp8 K/V.
-template <typename QT, int D, int DV, KvFormat F, bool kPaged, bool kQFirst = false>
+template <typename QT, int D, int DV, KvFormat F, bool kPaged>
 __global__ void __launch_bounds__(384, 1)
     prefill_sm90_ws_kernel(const __grid_constant__ AttentionParams p,
                            const __grid_constant__ Sm90TmaMaps maps) {
-  using Cfg = Sm90WsConfig<QT, D, DV, F, kQFirst>;
+  using Cfg = Sm90WsConfig<QT, D, DV, F>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   const WsBarriers<Cfg> bars{smem_addr(smem + Cfg::kBarOffset)};
@@ -133,8 +133,7 @@ inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataTyp
 // Launches the warp-specialized kernel; false (nothing launched) where it does not apply: paged
 // K/V with FLASHKV_PREFILL_SM90_WS_PAGED=0, paged or fp8 K/V in a pool of 2^31 rows or more (the
 // producer addresses rows with 32 bits), or 16-bit ragged K/V in a layout no tensor map can
-// describe. FLASHKV_PREFILL_SM90_FP8_TWO_Q=1 takes, with fp8 K/V, the kernel with two Q stages
-// where the default has one (Sm90WsConfig, kQFirst: head dim 128).
+// describe.
 template <typename QT, int D, int DV, KvFormat F>
 bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = Sm90WsConfig<QT, D, DV, F>;
@@ -152,15 +151,7 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   }
   auto kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true>
                         : prefill_sm90_ws_kernel<QT, D, DV, F, false>;
-  int smem_bytes = Cfg::kSmemBytes;
-  using QFirst = Sm90WsConfig<QT, D, DV, F, true>;
-  if constexpr (Cfg::kFp8 && QFirst::kQStages != Cfg::kQStages) {
-    if (env_prefill_sm90_fp8_two_q()) {
-      kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true, true>
-                       : prefill_sm90_ws_kernel<QT, D, DV, F, false, true>;
-      smem_bytes = QFirst::kSmemBytes;
-    }
-  }
+  constexpr int smem_bytes = Cfg::kSmemBytes;
   detail::cuda_check(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
       "prefill: cudaFuncSetAttribute");

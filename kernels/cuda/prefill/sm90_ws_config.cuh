@@ -49,8 +49,7 @@ struct Sm90Shape {
 
 // F: K/V in Q's type (kSame), or fp8 (kE4M3 / kE5M2), which the producer copies into a staging
 // ring of plain fp8 rows and widens (exactly) into the 16-bit K and V rings the consumers read.
-// kQFirst (fp8; FLASHKV_PREFILL_SM90_FP8_TWO_Q=1): two Q stages before two staging stages.
-template <typename QT, int D, int DV = D, KvFormat F = KvFormat::kSame, bool kQFirst = false>
+template <typename QT, int D, int DV = D, KvFormat F = KvFormat::kSame>
 struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
   using Base = Sm90Shape<QT, D, DV>;
   static constexpr KvFormat kKvFormat = F;
@@ -71,19 +70,17 @@ struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
   static constexpr int kKvStages = 2;
   static constexpr int kSmemLimit = 227 * 1024 - 2048;  // less the barriers and alignment slack
   static constexpr int kRingBytes = kKvStages * (kKTileBytes + kVTileBytes);
-  // fp8: one staging stage holds a tile's fp8 K and V rows. Two where they fit beside one Q stage
-  // (head dims 64 and 128), so that a tile's copies are in flight while the one before is
-  // widened; one at head dim 256. (192 / 128 fits no staging stage: fp8 runs the sm_80 kernel.)
-  // With kQFirst, two only where they fit beside two Q stages (at 128: one staging stage, whose
-  // copies then run one operand ahead of the widening, and two Q stages).
+  // fp8: one staging stage holds a tile's fp8 K and V rows. Two where they fit beside two Q
+  // stages (head dim 64), so that a tile's copies are in flight while the one before is widened;
+  // else one, whose copies run an operand ahead of the widening (head dims 128 and 256). Two Q
+  // stages and one staging stage ran faster at 128 than one Q stage and two staging stages
+  // (docs/perf/prefill.md). (192 / 128 fits no staging stage: fp8 runs the sm_80 kernel.)
   static constexpr int kStagingBytes = kFp8 ? kKvTile * (D + DV) : 0;
   static constexpr int kFp8Stages =
-      !kFp8 ? 0
-            : ((kQFirst ? 2 : 1) * kQTileBytes + kRingBytes + 2 * kStagingBytes <= kSmemLimit ? 2
-                                                                                              : 1);
+      !kFp8 ? 0 : (2 * kQTileBytes + kRingBytes + 2 * kStagingBytes <= kSmemLimit ? 2 : 1);
   // Two Q stages where they fit beside the K and V rings, so that the next block's Q arrives
   // while this one runs (one Q stage and three of K and V were slower at head dim 128, see
-  // docs/perf/prefill.md); one at head dims 256 and 192 / 128, and with fp8 K/V but at 64.
+  // docs/perf/prefill.md); one at head dims 256 and 192 / 128.
   static constexpr int kQStages =
       2 * kQTileBytes + kRingBytes + kFp8Stages * kStagingBytes <= kSmemLimit ? 2 : 1;
   // With one Q stage a block's Q can only land after the previous block's epilogue: the producer
