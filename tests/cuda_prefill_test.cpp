@@ -63,6 +63,7 @@ struct Problem {
   bool nan_k = false, nan_v = false;
   bool sinks = false;    // random per-query-head attention sinks (AttentionOptions::sinks)
   bool f32_out = false;  // out in f32 instead of q's dtype
+  int o_row_pad = 0;     // out's token rows this many elements apart beyond hq * dv (NaN between)
   // fp8 paged K/V: only zeros and subnormals (each byte's exponent bits cleared), so that a
   // kernel that loses fp8 subnormals on the way to 16 bits gives all-zero scores and outputs.
   bool fp8_subnormals = false;
@@ -254,12 +255,17 @@ std::pair<Tensor, Tensor> run_on_gpu(const Problem& pr, const Inputs& in, Prefil
   ws.upload(plan);
 
   const int64_t tokens = in.qo_indptr.back();
-  Tensor out_h = Tensor::empty({tokens, pr.hq, pr.dv}, pr.f32_out ? DType::f32 : pr.dtype);
+  // out: [tokens, hq, dv] with token rows o_row_pad elements apart beyond their own.
+  const int64_t o_row = int64_t{pr.hq} * pr.dv, o_stride = o_row + pr.o_row_pad;
+  const DType o_dtype = pr.f32_out ? DType::f32 : pr.dtype;
+  Tensor out_h = Tensor::empty({tokens, o_stride}, o_dtype);
   Tensor lse_h = Tensor::empty({tokens, pr.hq}, DType::f32);
   test::poison(out_h);
   test::poison(lse_h);
   Tensor q = in.q.to(gpu), k = in.k.to(gpu), v = in.v.to(gpu);
-  Tensor out = out_h.to(gpu), lse = lse_h.to(gpu);
+  Tensor out_rows = out_h.to(gpu), lse = lse_h.to(gpu);
+  TensorView out(out_rows.data(), o_dtype, {tokens, pr.hq, pr.dv}, gpu);
+  out.stride[0] = o_stride;
   Tensor qo = Tensor::from_i32(in.qo_indptr).to(gpu), kvp = Tensor::from_i32(in.kv_indptr).to(gpu);
   Tensor mask, mask_indptr, sinks;
   AttentionOptions opt = options_of(pr);
@@ -287,7 +293,22 @@ std::pair<Tensor, Tensor> run_on_gpu(const Problem& pr, const Inputs& in, Prefil
     ragged_prefill(plan, q, k, v, qo, kvp, opt, out, lse_view, ws);
   }
   if (plan_out) *plan_out = plan;
-  return {out.to(Device::cpu()), lse.to(Device::cpu())};
+  // The rows back without their padding, which must still be NaN (nothing written past a row).
+  const Tensor rows_h = out_rows.to(Device::cpu());
+  Tensor out_dense = Tensor::empty({tokens, pr.hq, pr.dv}, o_dtype);
+  const size_t elem = dtype_size(o_dtype);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(static_cast<char*>(out_dense.data()) + t * o_row * elem,
+                static_cast<const char*>(rows_h.data()) + t * o_stride * elem, o_row * elem);
+    if (pr.o_row_pad > 0) {
+      const TensorView pad(static_cast<char*>(rows_h.data()) + (t * o_stride + o_row) * elem,
+                           o_dtype, {pr.o_row_pad});
+      bool untouched = true;
+      for (int64_t i = 0; i < pr.o_row_pad; ++i) untouched &= std::isnan(pad.at({i}));
+      EXPECT_TRUE(untouched) << "out: written past token row " << t;
+    }
+  }
+  return {std::move(out_dense), lse.to(Device::cpu())};
 }
 
 void check_problem(const Problem& pr, Rng& rng) {
@@ -992,6 +1013,35 @@ TEST(CudaPrefill, AllKernelsAtEveryHeadDim) {
     many.kv_lens = many.q_lens;
     many.samples = 4;
     check_problem(many, rng);
+  });
+}
+
+// O with token rows further apart than hq * dv: 8 elements more keeps 16-bit rows 16-byte aligned
+// (the warp-specialized kernel stores them through shared memory in 16-byte chunks), 4 more does
+// not (it stores the fragments' pairs); f32 O, and a split, merged call. Every kernel, and
+// nothing is written between the rows.
+TEST(CudaPrefill, StridedOutputRowsOnEveryKernel) {
+  FLASHKV_REQUIRE_GPU();
+  for_each_prefill_kernel([&](int dqk, int dv) {
+    FLASHKV_SEEDED_RNG(rng, 1795);
+    for (int pad : {8, 4}) {
+      SCOPED_TRACE(testing::Message() << "o_row_pad " << pad);
+      Problem pr = small_variant_problem();  // paged, page size 16, causal
+      pr.dqk = dqk;
+      pr.dv = dv;
+      pr.o_row_pad = pad;
+      check_problem(pr, rng);
+      pr.paged = false;
+      pr.sinks = true;
+      check_problem(pr, rng);
+      pr.sinks = false;
+      pr.f32_out = true;
+      check_problem(pr, rng);
+      pr.f32_out = false;
+      pr.plan.fixed_split_size = 64;  // split, merged
+      pr.expect_merges = true;
+      check_problem(pr, rng);
+    }
   });
 }
 

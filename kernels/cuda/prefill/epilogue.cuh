@@ -1,10 +1,13 @@
 // Stores of one finished row block: normalised O (in Q's dtype, or f32 when p.o_dtype says so)
 // plus LSE to the outputs, or (split items) fp32 O and LSE to the partial buffers at rows
 // item.partial + token (layout of plan.h).
-// Output bytes are small next to the block's arithmetic, so each thread writes its fragment
-// pairs straight from registers.
+// Each thread writes its fragment pairs straight from registers (store_block), except where the
+// warp-specialized kernel stages a final 16-bit block through shared memory and stores it in
+// 16-byte chunks (store_block_staged): its row blocks are short enough that a block's stores
+// show in its time.
 #pragma once
 
+#include <cstdint>
 #include <type_traits>
 
 #include "common/merge.cuh"
@@ -34,6 +37,18 @@ __device__ __forceinline__ float merged_weights(const AttentionParams& p, int he
   a = w_prev * inv;
   c = w_cur * inv * scale;
   return st.lse();
+}
+
+// A final row's scale and LSE: the block's, with p's sink (if any, a state with O = 0) merged
+// in once.
+__device__ __forceinline__ void final_row(const AttentionParams& p, int head, float& sc,
+                                          float& row_lse) {
+  if (p.sinks == nullptr) return;
+  MergeState</*kFastExp2=*/false, /*kFastLog2=*/true> st;
+  float w_cur, w_sink;
+  st.pair(row_lse, sink_lse(p.sinks, head), w_cur, w_sink);
+  sc *= w_cur * st.inv_sum();
+  row_lse = st.lse();
 }
 
 // store_merged_block for an f32 merge state and output: its rows are twice the bytes of the
@@ -180,13 +195,7 @@ __device__ __forceinline__ void store_block(const AttentionParams& p, const RowB
       float sc = scale[mt][h];
       if (b.partial < 0) {
         float row_lse = lse[mt][h];
-        if (p.sinks != nullptr) {  // the row's final write: merge the sink (O = 0) once
-          MergeState</*kFastExp2=*/false, /*kFastLog2=*/true> st;
-          float w_cur, w_sink;
-          st.pair(row_lse, sink_lse(p.sinks, head), w_cur, w_sink);
-          sc *= w_cur * st.inv_sum();
-          row_lse = st.lse();
-        }
+        final_row(p, head, sc, row_lse);
         const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
         const int64_t dst = row * p.o_stride_n + head * p.o_stride_h + col0;
         // The output type is chosen once a row, not at each store: with it fixed, the row's
@@ -213,6 +222,62 @@ __device__ __forceinline__ void store_block(const AttentionParams& p, const RowB
         if ((lane & 3) == 0) p.partial_lse[prow * p.num_qo_heads + head] = lse[mt][h];
       }
     }
+}
+
+// True when a final 16-bit O can be stored in 16-byte chunks (store_block_staged): the base and
+// both strides keep every row's start 16-byte aligned. Uniform across the kernel.
+__device__ __forceinline__ bool o_chunks_aligned(const AttentionParams& p) {
+  return p.o_dtype != DType::f32 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0 &&
+         p.o_stride_n % 8 == 0 && p.o_stride_h % 8 == 0;
+}
+
+// store_block for a final (not split, not merged) row block with 16-bit O whose rows start
+// 16-byte aligned (o_chunks_aligned). Each thread writes its normalised pairs into the warp's
+// slice of the block's Q stage (`smem`, 16 rows of kDqk elements a warp, which the caller has
+// made free: the warpgroup is past its last Q.K^T), then the warp copies its rows out in 16-byte
+// chunks, half a warp a 256-byte row at head dim 128, where the fragment's own stores are 4
+// bytes each, eight rows an instruction. Chunk c of local row r sits at chunk c ^ (r & 7), so
+// the fragment's writes (eight rows, one chunk each) hit 32 distinct banks.
+template <typename Cfg>
+__device__ __forceinline__ void store_block_staged(const AttentionParams& p, const RowBlock& b,
+                                                   int kv_head, int group, int warp_row0, int lane,
+                                                   unsigned char* smem,
+                                                   const float (&o)[Cfg::kMTiles][Cfg::kDv / 8][4],
+                                                   const float (&scale)[Cfg::kMTiles][2],
+                                                   const float (&lse)[Cfg::kMTiles][2]) {
+  using QT = typename Cfg::Q;
+  static_assert(Cfg::kMTiles == 1 && Cfg::kDqk >= Cfg::kDv && Cfg::kVChunks % 8 == 0,
+                "a warp's 16 rows of O must fit its slice of the Q stage, in 8k chunks");
+  constexpr int kChunks = Cfg::kVChunks;
+  QT* stage = reinterpret_cast<QT*>(smem) + warp_row0 * Cfg::kDqk;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = (lane >> 2) + h * 8, x = warp_row0 + r;
+    float sc = scale[0][h], row_lse = lse[0][h];
+    const int head = b.packed(x, kv_head, group).head;
+    final_row(p, head, sc, row_lse);
+#pragma unroll
+    for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
+      *reinterpret_cast<uint32_t*>(stage + r * Cfg::kDv + swizzle_chunk(r, dt) * 8 +
+                                   (lane & 3) * 2) =
+          pack2<QT>(o[0][dt][2 * h] * sc, o[0][dt][2 * h + 1] * sc);
+    if (p.lse && (lane & 3) == 0 && x < b.rows) {
+      const int64_t row = static_cast<int64_t>(b.q_begin) + b.packed(x, kv_head, group).tok;
+      p.lse[row * p.num_qo_heads + head] = row_lse;
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = lane; i < 16 * kChunks; i += 32) {
+    const int r = i / kChunks, c = i - r * kChunks;
+    const int x = warp_row0 + r;
+    if (x >= b.rows) continue;
+    const auto [tok, head] = b.packed(x, kv_head, group);
+    const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
+    *reinterpret_cast<uint4*>(static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h +
+                              c * 8) =
+        *reinterpret_cast<const uint4*>(stage + r * Cfg::kDv + swizzle_chunk(r, c) * 8);
+  }
 }
 
 }  // namespace flashkv::cuda::prefill_detail

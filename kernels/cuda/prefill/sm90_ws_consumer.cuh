@@ -94,6 +94,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   const float c = soft_cap ? kLog2e : logit_scale * kLog2e;
   const float scale_over_cap = soft_cap ? logit_scale / p.logits_soft_cap : 0.0f;
 
+  const bool merging = p.merge_o != nullptr, o_chunks = o_chunks_aligned(p);
   // Warpgroup 1 lets warpgroup 0 go first.
   if (wg == 1) pass_turn(1);
   int block_n = 0, tile_n = 0;
@@ -216,10 +217,15 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     }
     float scale[1][2], lse[1][2];
     softmax.finish(c_blk, scale, lse, Cfg::kFp8 ? p.v_scale : 1.0f);
-    // A merged store stages the state in the warp's Q rows, which hold other warps' rows of the
-    // same warpgroup: the warpgroup must be past its last Q.K^T first.
-    if (p.merge_o != nullptr && b.partial < 0) sm90::barrier_sync(ws::kConsumerBarrier0 + wg, 128);
-    store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, q_stage, o, scale, lse);
+    // A merged store stages the state, and a final 16-bit one its output, in the warp's slice of
+    // the Q stage, which holds other warps' rows of the same warpgroup: the warpgroup must be
+    // past its last Q.K^T first.
+    const bool final_block = b.partial < 0, staged = final_block && !merging && o_chunks;
+    if (final_block && (merging || o_chunks)) sm90::barrier_sync(ws::kConsumerBarrier0 + wg, 128);
+    if (staged)
+      store_block_staged<Cfg>(p, b, kv_head, group, warp_row0, lane, q_stage, o, scale, lse);
+    else
+      store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, q_stage, o, scale, lse);
     if (lane == 0) sm90::mbar_arrive(bars.q_empty(qs));
     ++block_n;
     tile_n += num_tiles;
