@@ -12,6 +12,7 @@
 
 #include "common/merge.cuh"
 #include "common/ptx.cuh"
+#include "flashkv/kernels/packed_rows.h"
 #include "flashkv/kernels/params.h"
 #include "prefill/mask.cuh"
 #include "prefill/tile_config.cuh"
@@ -267,16 +268,21 @@ __device__ __forceinline__ void store_block_staged(const AttentionParams& p, con
     }
   }
   __syncwarp();
+  // Lane l copies chunk l % kChunks of local rows l / kChunks, + kRows, ..: whole rows an
+  // instruction, each row's token and head stepped from the lane's first without a division.
+  static_assert(32 % kChunks == 0, "whole rows a copy instruction");
+  constexpr int kRows = 32 / kChunks;
+  const int c = lane % kChunks, r0 = lane / kChunks;
+  QT* const out = static_cast<QT*>(p.o) + static_cast<int64_t>(b.q_begin) * p.o_stride_n +
+                  static_cast<int64_t>(kv_head) * group * p.o_stride_h + c * 8;
+  PackedRowWalk walk(b.row0 + warp_row0 + r0, group, p.o_stride_n, p.o_stride_h);
 #pragma unroll
-  for (int i = lane; i < 16 * kChunks; i += 32) {
-    const int r = i / kChunks, c = i - r * kChunks;
-    const int x = warp_row0 + r;
-    if (x >= b.rows) continue;
-    const auto [tok, head] = b.packed(x, kv_head, group);
-    const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
-    *reinterpret_cast<uint4*>(static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h +
-                              c * 8) =
-        *reinterpret_cast<const uint4*>(stage + r * Cfg::kDv + swizzle_chunk(r, c) * 8);
+  for (int k = 0; k < 16 / kRows; ++k) {
+    const int r = r0 + k * kRows;
+    if (warp_row0 + r < b.rows)
+      *reinterpret_cast<uint4*>(out + walk.offset) =
+          *reinterpret_cast<const uint4*>(stage + r * Cfg::kDv + swizzle_chunk(r, c) * 8);
+    walk.advance<kRows>(group, p.o_stride_n, p.o_stride_h);
   }
 }
 
