@@ -172,13 +172,20 @@ __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, un
   }
 }
 
-// The block's 128 packed Q rows into Q stage `qs`, 8 threads a row, 16 chunks each; padding rows
-// zero-filled. A block without keys copies nothing (its epilogue may stage a merge state there).
+// The block's 128 packed Q rows into the Q stage of the CTA's block_n-th block, once the stage is
+// free, 8 threads a row, 16 chunks each; padding rows zero-filled. A block without keys takes its
+// stage too and copies nothing (its epilogue may stage a merge state there). Each thread's copies
+// arrive on the stage's full barrier as they land; the consumers fence them for wgmma.
 template <typename Cfg>
-__device__ __forceinline__ void copy_q_block(const AttentionParams& p, const RowBlock& b,
-                                             int kv_head, int group, bool has_keys,
-                                             unsigned char* q_stage, int tid) {
+__device__ __forceinline__ void fill_q_stage(const AttentionParams& p, unsigned char* smem,
+                                             const WsBarriers<Cfg>& bars, const RowBlock& b,
+                                             int kv_head, int group, int block_n, bool has_keys,
+                                             int tid) {
   using QT = typename Cfg::Q;
+  using QRing = ws::Ring<Cfg::kQStages>;
+  const int qs = QRing::stage(block_n);
+  sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
+  unsigned char* const q_stage = smem + qs * Cfg::kQTileBytes;
 #pragma unroll
   for (int i = 0; i < (has_keys ? Cfg::kCtaRows / 16 : 0); ++i) {
     const int row = (tid >> 3) + 16 * i;
@@ -189,6 +196,7 @@ __device__ __forceinline__ void copy_q_block(const AttentionParams& p, const Row
       cp_async_16(q_stage + q_stage_offset<Cfg::kDqk>(row, (tid & 7) + 8 * h),
                   valid ? src + 64 * h : src, valid ? 16 : 0);
   }
+  ws::cp_async_arrive_noinc(bars.q_full(qs));
 }
 
 // fp8 K/V. Each producer warp takes a quarter of a tile's keys; lane l < kKvTile / 4 of warp w
@@ -281,7 +289,6 @@ __device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsi
                                                   const WsBarriers<Cfg>& bars, const RowBlock& b,
                                                   int kv_head, int group, int block_n, int& tile_n,
                                                   int tid) {
-  using QRing = ws::Ring<Cfg::kQStages>;
   using Ring = ws::Ring<Cfg::kKvStages>;
   using Staging = ws::Ring<Cfg::kFp8Stages>;
   using KOp = Fp8Operand<Cfg, Cfg::kDqk>;
@@ -337,10 +344,7 @@ __device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsi
   }
   const int early = Cfg::tiles_before_q(num_tiles);
   for (int t = 0; t < early; ++t) widen(t);
-  const int qs = QRing::stage(block_n);
-  sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
-  copy_q_block<Cfg>(p, b, kv_head, group, num_tiles > 0, smem + qs * Cfg::kQTileBytes, tid);
-  ws::cp_async_arrive_noinc(bars.q_full(qs));
+  fill_q_stage<Cfg>(p, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);
   for (int t = early; t < num_tiles; ++t) widen(t);
   tile_n += num_tiles;
 }
@@ -349,10 +353,6 @@ __device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsi
 template <typename Cfg, bool kPaged>
 __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaMaps& maps,
                                         unsigned char* smem, const WsBarriers<Cfg>& bars, int tid) {
-  using QT = typename Cfg::Q;
-  using QRing = ws::Ring<Cfg::kQStages>;
-  using Ring = ws::Ring<Cfg::kKvStages>;
-  const uint32_t base = smem_addr(smem);
   int block_n = 0, tile_n = 0;
   for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
     if constexpr (Cfg::kFp8) {
@@ -369,11 +369,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
     };
     const int early = Cfg::tiles_before_q(num_tiles);  // then Q, then the rest
     tiles(0, early);
-    // Q (a block without keys takes a Q stage too, unfilled).
-    const int qs = QRing::stage(block_n);
-    sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
-    copy_q_block<Cfg>(p, b, kv_head, group, num_tiles > 0, smem + qs * Cfg::kQTileBytes, tid);
-    ws::cp_async_arrive_noinc(bars.q_full(qs));  // the consumers fence the copies for wgmma
+    fill_q_stage<Cfg>(p, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);
     ++block_n;
     tiles(early, num_tiles);
   });
