@@ -52,6 +52,25 @@ __device__ __forceinline__ void final_row(const AttentionParams& p, int head, fl
   row_lse = st.lse();
 }
 
+// A warp's staging rows in shared memory (store_merged_block, store_block_staged): its own Q rows
+// (from warp_row0, kDqk values each), reused as rows of kDv values once its Q.K^T products are
+// done. 16-byte chunk c of local row r sits at chunk c ^ (r & 7), so 4-byte accesses by a quad
+// of lanes in each of eight rows, to one chunk a row, hit 32 distinct banks.
+template <typename Cfg>
+struct WarpStaging {
+  using QT = typename Cfg::Q;
+  static_assert(Cfg::kDqk >= Cfg::kDv && Cfg::kVChunks % 8 == 0,
+                "a warp's rows of kDv values must fit its Q rows, in 8k chunks");
+  QT* rows;
+
+  __device__ __forceinline__ WarpStaging(unsigned char* smem, int warp_row0)
+      : rows(reinterpret_cast<QT*>(smem + Cfg::kQOffset) + warp_row0 * Cfg::kDqk) {}
+  // Chunk c (8 values) of local row r.
+  __device__ __forceinline__ QT* chunk(int r, int c) const {
+    return rows + r * Cfg::kDv + swizzle_chunk(r, c) * 8;
+  }
+};
+
 // store_merged_block for an f32 merge state and output: its rows are twice the bytes of the
 // warp's Q rows, so instead of staging them each thread loads the pairs it writes straight from
 // global memory (each pair is read before the same thread writes it, so in place is fine).
@@ -98,9 +117,8 @@ __device__ __forceinline__ void store_merged_block_f32(
 // memory (only this warp reads them, and its KV loop is over), all in flight together: one
 // memory round trip a row block, where loads into registers would either spill (O already holds
 // 128 registers) or, issued between stores that may overwrite the state, wait one round trip
-// each. 16-byte chunk c of local row r sits at chunk c ^ (r & 7), so the quads' 4-byte reads of
-// eight rows hit 32 distinct banks. The LSEs come into registers alongside; an empty state's
-// values are loaded too and never used.
+// each (WarpStaging). The LSEs come into registers alongside; an empty state's values are loaded
+// too and never used.
 template <typename Cfg>
 __device__ __forceinline__ void store_merged_block(const AttentionParams& p, const RowBlock& b,
                                                    int kv_head, int group, int warp_row0, int lane,
@@ -109,11 +127,9 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
                                                    const float (&scale)[Cfg::kMTiles][2],
                                                    const float (&lse)[Cfg::kMTiles][2]) {
   using QT = typename Cfg::Q;
-  static_assert(Cfg::kDqk >= Cfg::kDv && Cfg::kVChunks % 8 == 0,
-                "the merge state's rows must fit the warp's Q rows, in 8k chunks");
   constexpr int kChunks = Cfg::kVChunks;
   const float neg_inf = -__int_as_float(0x7f800000);
-  QT* stage = reinterpret_cast<QT*>(smem + Cfg::kQOffset) + warp_row0 * Cfg::kDqk;
+  const WarpStaging<Cfg> stage(smem, warp_row0);
   ptx::grid_dependency_wait();
   __syncwarp();  // every lane of the warp is past its last read of its Q rows
 #pragma unroll 4
@@ -126,7 +142,7 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
     if (valid)
       src += (static_cast<int64_t>(b.q_begin) + tok) * p.merge_stride_n +
              static_cast<int64_t>(head) * p.merge_stride_h + c * 8;
-    cp_async_16(stage + r * Cfg::kDv + swizzle_chunk(r, c) * 8, src, valid ? 16 : 0);
+    cp_async_16(stage.chunk(r, c), src, valid ? 16 : 0);
   }
   cp_async_commit();
   float prev_lse[Cfg::kMTiles][2];
@@ -156,11 +172,10 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
           merged_weights(p, head, prev_lse[mt][h], lse[mt][h], scale[mt][h], a, c);
       const int64_t row = static_cast<int64_t>(b.q_begin) + tok;
       QT* dst = static_cast<QT*>(p.o) + row * p.o_stride_n + head * p.o_stride_h + (lane & 3) * 2;
-      const QT* prev = stage + r * Cfg::kDv + (lane & 3) * 2;
 #pragma unroll
       for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
         const float2 pv =
-            unpack2<QT>(*reinterpret_cast<const uint32_t*>(prev + swizzle_chunk(r, dt) * 8));
+            unpack2<QT>(*reinterpret_cast<const uint32_t*>(stage.chunk(r, dt) + (lane & 3) * 2));
         const float lo = (a != 0.0f ? a * pv.x : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h] : 0.0f);
         const float hi =
             (a != 0.0f ? a * pv.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);
@@ -237,8 +252,7 @@ __device__ __forceinline__ bool o_chunks_aligned(const AttentionParams& p) {
 // slice of the block's Q stage (`smem`, 16 rows of kDqk elements a warp, which the caller has
 // made free: the warpgroup is past its last Q.K^T), then the warp copies its rows out in 16-byte
 // chunks, half a warp a 256-byte row at head dim 128, where the fragment's own stores are 4
-// bytes each, eight rows an instruction. Chunk c of local row r sits at chunk c ^ (r & 7), so
-// the fragment's writes (eight rows, one chunk each) hit 32 distinct banks.
+// bytes each, eight rows an instruction (the rows: WarpStaging).
 template <typename Cfg>
 __device__ __forceinline__ void store_block_staged(const AttentionParams& p, const RowBlock& b,
                                                    int kv_head, int group, int warp_row0, int lane,
@@ -247,24 +261,21 @@ __device__ __forceinline__ void store_block_staged(const AttentionParams& p, con
                                                    const float (&scale)[Cfg::kMTiles][2],
                                                    const float (&lse)[Cfg::kMTiles][2]) {
   using QT = typename Cfg::Q;
-  static_assert(Cfg::kMTiles == 1 && Cfg::kDqk >= Cfg::kDv && Cfg::kVChunks % 8 == 0,
-                "a warp's 16 rows of O must fit its slice of the Q stage, in 8k chunks");
+  static_assert(Cfg::kMTiles == 1, "a warp's 16 rows");
   constexpr int kChunks = Cfg::kVChunks;
-  QT* stage = reinterpret_cast<QT*>(smem) + warp_row0 * Cfg::kDqk;
+  const WarpStaging<Cfg> stage(smem, warp_row0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = (lane >> 2) + h * 8, x = warp_row0 + r;
     float sc = scale[0][h], row_lse = lse[0][h];
-    const int head = b.packed(x, kv_head, group).head;
+    const auto [tok, head] = b.packed(x, kv_head, group);
     final_row(p, head, sc, row_lse);
 #pragma unroll
     for (int dt = 0; dt < Cfg::kDv / 8; ++dt)
-      *reinterpret_cast<uint32_t*>(stage + r * Cfg::kDv + swizzle_chunk(r, dt) * 8 +
-                                   (lane & 3) * 2) =
+      *reinterpret_cast<uint32_t*>(stage.chunk(r, dt) + (lane & 3) * 2) =
           pack2<QT>(o[0][dt][2 * h] * sc, o[0][dt][2 * h + 1] * sc);
     if (p.lse && (lane & 3) == 0 && x < b.rows) {
-      const int64_t row = static_cast<int64_t>(b.q_begin) + b.packed(x, kv_head, group).tok;
-      p.lse[row * p.num_qo_heads + head] = row_lse;
+      p.lse[(static_cast<int64_t>(b.q_begin) + tok) * p.num_qo_heads + head] = row_lse;
     }
   }
   __syncwarp();
@@ -281,7 +292,7 @@ __device__ __forceinline__ void store_block_staged(const AttentionParams& p, con
     const int r = r0 + k * kRows;
     if (warp_row0 + r < b.rows)
       *reinterpret_cast<uint4*>(out + walk.offset) =
-          *reinterpret_cast<const uint4*>(stage + r * Cfg::kDv + swizzle_chunk(r, c) * 8);
+          *reinterpret_cast<const uint4*>(stage.chunk(r, c));
     walk.advance<kRows>(group, p.o_stride_n, p.o_stride_h);
   }
 }
