@@ -10,7 +10,10 @@ they land) one at a time, in order. Modelled: the mbarriers (arrival counts, com
 waits on a phase's parity as the kernel issues them: full barriers of use n of a ring of S
 stages on phase n / S, empty barriers on the one before), the two turn barriers (one bar.arrive
 by the warpgroup passing, one bar.sync by the one taking), and each warpgroup's products in
-flight (wgmma groups, retired oldest first by wait_group). The configurations are the kernel's:
+flight (wgmma groups, retired oldest first by wait_group), and the row-block slots through which
+the producer hands the consumers each block (written as the producer starts the block, published
+by its arrival on the block's Q full barrier; an end mark after the last block). The
+configurations are the kernel's:
 two Q stages, or one (the block's first K/V tiles go ahead of its Q), with 16-bit K/V or with an
 fp8 staging ring of one or two stages (two Q stages and one staging stage at head dim 128).
 Checked:
@@ -20,6 +23,7 @@ Checked:
   - a product reads a stage only after its data landed, and no stage is rewritten while a
     product in flight reads it;
   - no staging stage is overwritten before the producer widened what it held;
+  - every consumer reads each block's own slot, and the end mark after the last;
   - a turn barrier never holds two passes, and the turns balance at the end.
 The model is kept next to the kernel by hand: change both together. Finally, the script checks
 itself: each of a few seeded protocol bugs must be caught.
@@ -55,7 +59,8 @@ class Kernel:
         qs, fs = config.q_stages, config.fp8_stages
         # Full: the producer's arrival (its bytes, or one per thread, as one); empty: lane 0 of
         # each of the 8 consumer warps.
-        self.q_full, self.q_empty = [Barrier(1) for _ in range(qs)], [Barrier(8) for _ in range(qs)]
+        # Q full: the copies' arrival (one per thread, as one) and thread 0's after the slot.
+        self.q_full, self.q_empty = [Barrier(2) for _ in range(qs)], [Barrier(8) for _ in range(qs)]
         self.k_full, self.k_empty = [Barrier(1) for _ in range(2)], [Barrier(8) for _ in range(2)]
         self.v_full, self.v_empty = [Barrier(1) for _ in range(2)], [Barrier(8) for _ in range(2)]
         self.staged = {"K": [Barrier(1) for _ in range(fs)], "V": [Barrier(1) for _ in range(fs)]}
@@ -63,6 +68,9 @@ class Kernel:
         self.turns = [0, 0]
         self.in_flight = [[], []]  # per warpgroup: the stages each product group reads
         self.copies = collections.deque()  # the producer's copies in flight, landing in order
+        # Row-block slots (Sm90WsConfig::kBlockSlots, twice the Q stages): (block, its tiles), or
+        # (block, None) for the end mark.
+        self.slots = [None] * (qs if bug == "slot ring too short" else 2 * qs)
         self.producing = True
 
     # Waits for use n of a ring of `stages` stages: full, phase n // stages complete; empty, the
@@ -121,6 +129,7 @@ class Kernel:
     def producer(self):
         cfg, tile_n = self.cfg, 0
         for b, tiles in enumerate(self.blocks):
+            self.write_slot(b, tiles)
             if cfg.fp8_stages:
                 yield from self.produce_fp8_block(b, tiles, tile_n)
             else:
@@ -131,11 +140,17 @@ class Kernel:
                 for n in range(tile_n + early, tile_n + tiles):
                     yield from self.produce_tile(n)
             tile_n += tiles
+        self.write_slot(len(self.blocks), None)  # the end mark
+        yield from self.produce_q(len(self.blocks))
         self.producing = False
+
+    def write_slot(self, b, tiles):
+        self.slots[b % len(self.slots)] = (b, tiles)
 
     def produce_q(self, b):
         qs = b % self.cfg.q_stages
         yield from self.wait_empty(self.q_empty[qs], b, self.cfg.q_stages)
+        self.q_full[qs].arrive()  # thread 0, after the block's slot
         self.copy("Q", qs, self.q_full[qs])
 
     def produce_tile(self, n):  # produce_ragged_tiles / produce_paged_tiles
@@ -187,9 +202,15 @@ class Kernel:
         if wg == 1:
             self.pass_turn(1)
         block_n = tile_n = 0
-        for tiles in blocks:
+        while True:
             qs = block_n % q_stages
             yield from self.wait_full(self.q_full[qs], block_n, q_stages)
+            slot_block, tiles = self.slots[block_n % len(self.slots)] or (None, None)
+            assert slot_block == block_n, f"block {block_n} read block {slot_block}'s slot"
+            if tiles is None:
+                assert block_n == len(blocks), "an end mark before the last block"
+                break
+            assert tiles == blocks[block_n]
             if tiles > 0:
                 yield from self.take_turn(wg)
                 yield from self.wait_full(self.k_full[tile_n % 2], tile_n)
@@ -254,7 +275,7 @@ def main():
     failure = failures(sequences)
     print(f"{len(CONFIGS) * sequences} walks:", failure or "no failure")
     ok = failure is None
-    for bug in ("P.V left in flight", "staging reused early"):
+    for bug in ("P.V left in flight", "staging reused early", "slot ring too short"):
         caught = failures(sequences, bug)
         print(f"seeded bug '{bug}':", f"caught ({caught})" if caught else "NOT caught")
         ok &= caught is not None

@@ -1,20 +1,21 @@
 // The warp-specialized Hopper (sm_90a) prefill kernel for 16-bit K/V at head dims 64, 128, 256
 // and 192 / 128, and fp8 K/V at 64, 128 and 256, ragged (contiguous) or paged. A CTA is three
 // warpgroups:
-//   - a producer, which fills two-stage rings of K and V tiles (128 keys; 64 at head dim 256),
-//     each stage handed over on mbarriers (full: the bytes landed; empty: every consumer warp is
-//     done reading it), and copies the block's packed Q rows (two Q stages, so the next block's Q
-//     arrives while this one runs; one at head dim 256, whose Q tile is 64 KB, and there the
-//     block's first K/V tiles go ahead of its Q). Ragged K/V: one thread issues the
-//     tensor-memory-access (TMA) copies of whole tiles, and the warpgroup copies a tile that runs
-//     past the block's keys with zero-filled cp.async copies, so that no key outside the range can
-//     put a NaN into P.V. Paged K/V: the threads gather every tile's rows with cp.async (thread t
-//     looks up key t's slot a tile ahead), and the copies themselves arrive on the full barrier as
-//     they land (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own copies.
-//     fp8 K/V (ragged or paged): the threads copy each tile's fp8 rows into a staging ring the
-//     same way, then widen them exactly into the 16-bit rings in f16, in which both products then
-//     run (produce_fp8_block; Sm90WsConfig::Mma: with bf16 Q the consumers first rewrite their
-//     Q rows in f16, q_rows_to_f16);
+//   - a producer, which walks the plan's row blocks and hands each to the consumers with its Q (the
+//     block's geometry in a shared-memory slot, block_slot), fills two-stage rings of K and V tiles
+//     (128 keys; 64 at head dim 256), each stage handed over on mbarriers (full: the bytes landed;
+//     empty: every consumer warp is done reading it), and copies the block's packed Q rows (two Q
+//     stages, so the next block's Q arrives while this one runs; one at head dim 256, whose Q tile
+//     is 64 KB, and there the block's first K/V tiles go ahead of its Q). Ragged K/V: one thread
+//     issues the tensor-memory-access (TMA) copies of whole tiles, and the warpgroup copies a tile
+//     that runs past the block's keys with zero-filled cp.async copies, so that no key outside the
+//     range can put a NaN into P.V. Paged K/V: the threads gather every tile's rows with cp.async
+//     (thread t looks up key t's slot a tile ahead), and the copies themselves arrive on the full
+//     barrier as they land (cp.async.mbarrier.arrive.noinc), so the producer never waits for its
+//     own copies. fp8 K/V (ragged or paged): the threads copy each tile's fp8 rows into a staging
+//     ring the same way, then widen them exactly into the 16-bit rings in f16, in which both
+//     products then run (produce_fp8_block; Sm90WsConfig::Mma: with bf16 Q the consumers first
+//     rewrite their Q rows in f16, q_rows_to_f16);
 //   - two consumers of 64 packed query rows each (the plan's 128-row tile), issuing as
 //     kernel_sm90.cuh does S_t = Q.K_t^T with P_{t-1}.V_{t-1} behind it. They take turns to issue
 //     their products (two named barriers), so one warpgroup's softmax runs under the other's
@@ -59,9 +60,10 @@ __global__ void __launch_bounds__(384, 1)
   const WsBarriers<Cfg> bars{smem_addr(smem + Cfg::kBarOffset)};
   const int tid = threadIdx.x;
   if (tid == 0) {
-    // Q full: one arrival per producer thread's copies.
+    // Q full: one arrival per producer thread's copies, and producer thread 0's after it wrote
+    // the stage's row block.
     for (int s = 0; s < Cfg::kQStages; ++s) {
-      sm90::mbar_init(bars.q_full(s), 128);
+      sm90::mbar_init(bars.q_full(s), 128 + 1);
       sm90::mbar_init(bars.q_empty(s), 8);
     }
     // K/V full: one arrival with the TMA's byte count (or after the copies of a tile that runs

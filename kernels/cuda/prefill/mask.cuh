@@ -75,8 +75,9 @@ __device__ __forceinline__ RowBlock make_row_block(const AttentionParams& p, con
 
 // The persistent CTA's walk (grid (workers, Hkv)): every row block of kCtaRows packed rows of
 // worker blockIdx.x's items, for KV head blockIdx.y, each after a __syncthreads (the previous
-// block's readers of shared memory are done) unless kSync is false (warp-specialized kernels,
-// whose warps walk the same blocks at their own pace): run(block, kv_head, group).
+// block's readers of shared memory are done) unless kSync is false (the warp-specialized
+// kernel's producer, which hands each block to its consumers with the block's Q):
+// run(block, kv_head, group).
 template <int kCtaRows, bool kSync = true, typename Run>
 __device__ __forceinline__ void for_each_row_block(const AttentionParams& p, Run&& run) {
   const int worker = blockIdx.x, kv_head = blockIdx.y;

@@ -98,8 +98,18 @@ struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
   static constexpr int kStagingOffset = kVOffset + kKvStages * kVTileBytes;
   static constexpr int kBarOffset = kStagingOffset + kFp8Stages * kStagingBytes;
   static constexpr int kBars = 2 * kQStages + 4 * kKvStages + 2 * kFp8Stages;
+  // The row blocks (RowBlock, 64 bytes each) that the producer hands the consumers with their Q
+  // (produce, fill_q_stage): the consumers read a block's geometry here instead of loading the
+  // plan's item and the request's fields from global memory themselves. Block n's slot is n %
+  // kBlockSlots: twice the Q stages, so that the producer can write a block's slot as it starts
+  // the block, before it waits for the block's Q stage (the consumers read slot n - kBlockSlots
+  // at the start of block n - kBlockSlots, before they freed the Q stage of block n - kQStages,
+  // which the producer waited for before it started block n - 1).
+  static constexpr int kBlockSlots = 2 * kQStages;
+  static constexpr int kBlockSlotBytes = 64;
+  static constexpr int kBlockSlotOffset = (kBarOffset + kBars * 8 + 63) / 64 * 64;
   // Tiles must start on 1024-byte swizzle atoms: the dynamic allocation has that much slack.
-  static constexpr int kSmemBytes = kBarOffset + kBars * 8 + 1024;
+  static constexpr int kSmemBytes = kBlockSlotOffset + kBlockSlots * kBlockSlotBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "an SM's shared memory");
 };
 
@@ -211,6 +221,16 @@ struct WsBarriers {
     return base + (2 * Cfg::kQStages + 4 * Cfg::kKvStages + kind * Cfg::kFp8Stages + s) * 8;
   }
 };
+
+static_assert(sizeof(RowBlock) <= 64 && alignof(RowBlock) <= 64, "a row block's slot");
+
+// The slot of the CTA's block_n-th row block (see kBlockSlotOffset). A block of no rows marks the
+// end of the CTA's blocks.
+template <typename Cfg>
+__device__ __forceinline__ RowBlock* block_slot(unsigned char* smem, int block_n) {
+  return reinterpret_cast<RowBlock*>(smem + Cfg::kBlockSlotOffset +
+                                     block_n % Cfg::kBlockSlots * Cfg::kBlockSlotBytes);
+}
 
 template <typename Cfg>
 __device__ __forceinline__ int num_kv_tiles(const RowBlock& b) {

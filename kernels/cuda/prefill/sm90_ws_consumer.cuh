@@ -118,17 +118,21 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
                                       sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
     sm90::commit();
   };
-  for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
+  const int kv_head = blockIdx.y, group = p.num_qo_heads / p.num_kv_heads;
+  // The row blocks as the producer publishes them with their Q (fill_q_stage), up to its end mark.
+  for (;; ++block_n) {
+    const int qs = QRing::stage(block_n);
+    sm90::mbar_wait(bars.q_full(qs), QRing::full_parity(block_n));
+    const RowBlock b = *block_slot<Cfg>(smem, block_n);
+    if (b.rows == 0) break;
+    sm90::fence_async_shared();
+    unsigned char* q_stage = smem + qs * Cfg::kQTileBytes;
     const int num_tiles = num_kv_tiles<Cfg>(b);
     float o[1][Cfg::kDv / 8][4];
     zero_output(o);
     float(&o_acc)[Cfg::kDv / 2] = reinterpret_cast<float(&)[Cfg::kDv / 2]>(o);
     OnlineSoftmax<1> softmax;
     softmax.init();
-    const int qs = QRing::stage(block_n);
-    unsigned char* q_stage = smem + qs * Cfg::kQTileBytes;
-    sm90::mbar_wait(bars.q_full(qs), QRing::full_parity(block_n));
-    sm90::fence_async_shared();
     // The softmax's factors for this block: the kernel's, or with Q rewritten in f16 scaled by
     // 2^e, times 2^-e (the warp's logits come out 2^e too large).
     float c_blk = c, scale_over_cap_blk = scale_over_cap;
@@ -227,9 +231,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     else
       store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, q_stage, o, scale, lse);
     if (lane == 0) sm90::mbar_arrive(bars.q_empty(qs));
-    ++block_n;
     tile_n += num_tiles;
-  });
+  }
   // Balance the turns: warpgroup 1 passed one more than warpgroup 0 took.
   if (wg == 0) take_turn(0);
 }

@@ -172,10 +172,12 @@ __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, un
   }
 }
 
-// The block's 128 packed Q rows into the Q stage of the CTA's block_n-th block, once the stage is
-// free, 8 threads a row, 16 chunks each; padding rows zero-filled. A block without keys takes its
-// stage too and copies nothing (its epilogue may stage a merge state there). Each thread's copies
-// arrive on the stage's full barrier as they land; the consumers fence them for wgmma.
+// The CTA's block_n-th row block's Q, once its stage is free: thread 0 arrives on the stage's
+// full barrier (which publishes the block's slot, written earlier, see produce), and the block's
+// 128 packed Q rows go into the stage, 8 threads a row, 16 chunks each; padding rows
+// zero-filled. A block without keys takes its stage too and copies nothing (its epilogue may
+// stage a merge state there), and so does the end mark (a block of no rows). Each thread's copies
+// arrive on the full barrier as they land; the consumers fence them for wgmma.
 template <typename Cfg>
 __device__ __forceinline__ void fill_q_stage(const AttentionParams& p, unsigned char* smem,
                                              const WsBarriers<Cfg>& bars, const RowBlock& b,
@@ -185,6 +187,9 @@ __device__ __forceinline__ void fill_q_stage(const AttentionParams& p, unsigned 
   using QRing = ws::Ring<Cfg::kQStages>;
   const int qs = QRing::stage(block_n);
   sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
+  // The arrival releases thread 0's store of the block's slot to the consumers, whose wait on
+  // the barrier acquires it.
+  if (tid == 0) sm90::mbar_arrive(bars.q_full(qs));
   unsigned char* const q_stage = smem + qs * Cfg::kQTileBytes;
 #pragma unroll
   for (int i = 0; i < (has_keys ? Cfg::kCtaRows / 16 : 0); ++i) {
@@ -355,6 +360,8 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
                                         unsigned char* smem, const WsBarriers<Cfg>& bars, int tid) {
   int block_n = 0, tile_n = 0;
   for_each_row_block<Cfg::kCtaRows, false>(p, [&](const RowBlock& b, int kv_head, int group) {
+    // The block's slot for the consumers, published with its Q (fill_q_stage).
+    if (tid == 0) *block_slot<Cfg>(smem, block_n) = b;
     if constexpr (Cfg::kFp8) {
       produce_fp8_block<Cfg, kPaged>(p, smem, bars, b, kv_head, group, block_n, tile_n, tid);
       ++block_n;
@@ -373,6 +380,11 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
     ++block_n;
     tiles(early, num_tiles);
   });
+  // The end mark: the consumers stop at a block of no rows.
+  RowBlock end{};
+  end.rows = 0;
+  if (tid == 0) *block_slot<Cfg>(smem, block_n) = end;
+  fill_q_stage<Cfg>(p, smem, bars, end, 0, 1, block_n, false, tid);
 }
 
 }  // namespace flashkv::cuda::prefill_detail
