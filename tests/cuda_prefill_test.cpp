@@ -54,6 +54,10 @@ struct Problem {
   float soft_cap = 0.0f;
   float sm_scale = 0.0f;
   bool custom_mask = false;
+  // With custom_mask: every row sees its request's first mask_open_prefix keys (a verify mask's
+  // cached prefix) but for mask_holes single keys hidden at random rows and keys among them.
+  int mask_open_prefix = 0;
+  int mask_holes = 0;
   bool with_lse = true;
   PlanOptions plan;  // q_tile 0: the kernel's full tile
   int samples = 0;   // > 0: compare this many sampled rows instead of all
@@ -162,6 +166,30 @@ Inputs make_inputs(const Problem& pr, Rng& rng) {
     for (int64_t e = 0; e < in.mask.numel(); ++e) m[e] = rng.uniform() < 0.7 ? 1 : 0;
     // A row that sees nothing: O = 0, LSE = -inf.
     if (batch > 0 && pr.q_lens[0] > 0) std::fill(m, m + pr.kv_lens[0], uint8_t{0});
+    std::vector<int> open_requests;
+    for (int i = 0; i < batch; ++i) {
+      const int open = std::min(pr.mask_open_prefix, pr.kv_lens[i]);
+      for (int r = 0; r < pr.q_lens[i]; ++r)
+        std::fill_n(m + in.mask_indptr[i] + int64_t{r} * pr.kv_lens[i], open, uint8_t{1});
+      if (open > 0 && pr.q_lens[i] > 0) open_requests.push_back(i);
+    }
+    // A hole's key gets V = 256 in every head and dim (the rows that see it carry it with their
+    // weight on it, which the reference shares), so that a kernel that lets its row see it is off
+    // by far more than the tolerance.
+    const Tensor& v = in.v;
+    const int64_t v_row = v.size(1) * v.size(2);
+    for (int h = 0; h < pr.mask_holes && !open_requests.empty(); ++h) {
+      const int i = open_requests[rng.uniform_int(0, static_cast<int>(open_requests.size()) - 1)];
+      const int r = rng.uniform_int(0, pr.q_lens[i] - 1);
+      const int key = rng.uniform_int(0, std::min(pr.mask_open_prefix, pr.kv_lens[i]) - 1);
+      m[in.mask_indptr[i] + int64_t{r} * pr.kv_lens[i] + key] = 0;
+      const int64_t row =
+          pr.paged ? int64_t{in.indices[in.kv_indptr[i] + key / pr.page_size]} * pr.page_size +
+                         key % pr.page_size
+                   : int64_t{in.kv_indptr[i]} + key;
+      for (int64_t e = row * v_row; e < (row + 1) * v_row; ++e)
+        store_from_double(v.data(), v.dtype(), e, 256.0);
+    }
   }
   // Sinks of the logits' size and larger, so that they move both O and the LSE.
   if (pr.sinks) in.sinks = test::random_tensor(rng, {pr.hq}, DType::f32, 3.0);
@@ -482,6 +510,51 @@ TEST(CudaPrefill, CustomMask) {
   pr.paged = false;
   pr.window_left = 30;  // the window still applies on top of the mask
   check_problem(pr, rng);
+}
+
+// Masks that hide nothing from whole 128-key tiles, as a speculative-decoding verify mask hides
+// nothing of the cached prefix, but for single hidden keys in some of them: the paged sm_90a
+// kernels skip the per-element mask only for tiles in which the producer found no hidden key, so
+// each hole must still hide its key. Every head dim, page sizes 1 and 16, with a window too, and
+// ragged K/V.
+TEST(CudaPrefill, CustomMaskOpenTilesAndHoles) {
+  FLASHKV_REQUIRE_GPU();
+  struct Shape {
+    int hq, hkv, dqk, dv;
+  };
+  for (const Shape& s : {Shape{8, 2, 64, 64}, Shape{8, 2, 128, 128}, Shape{16, 2, 192, 128},
+                         Shape{4, 2, 256, 256}}) {
+    for (const int page_size : {1, 16}) {
+      for (const int holes : {0, 1, 6}) {
+        SCOPED_TRACE(testing::Message() << "d=" << s.dqk << "/" << s.dv
+                                        << " page_size=" << page_size << " holes=" << holes);
+        FLASHKV_SEEDED_RNG(rng, 740 + s.dqk + page_size + holes);
+        Problem pr;
+        pr.hq = s.hq;
+        pr.hkv = s.hkv;
+        pr.dqk = s.dqk;
+        pr.dv = s.dv;
+        pr.page_size = page_size;
+        pr.causal = false;
+        pr.custom_mask = true;
+        // Draft tokens over cached prefixes (8 rows: a verify), a longer extend (two row blocks
+        // at group 4) and one row; the open prefix ends inside a tile of the longest request.
+        pr.q_lens = {8, 8, 40, 1};
+        pr.kv_lens = {8 + 1000, 8 + 300, 40 + 700, 1 + 129};
+        pr.mask_open_prefix = 900;
+        pr.mask_holes = holes;
+        check_problem(pr, rng);
+        if (holes == 1) {
+          pr.window_left = 500;  // the window still applies where the mask hides nothing
+          check_problem(pr, rng);
+        }
+        if (holes == 6 && page_size == 16) {
+          pr.paged = false;  // ragged K/V: every tile masked element by element
+          check_problem(pr, rng);
+        }
+      }
+    }
+  }
 }
 
 TEST(CudaPrefill, NoLse) {
