@@ -40,6 +40,14 @@ __device__ __forceinline__ float merged_weights(const AttentionParams& p, int he
   return st.lse();
 }
 
+// a * prev + c * cur for a pair of O values (merged_weights' a and c), each term left out where
+// its weight is 0: an empty state's values (never written, maybe NaN) add nothing.
+__device__ __forceinline__ float2 merged_pair(float a, float2 prev, float c, float cur_lo,
+                                              float cur_hi) {
+  return make_float2((a != 0.0f ? a * prev.x : 0.0f) + (c != 0.0f ? c * cur_lo : 0.0f),
+                     (a != 0.0f ? a * prev.y : 0.0f) + (c != 0.0f ? c * cur_hi : 0.0f));
+}
+
 // A final row's scale and LSE: the block's, with p's sink (if any, a state with O = 0) merged
 // in once.
 __device__ __forceinline__ void final_row(const AttentionParams& p, int head, float& sc,
@@ -99,10 +107,8 @@ __device__ __forceinline__ void store_merged_block_f32(
       for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
         const float2 pv =
             a != 0.0f ? *reinterpret_cast<const float2*>(prev + dt * 8) : make_float2(0.0f, 0.0f);
-        const float lo = (a != 0.0f ? a * pv.x : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h] : 0.0f);
-        const float hi =
-            (a != 0.0f ? a * pv.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);
-        *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(lo, hi);
+        *reinterpret_cast<float2*>(dst + dt * 8) =
+            merged_pair(a, pv, c, o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
       }
       if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = row_lse;
     }
@@ -176,10 +182,8 @@ __device__ __forceinline__ void store_merged_block(const AttentionParams& p, con
       for (int dt = 0; dt < Cfg::kDv / 8; ++dt) {
         const float2 pv =
             unpack2<QT>(*reinterpret_cast<const uint32_t*>(stage.chunk(r, dt) + (lane & 3) * 2));
-        const float lo = (a != 0.0f ? a * pv.x : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h] : 0.0f);
-        const float hi =
-            (a != 0.0f ? a * pv.y : 0.0f) + (c != 0.0f ? c * o[mt][dt][2 * h + 1] : 0.0f);
-        *reinterpret_cast<uint32_t*>(dst + dt * 8) = pack2<QT>(lo, hi);
+        const float2 merged = merged_pair(a, pv, c, o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
+        *reinterpret_cast<uint32_t*>(dst + dt * 8) = pack2<QT>(merged.x, merged.y);
       }
       if (p.lse && (lane & 3) == 0) p.lse[row * p.num_qo_heads + head] = row_lse;
     }
