@@ -102,9 +102,9 @@ struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
   // (produce, fill_q_stage): the consumers read a block's geometry here instead of loading the
   // plan's item and the request's fields from global memory themselves. Block n's slot is n %
   // kBlockSlots: twice the Q stages, so that the producer can write a block's slot as it starts
-  // the block, before it waits for the block's Q stage (the consumers read slot n - kBlockSlots
-  // at the start of block n - kBlockSlots, before they freed the Q stage of block n - kQStages,
-  // which the producer waited for before it started block n - 1).
+  // the block, before it waits for the block's Q stage. (The slot last held block n - 2 Q, which
+  // the consumers read as they started it; the producer starts block n once it has waited for
+  // them to free the Q stage of block n - 1 - Q, and n - 1 - Q >= n - 2 Q.)
   static constexpr int kBlockSlots = 2 * kQStages;
   static constexpr int kBlockSlotBytes = 64;
   static constexpr int kBlockSlotOffset = (kBarOffset + kBars * 8 + 63) / 64 * 64;
