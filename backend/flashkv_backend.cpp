@@ -60,7 +60,39 @@ bool ragged_layer(bool use_ragged, WrapperKind kind, const LayerSpec& layer) {
          layer.attn_type != AttentionType::ENCODER_ONLY;
 }
 
+// Whether an extend on cached prefixes runs as one paged pass (BackendOptions::extend_path) with a
+// pool of this dtype: automatic takes it on the CPU unless the pool is fp8.
+bool extend_in_one_pass(const BackendOptions& o, DType pool_dtype) {
+  switch (o.extend_path) {
+    case ExtendPath::ragged:
+      return false;
+    case ExtendPath::one_paged_pass:
+      return true;
+    case ExtendPath::automatic:
+      break;
+  }
+  return o.device.is_cpu() && !is_fp8(pool_dtype);
+}
+
 }  // namespace
+
+const char* extend_path_name(ExtendPath path) {
+  switch (path) {
+    case ExtendPath::automatic:
+      return "auto";
+    case ExtendPath::ragged:
+      return "ragged";
+    case ExtendPath::one_paged_pass:
+      return "one_paged_pass";
+  }
+  return "?";
+}
+
+ExtendPath parse_extend_path(const std::string& name) {
+  for (ExtendPath p : {ExtendPath::automatic, ExtendPath::ragged, ExtendPath::one_paged_pass})
+    if (name == extend_path_name(p)) return p;
+  throw_error(str_cat("extend_path: expected auto, ragged or one_paged_pass, got '", name, "'"));
+}
 
 // The host half of a planned batch: everything init_forward_metadata decides before it touches a
 // device buffer. prepare() builds it without changing what forward runs; commit() installs it.
@@ -340,11 +372,13 @@ void FlashKVBackend::prepare(const ForwardBatch& b, bool graph, bool check_index
                   B, " requests / ", n.num_tokens, " tokens exceeds the capacity ", s.graph_max_bs,
                   " / ", s.graph_max_tokens, " (init_cuda_graph_state)");
   n.batch_size = B;
-  n.use_ragged = extend && !o.is_multimodal && !o.deterministic;
-  n.extend_no_prefix = n.use_ragged;
+  bool no_prefix = extend;
   if (extend)
     for (int32_t i = 0; i < B; ++i)
-      if (b.extend_prefix_lens_cpu[i] > 0) n.extend_no_prefix = false;
+      if (b.extend_prefix_lens_cpu[i] > 0) no_prefix = false;
+  n.use_ragged = extend && !o.is_multimodal && !o.deterministic &&
+                 (no_prefix || !extend_in_one_pass(o, b.token_to_kv_pool->dtype()));
+  n.extend_no_prefix = n.use_ragged && no_prefix;
   n.decode_via_prefill = decode && decode_uses_prefill_kernel();
   if (b.mode == ForwardMode::TARGET_VERIFY) {
     n.mask_indptr.assign(B + 1, 0);

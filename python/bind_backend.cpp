@@ -292,7 +292,8 @@ void bind_flashkv_backend(nb::module_& m) {
              bool has_encoder_only_layers, KVPool* swa_kv_pool, SWAAllocator* swa_allocator,
              bool deterministic, int decode_split_size, int prefill_split_size,
              bool disable_split_kv, std::optional<bool> use_tensor_cores,
-             parallel::Communicator* cp_comm, const parallel::CpOptions* cp) {
+             parallel::Communicator* cp_comm, const parallel::CpOptions* cp,
+             const std::string& extend_path) {
             BackendOptions o;
             o.device = parse_device(device);
             o.q_dtype = parse_dtype(q_dtype.c_str());
@@ -311,6 +312,7 @@ void bind_flashkv_backend(nb::module_& m) {
             o.prefill_split_size = prefill_split_size;
             o.disable_split_kv = disable_split_kv;
             o.use_tensor_cores = use_tensor_cores;
+            o.extend_path = parse_extend_path(extend_path);
             o.cp_comm = cp_comm;
             if (cp) o.cp = *cp;
             new (self) FlashKVBackend(o);
@@ -323,7 +325,7 @@ void bind_flashkv_backend(nb::module_& m) {
           nb::arg("deterministic") = false, nb::arg("decode_split_size") = 2048,
           nb::arg("prefill_split_size") = 4096, nb::arg("disable_split_kv") = false,
           nb::arg("use_tensor_cores").none() = nb::none(), nb::arg("cp_comm").none() = nb::none(),
-          nb::arg("cp").none() = nb::none(),
+          nb::arg("cp").none() = nb::none(), nb::arg("extend_path") = "auto",
           // The SWA pool and allocator, and the communicator, must outlive the backend.
           nb::keep_alive<1, 12>(), nb::keep_alive<1, 13>(), nb::keep_alive<1, 19>())
       .def(

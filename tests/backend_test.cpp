@@ -44,25 +44,52 @@ TEST_P(BackendTest, Decode) {
   h.run_and_check(b2);
 }
 
+constexpr ExtendPath kExtendPaths[] = {ExtendPath::automatic, ExtendPath::ragged,
+                                       ExtendPath::one_paged_pass};
+
 TEST_P(BackendTest, ExtendWithoutPrefixUsesRaggedOnly) {
-  Harness h(shape());
-  Request a = h.add_request(0), b = h.add_request(0);
-  auto batch = h.make_batch(ForwardMode::EXTEND, {&a, &b}, {37, 5});
-  h.run_and_check(batch);
-  EXPECT_TRUE(h.backend().uses_ragged());
-  EXPECT_TRUE(h.backend().extend_without_prefix());
+  for (ExtendPath path : kExtendPaths) {  // a batch without prefixes takes it on every path
+    SCOPED_TRACE(extend_path_name(path));
+    BackendOptions o;
+    o.extend_path = path;
+    Harness h(shape(), o);
+    Request a = h.add_request(0), b = h.add_request(0);
+    auto batch = h.make_batch(ForwardMode::EXTEND, {&a, &b}, {37, 5});
+    h.run_and_check(batch);
+    EXPECT_TRUE(h.backend().uses_ragged());
+    EXPECT_TRUE(h.backend().extend_without_prefix());
+  }
 }
 
 TEST_P(BackendTest, ExtendWithMixedPrefixes) {
-  Harness h(shape());
-  Request a = h.add_request(100), b = h.add_request(0), c = h.add_request(33);
-  auto batch = h.make_batch(ForwardMode::EXTEND, {&a, &b, &c}, {20, 9, 1});
-  h.run_and_check(batch);
-  EXPECT_TRUE(h.backend().uses_ragged());
-  EXPECT_FALSE(h.backend().extend_without_prefix());
-  // Then decode on top of what the extend cached.
-  auto d = h.make_batch(ForwardMode::DECODE, {&a, &b, &c}, {1, 1, 1});
-  h.run_and_check(d);
+  for (ExtendPath path : kExtendPaths) {
+    SCOPED_TRACE(extend_path_name(path));
+    BackendOptions o;
+    o.extend_path = path;
+    Harness h(shape(), o);
+    Request a = h.add_request(100), b = h.add_request(0), c = h.add_request(33);
+    auto batch = h.make_batch(ForwardMode::EXTEND, {&a, &b, &c}, {20, 9, 1});
+    h.run_and_check(batch);
+    // automatic: one paged pass on the CPU (a bf16 pool here), the ragged path on CUDA.
+    const bool ragged =
+        path == ExtendPath::ragged || (path == ExtendPath::automatic && !GetParam().is_cpu());
+    EXPECT_EQ(h.backend().uses_ragged(), ragged);
+    EXPECT_EQ(h.backend().reads_new_kv_from_input(h.layer(0)), ragged);
+    EXPECT_FALSE(h.backend().extend_without_prefix());
+    // Then decode on top of what the extend cached, and a MIXED batch (extend and decode rows).
+    auto d = h.make_batch(ForwardMode::DECODE, {&a, &b, &c}, {1, 1, 1});
+    h.run_and_check(d);
+    h.run_and_check(h.make_batch(ForwardMode::MIXED, {&a, &b, &c}, {1, 14, 1}));
+    EXPECT_EQ(h.backend().uses_ragged(), ragged);
+  }
+}
+
+TEST(BackendExtendPath, NamesRoundTrip) {
+  for (ExtendPath path : kExtendPaths) EXPECT_EQ(parse_extend_path(extend_path_name(path)), path);
+  EXPECT_STREQ(extend_path_name(ExtendPath::automatic), "auto");
+  const std::string what = error_of([] { parse_extend_path("paged"); });
+  for (const char* part : {"extend_path", "auto, ragged or one_paged_pass", "'paged'"})
+    EXPECT_NE(what.find(part), std::string::npos) << what;
 }
 
 TEST_P(BackendTest, MixedModeRunsAsExtend) {
@@ -167,9 +194,10 @@ TEST_P(BackendTest, Fp8KvCacheAndSoftCap) {
     s.kv_dtype = kv;
     s.logit_cap = 30.0f;
     // Both extend paths: ragged (the new tokens' K/V read as given, the prefix from the fp8
-    // pool; the reference reads them where the pass did) and one paged pass over the pool
-    // (multimodal). e5m2's 2-bit mantissa would put the ragged pass past the fp8 tolerance
-    // against a reference that read the new tokens back from the pool.
+    // pool; the reference reads them where the pass did; the automatic path with an fp8 pool,
+    // on every device) and one paged pass over the pool (multimodal). e5m2's 2-bit mantissa
+    // would put the ragged pass past the fp8 tolerance against a reference that read the new
+    // tokens back from the pool.
     for (bool multimodal : {false, true}) {
       SCOPED_TRACE(multimodal ? "one paged pass" : "ragged");
       BackendOptions o;

@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention_bench.h"
@@ -337,17 +338,30 @@ TEST(Bench, FullCudaGridHasTheIssue28Rows) {
   // Extend at page sizes 1 and 16 with a bf16 pool, and at 1 with an fp8 one.
   for (const auto& [page, kv] :
        {std::pair{1, DType::bf16}, std::pair{16, DType::bf16}, std::pair{1, DType::fp8_e4m3}}) {
-    const auto extend = [page = page, kv = kv](const BenchCase& c, int b, int prefix, int n) {
+    const auto extend = [page = page, kv = kv](const BenchCase& c, int b, int prefix, int n,
+                                               bool one_pass = false) {
       return c.op == BenchOp::extend && c.batch == b && c.prefix_len() == prefix && c.qo_len == n &&
              c.page_size == page && c.kv_dtype == kv && c.causal &&
              c.kv_layout == KvLayout::shuffled && c.num_qo_heads == 32 && c.num_kv_heads == 8 &&
-             c.head_dim == 128;
+             c.head_dim == 128 && c.one_paged_pass == one_pass;
     };
     EXPECT_EQ(count([&](const BenchCase& c) { return extend(c, 4, 3072, 1024); }), 1)
         << page << " " << dtype_name(kv);
     EXPECT_EQ(count([&](const BenchCase& c) { return extend(c, 16, 4096, 256); }), 1)
         << page << " " << dtype_name(kv);
+    // Page size 1, bf16: each also as one paged pass, right after it and paired with it.
+    const bool twins = page == 1 && kv == DType::bf16;
+    for (const auto& [b, prefix, n] : {std::tuple{4, 3072, 1024}, std::tuple{16, 4096, 256}}) {
+      const auto at = std::find_if(grid.begin(), grid.end(), [&](const BenchCase& c) {
+        return extend(c, b, prefix, n, true);
+      });
+      ASSERT_EQ(at != grid.end(), twins) << page << " " << dtype_name(kv);
+      if (!twins) continue;
+      EXPECT_TRUE(at->paired);
+      EXPECT_TRUE(extend(*(at - 1), b, prefix, n));
+    }
   }
+  EXPECT_EQ(count([](const BenchCase& c) { return c.one_paged_pass; }), 2);
   EXPECT_EQ(count([](const BenchCase& c) {
               return c.op == BenchOp::verify && c.batch == 64 && c.qo_len == 8 &&
                      c.prefix_len() == 4096 && c.page_size == 1 &&
@@ -362,7 +376,13 @@ TEST(Bench, FullCudaGridHasTheIssue28Rows) {
       EXPECT_NE(c.op, BenchOp::verify) << name;
       EXPECT_TRUE(c.causal) << name;
     }
-  EXPECT_EQ(bench_grid("full", Device::cpu()).size(), 4u);
+  const std::vector<BenchCase> cpu_full = bench_grid("full", Device::cpu());
+  ASSERT_EQ(cpu_full.size(), 5u);
+  // Its extend, then the same as one paged pass paired with it.
+  EXPECT_FALSE(cpu_full[3].one_paged_pass);
+  EXPECT_TRUE(cpu_full[4].one_paged_pass && cpu_full[4].paired);
+  EXPECT_EQ(cpu_full[4].kv_len, cpu_full[3].kv_len);
+  EXPECT_EQ(cpu_full[4].qo_len, cpu_full[3].qo_len);
 }
 
 TEST(Bench, NewCaseKindsRunOnCpu) {
@@ -373,8 +393,15 @@ TEST(Bench, NewCaseKindsRunOnCpu) {
   full.causal = false;
   BenchCase paged = extend_case(2, 37, 21, Device::cpu(), 4, 2, 64);
   paged.page_size = 16;
-  const std::vector<BenchCase> cases = {full, prefill_case(1, 40, Device::cpu(), 2, 2, 64),
-                                        prefill_case(1, 40, Device::cpu(), 2, 2, 256), paged,
+  // The same extend as one paged pass, paired with it.
+  BenchCase one_pass = paged;
+  one_pass.one_paged_pass = true;
+  one_pass.paired = true;
+  const std::vector<BenchCase> cases = {full,
+                                        prefill_case(1, 40, Device::cpu(), 2, 2, 64),
+                                        prefill_case(1, 40, Device::cpu(), 2, 2, 256),
+                                        paged,
+                                        one_pass,
                                         verify_case(3, 45, 8, Device::cpu(), 4, 2, 64)};
   const BenchReport report = run_cases(cases, machine, quick_timing());
   ASSERT_EQ(report.cases.size(), cases.size());
@@ -393,14 +420,34 @@ TEST(Bench, NewCaseKindsRunOnCpu) {
   EXPECT_NE(json.find("\"mask\": \"non-causal\""), std::string::npos);
   EXPECT_NE(json.find("\"page_size\": 16"), std::string::npos);
   EXPECT_NE(json.find("\"plans\": []"), std::string::npos) << json;
-  EXPECT_NE(csv.find(",sinks,mask,env,vs_twin,vs_twin_min,vs_twin_max,rounds\n"),
+  EXPECT_NE(csv.find(",sinks,one_paged_pass,mask,env,vs_twin,vs_twin_min,vs_twin_max,rounds\n"),
             std::string::npos);
-  EXPECT_NE(csv.find(",tree,,,,,\n"), std::string::npos) << csv;
+  EXPECT_NE(csv.find(",0,tree,,,,,\n"), std::string::npos) << csv;
   std::ostringstream table;
   print_table(table, report);
   EXPECT_NE(table.str().find(" non-causal\n"), std::string::npos) << table.str();
   EXPECT_NE(table.str().find(" tree-mask\n"), std::string::npos) << table.str();
   EXPECT_NE(table.str().find("verify "), std::string::npos) << table.str();
+  // One paged pass: the same work, every K/V entry read from the pool, its marks in every output.
+  const CaseResult& op = report.cases[4];
+  EXPECT_GT(op.rounds, 0);
+  EXPECT_DOUBLE_EQ(case_flops(one_pass), case_flops(paged));
+  EXPECT_DOUBLE_EQ(case_bytes(one_pass), case_bytes(paged));  // bf16 either way
+  BenchCase fp8_pool = paged, fp8_one_pass = one_pass;
+  fp8_pool.kv_dtype = fp8_one_pass.kv_dtype = DType::fp8_e4m3;
+  // The new tokens' K/V: 2 x 42 rows x 2 heads x 64 dims, 2 bytes each as given, 1 in the pool.
+  EXPECT_DOUBLE_EQ(case_bytes(fp8_pool) - case_bytes(fp8_one_pass), 2.0 * 42 * 2 * 64);
+  EXPECT_NE(op.c.str().find(" one-pass"), std::string::npos) << op.c.str();
+  EXPECT_NE(json.find("\"one_paged_pass\": true"), std::string::npos) << json;
+  EXPECT_NE(csv.find(",1,causal,"), std::string::npos) << csv;
+  EXPECT_NE(table.str().find(" one-pass ("), std::string::npos) << table.str();
+  // One paged pass is an extend's, without a window.
+  BenchCase not_extend = prefill_case(1, 40, Device::cpu(), 2, 2, 64);
+  not_extend.one_paged_pass = true;
+  EXPECT_THROW(validate_case(not_extend), Error);
+  BenchCase windowed = one_pass;
+  windowed.window_left = 8;
+  EXPECT_THROW(validate_case(windowed), Error);
   // A verify case needs a prefix, and a masked case takes no window.
   BenchCase bad = verify_case(1, 0, 4, Device::cpu());
   EXPECT_THROW(validate_case(bad), Error);

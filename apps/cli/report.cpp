@@ -66,7 +66,8 @@ void print_table_row(std::ostream& os, const CaseResult& r) {
   if (c.window_left >= 0) os << " win=" << c.window_left;
   if (c.logit_cap > 0) os << " cap=" << c.logit_cap;
   if (c.sinks) os << " sinks";
-  if (!c.env.empty()) os << " " << c.env;  // bench --ab's twin: the switch it runs under
+  if (c.one_paged_pass) os << " one-pass";  // an extend as one paged pass
+  if (!c.env.empty()) os << " " << c.env;   // bench --ab's twin: the switch it runs under
   // A paired case: its time against its twin's (the row above), timed in alternating rounds.
   if (c.paired && r.rounds > 0)
     os << " (" << signed_percent(r.vs_twin) << " vs the row above; " << r.rounds
@@ -155,6 +156,7 @@ std::string to_json(const BenchReport& report) {
        << ", \"runs\": " << r.runs << ", \"cuda_graph\": " << (r.cuda_graph ? "true" : "false")
        << ", \"window_left\": " << c.window_left << ", \"logit_cap\": " << json_number(c.logit_cap)
        << ", \"sinks\": " << (c.sinks ? "true" : "false")
+       << ", \"one_paged_pass\": " << (c.one_paged_pass ? "true" : "false")
        << ", \"mask\": " << json_string(c.mask_name()) << ", \"env\": " << json_string(c.env);
     if (c.paired)
       os << ", \"vs_twin\": " << json_number(r.vs_twin)
@@ -223,7 +225,7 @@ std::string to_csv(const BenchReport& report) {
   std::ostringstream os;
   os << "op,device,batch,qo_len,kv_len,prefix_len,num_qo_heads,num_kv_heads,head_dim,page_size,"
         "kv_layout,dtype,kv_dtype,us,gbps,tflops,roofline_fraction,runs,cuda_graph,window_left,"
-        "logit_cap,sinks,mask,env,vs_twin,vs_twin_min,vs_twin_max,rounds\n";
+        "logit_cap,sinks,one_paged_pass,mask,env,vs_twin,vs_twin_min,vs_twin_max,rounds\n";
   for (const CaseResult& r : report.cases) {
     const BenchCase& c = r.c;
     os << op_name(c.op) << ',' << c.device.str() << ',' << c.batch << ',' << c.qo_len << ','
@@ -232,7 +234,8 @@ std::string to_csv(const BenchReport& report) {
        << ',' << dtype_name(c.kv_dtype) << ',' << json_number(r.us) << ',' << json_number(r.gbps)
        << ',' << json_number(r.tflops) << ',' << json_number(r.roofline_fraction) << ',' << r.runs
        << ',' << (r.cuda_graph ? 1 : 0) << ',' << c.window_left << ',' << json_number(c.logit_cap)
-       << ',' << (c.sinks ? 1 : 0) << ',' << c.mask_name() << ',' << c.env;
+       << ',' << (c.sinks ? 1 : 0) << ',' << (c.one_paged_pass ? 1 : 0) << ',' << c.mask_name()
+       << ',' << c.env;
     // A paired case's ratio to its twin (empty for the others, as the JSON leaves them out).
     if (c.paired)
       os << ',' << json_number(r.vs_twin) << ',' << json_number(r.vs_twin_min) << ','

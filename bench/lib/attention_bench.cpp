@@ -206,6 +206,20 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
   for (int i = 0; i <= c.batch; ++i) qo[i] = i * c.qo_len;
   const std::vector<int32_t> new_lens(c.batch, c.qo_len);
   s.qo_indptr = s.ints(qo);
+  if (c.one_paged_pass) {
+    // Extend in one paged pass: prefix and new tokens in the pool, each new row seeing the
+    // whole prefix and (causally) the new tokens.
+    s.make_pool(c, c.kv_len);
+    const std::vector<int32_t> lens(c.batch, c.kv_len);
+    s.paged_plan = plan_prefill(batch_shape(c, &qo, lens, c.causal, c.page_size), info, po);
+    s.paged_ws.reserve(s.paged_plan.layout.total_bytes, c.device);
+    s.paged_ws.upload(s.paged_plan);
+    synchronize(c.device);
+    return [&s, final_causal](Stream st) {
+      paged_prefill(s.paged_plan, s.q, s.qo_indptr, s.paged, final_causal, s.out, TensorView(),
+                    s.paged_ws, st);
+    };
+  }
   s.new_kv_indptr = s.qo_indptr;
   s.new_k = s.random({rows, c.num_kv_heads, c.head_dim}, c.dtype);
   s.new_v = s.random({rows, c.num_kv_heads, c.head_dim}, c.dtype);
@@ -331,6 +345,7 @@ std::string BenchCase::str() const {
                  dtype_name(dtype), "/", dtype_name(kv_dtype), " ", device.str(),
                  window_left >= 0 ? str_cat(" win=", window_left) : std::string(),
                  logit_cap > 0 ? str_cat(" cap=", logit_cap) : std::string(), sinks ? " sinks" : "",
+                 one_paged_pass ? " one-pass" : "",
                  op == BenchOp::verify              ? " tree-mask"
                  : !causal && op != BenchOp::decode ? " non-causal"
                                                     : "",
@@ -417,7 +432,8 @@ double case_bytes(const BenchCase& c) {
   const double kv_row = 2.0 * c.num_kv_heads * c.head_dim;  // K and V of one token
   // Verify's drafts are in the pool (kv_len tokens a request, all paged), and it reads its u8
   // tree mask, [qo_len, kv_len] a request.
-  const bool all_paged = c.op == BenchOp::decode || c.op == BenchOp::verify;
+  const bool all_paged = c.op == BenchOp::decode || c.op == BenchOp::verify ||
+                         (c.op == BenchOp::extend && c.one_paged_pass);
   const double paged_tokens = all_paged                 ? double(c.batch) * c.kv_len
                               : c.op == BenchOp::extend ? double(c.batch) * c.prefix_len()
                                                         : 0.0;
@@ -484,6 +500,10 @@ void validate_case(const BenchCase& c) {
                 "kv_len: prefill expects kv_len == qo_len (", c.qo_len, "), got ", c.kv_len);
   FLASHKV_CHECK(c.op != BenchOp::verify || c.prefix_len() >= 1,
                 "kv_len: verify expects a prefix (kv_len > qo_len ", c.qo_len, "), got ", c.kv_len);
+  // One paged pass is an extend's alternative (without a window, whose keys the two passes cut
+  // differently).
+  FLASHKV_CHECK(!c.one_paged_pass || (c.op == BenchOp::extend && c.window_left < 0),
+                "one_paged_pass: expected an extend case without a window, got ", c.str());
   // The FLOP count of a non-causal case has no window term; a verify case's mask is its tree.
   FLASHKV_CHECK(c.window_left < 0 || (c.causal && c.op != BenchOp::verify),
                 "window_left: a non-causal or verify case takes no window, got ", c.window_left);
@@ -703,10 +723,14 @@ std::vector<BenchCase> bench_grid(const std::string& name, Device device) {
   if (device.is_cpu()) {
     // Issue 5 (Llama-3-8B shapes, bf16): decode 16 x 4096 on a fresh pool (slots in order) and
     // after churn (shuffled slots), and a 2048-token causal prefill; plus one extend on top of a
-    // cached prefix.
+    // cached prefix, as the backend runs it and then as one paged pass (timed in alternating
+    // rounds with it).
+    BenchCase one_pass = extend_case(1, 3072, 1024, device);
+    one_pass.one_paged_pass = true;
+    one_pass.paired = true;
     return {decode_case(16, 4096, device, 32, 8, 128, DType::bf16, KvLayout::in_order),
             decode_case(16, 4096, device), prefill_case(1, 2048, device),
-            extend_case(1, 3072, 1024, device)};
+            extend_case(1, 3072, 1024, device), one_pass};
   }
   // Issue 6: decode, page size 1 with a shuffled slot layout, bf16 KV, then the group-size
   // variants, then fp8 KV on the large shapes.
@@ -735,8 +759,14 @@ std::vector<BenchCase> bench_grid(const std::string& name, Device device) {
   g.push_back(full);
   g.push_back(prefill_case(4, 4096, device, 32, 32, 64));
   g.push_back(prefill_case(4, 4096, device, 16, 16, 256));
-  g.push_back(extend_case(4, 3072, 1024, device));
-  g.push_back(extend_case(16, 4096, 256, device));
+  // Each extend as the backend runs it (the ragged pass and the merging prefix pass), then as
+  // one paged pass over prefix and new tokens, timed in alternating rounds with it.
+  for (BenchCase e : {extend_case(4, 3072, 1024, device), extend_case(16, 4096, 256, device)}) {
+    g.push_back(e);
+    e.one_paged_pass = true;
+    e.paired = true;
+    g.push_back(e);
+  }
   // Issue 28: the same extends on a pool of 16-token pages, then a TARGET_VERIFY: 64 requests of
   // 8 draft tokens in a tree over a 4096-token prefix.
   for (BenchCase e : {extend_case(4, 3072, 1024, device), extend_case(16, 4096, 256, device)}) {

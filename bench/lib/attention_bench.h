@@ -69,20 +69,27 @@ struct BenchCase {
   // prefill and extend: whether the new tokens attend to each other causally (false: each new
   // token sees all of them, as an encoder's prefill). Decode and verify ignore it.
   bool causal = true;
+  // extend: one causal paged pass over a pool that holds each request's prefix and new tokens
+  // (the new tokens' K/V written there first), as the backend runs multimodal batches and
+  // deterministic mode, instead of the ragged pass over the new tokens and the prefix pass that
+  // merges into it. One plan, one launch; the new tokens' K/V are read back from the pool.
+  bool one_paged_pass = false;
 
   int prefix_len() const { return kv_len - qo_len; }
-  // Decode, verify, and extend with a cached prefix, read a paged pool; prefill does not.
+  // Decode, verify, extend with a cached prefix and extend in one paged pass read a paged pool;
+  // prefill does not.
   bool reads_pool() const {
     return op == BenchOp::decode || op == BenchOp::verify ||
-           (op == BenchOp::extend && prefix_len() > 0);
+           (op == BenchOp::extend && (prefix_len() > 0 || one_paged_pass));
   }
   // kv_layout_name(kv_layout), or "none" when the case reads no paged pool.
   const char* layout_name() const;
   // The mask among the query rows' own tokens: "causal", "non-causal" (prefill / extend with
   // causal false), "tree" (verify) or "none" (decode: one row, the last position).
   const char* mask_name() const;
-  // e.g. "decode B=16 qo=1 kv=4096 32/8/128 P=1 shuffled bf16/bf16 cpu"; a non-causal case ends
-  // in " non-causal", a verify case in " tree-mask", a case with a switch in " NAME=VALUE".
+  // e.g. "decode B=16 qo=1 kv=4096 32/8/128 P=1 shuffled bf16/bf16 cpu"; an extend in one paged
+  // pass adds " one-pass", a non-causal case ends in " non-causal", a verify case in
+  // " tree-mask", a case with a switch in " NAME=VALUE".
   std::string str() const;
 };
 

@@ -84,12 +84,16 @@ class Engine:
         return self.rng.standard_normal(shape).astype(self.xp.float)
 
 
-def test_extend_then_decode(xp, rng):
-    e = Engine(xp, rng)
+@pytest.mark.parametrize("extend_path", ["auto", "ragged", "one_paged_pass"])
+def test_extend_then_decode(xp, rng, extend_path):
+    """An extend on cached prefixes by each path (auto: one paged pass on the CPU with a 16-bit
+    or f32 pool, the ragged pass and the merging prefix pass on CUDA), then decode."""
+    e = Engine(xp, rng, extend_path=extend_path)
     e.add_requests([10, 0, 25])
     fb = e.batch(ForwardMode.EXTEND, [5, 7, 1])
     e.backend.init_forward_metadata(fb)
-    assert e.backend.uses_ragged and not e.backend.extend_without_prefix
+    ragged = extend_path == "ragged" or (extend_path == "auto" and xp.device != "cpu")
+    assert e.backend.uses_ragged == ragged and not e.backend.extend_without_prefix
     e.run_layers(fb, [5, 7, 1])
     for _ in range(2):
         fb = e.batch(ForwardMode.DECODE, [1, 1, 1])
@@ -144,3 +148,8 @@ def test_backend_errors(xp, rng):
     idle.forward_mode = ForwardMode.IDLE
     e.backend.init_forward_metadata(idle)
     assert tuple(e.backend.forward(xp.zeros((0, HQ * D), xp.float), None, None, e.layers[0], idle).shape) == (0, HQ * D)
+
+
+def test_extend_path_is_checked():
+    with pytest.raises(flashkv.Error, match="extend_path: expected auto, ragged or one_paged_pass, got 'paged'"):
+        FlashKVBackend(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, extend_path="paged")

@@ -5,8 +5,9 @@
 //   DECODE        paged decode over each request's KV (or, with use_tensor_cores, the paged
 //                 prefill kernel with one query row per request);
 //   EXTEND/MIXED  ragged causal attention over the new tokens merged (by LSE) with paged
-//                 attention over the cached prefix; ragged only when no request has a prefix;
-//                 one paged pass over everything for multimodal models and deterministic mode;
+//                 attention over the cached prefix, or one causal paged pass over prefix and
+//                 new tokens (BackendOptions::extend_path; always for multimodal models and in
+//                 deterministic mode); ragged only when no request has a prefix;
 //   TARGET_VERIFY one paged pass with the per-request tree mask;
 //   DRAFT_EXTEND  one causal paged pass over the accepted tokens.
 // Two "wrappers" (index sets + plans) when the model mixes sliding-window and full layers
@@ -28,6 +29,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "flashkv/backend/attention_backend.h"
@@ -36,6 +38,25 @@
 #include "flashkv/parallel/context_parallel.h"
 
 namespace flashkv {
+
+// How an EXTEND / MIXED batch in which some request has a cached prefix attends (a batch with no
+// prefix anywhere takes the ragged pass alone, either way).
+enum class ExtendPath {
+  // One paged pass on the CPU with a 16-bit or f32 pool, where it measured faster on every shape
+  // tried (docs/perf/cpu.md); the ragged path on CUDA and with an fp8 pool.
+  automatic,
+  // The seed's: a causal ragged pass over the new tokens as given, then a paged pass over the
+  // prefix that merges into its result by LSE; the new K/V go into the pool after. Two plans,
+  // two launches.
+  ragged,
+  // The new K/V go into the pool first, then one causal paged pass over prefix and new tokens.
+  // One plan, one launch, no merge; the new tokens are read back from the pool, so with an fp8
+  // pool they are attended to as the pool rounds them.
+  one_paged_pass,
+};
+const char* extend_path_name(ExtendPath path);  // "auto", "ragged", "one_paged_pass"
+// Throws flashkv::Error naming the argument unless `name` is one of extend_path_name's.
+ExtendPath parse_extend_path(const std::string& name);
 
 struct BackendOptions {
   Device device;
@@ -53,9 +74,10 @@ struct BackendOptions {
   SWAAllocator* swa_allocator = nullptr;
 
   // Kernels and planning.
-  bool deterministic = false;     // fixed split sizes; no ragged/paged split in extend
-  int decode_split_size = 2048;   // deterministic mode
-  int prefill_split_size = 4096;  // deterministic mode
+  bool deterministic = false;                      // fixed split sizes; extend in one paged pass
+  ExtendPath extend_path = ExtendPath::automatic;  // extend on cached prefixes (ExtendPath)
+  int decode_split_size = 2048;                    // deterministic mode
+  int prefill_split_size = 4096;                   // deterministic mode
   bool disable_split_kv = false;
   // FlashInfer's use_tensor_cores for decode batches: true runs them through the paged prefill
   // (q-tile, tensor-core) kernel with one query row per request; false through the decode
