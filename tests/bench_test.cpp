@@ -352,9 +352,10 @@ TEST(Bench, FullCudaGridHasTheIssue28Rows) {
     // Page size 1, bf16: each also as one paged pass, right after it and paired with it.
     const bool twins = page == 1 && kv == DType::bf16;
     for (const auto& [b, prefix, n] : {std::tuple{4, 3072, 1024}, std::tuple{16, 4096, 256}}) {
-      const auto at = std::find_if(grid.begin(), grid.end(), [&](const BenchCase& c) {
-        return extend(c, b, prefix, n, true);
-      });
+      const auto at = std::find_if(grid.begin(), grid.end(),
+                                   [&, b = b, prefix = prefix, n = n](const BenchCase& c) {
+                                     return extend(c, b, prefix, n, true);
+                                   });
       ASSERT_EQ(at != grid.end(), twins) << page << " " << dtype_name(kv);
       if (!twins) continue;
       EXPECT_TRUE(at->paired);
