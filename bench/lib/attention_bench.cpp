@@ -235,8 +235,8 @@ std::function<void(Stream)> prepare(const BenchCase& c, const BenchOptions& o, C
   }
 
   // extend with a prefix: + non-causal paged attention over the prefix, merged by LSE, as the
-  // backend runs it: the paged pass merges each row with the ragged pass's state as it writes it
-  // (in place, launched to overlap the ragged pass where the GPU can).
+  // backend's ragged path runs it: the paged pass merges each row with the ragged pass's state as
+  // it writes it (in place, launched to overlap the ragged pass where the GPU can).
   s.make_pool(c, c.prefix_len());
   const std::vector<int32_t> prefix_lens(c.batch, c.prefix_len());
   s.paged_plan = plan_prefill(batch_shape(c, &qo, prefix_lens, false, c.page_size), info, po);
@@ -723,8 +723,8 @@ std::vector<BenchCase> bench_grid(const std::string& name, Device device) {
   if (device.is_cpu()) {
     // Issue 5 (Llama-3-8B shapes, bf16): decode 16 x 4096 on a fresh pool (slots in order) and
     // after churn (shuffled slots), and a 2048-token causal prefill; plus one extend on top of a
-    // cached prefix, as the backend runs it and then as one paged pass (timed in alternating
-    // rounds with it).
+    // cached prefix, by the ragged pass and the merging prefix pass, then as one paged pass (the
+    // backend's default on the CPU), timed in alternating rounds with it.
     BenchCase one_pass = extend_case(1, 3072, 1024, device);
     one_pass.one_paged_pass = true;
     one_pass.paired = true;
@@ -759,8 +759,8 @@ std::vector<BenchCase> bench_grid(const std::string& name, Device device) {
   g.push_back(full);
   g.push_back(prefill_case(4, 4096, device, 32, 32, 64));
   g.push_back(prefill_case(4, 4096, device, 16, 16, 256));
-  // Each extend as the backend runs it (the ragged pass and the merging prefix pass), then as
-  // one paged pass over prefix and new tokens, timed in alternating rounds with it.
+  // Each extend by the ragged pass and the merging prefix pass (the backend's default on CUDA),
+  // then as one paged pass over prefix and new tokens, timed in alternating rounds with it.
   for (BenchCase e : {extend_case(4, 3072, 1024, device), extend_case(16, 4096, 256, device)}) {
     g.push_back(e);
     e.one_paged_pass = true;

@@ -70,9 +70,9 @@ struct BenchCase {
   // token sees all of them, as an encoder's prefill). Decode and verify ignore it.
   bool causal = true;
   // extend: one causal paged pass over a pool that holds each request's prefix and new tokens
-  // (the new tokens' K/V written there first), as the backend runs multimodal batches and
-  // deterministic mode, instead of the ragged pass over the new tokens and the prefix pass that
-  // merges into it. One plan, one launch; the new tokens' K/V are read back from the pool.
+  // (the new tokens' K/V written there first; the backend's ExtendPath::one_paged_pass) instead
+  // of the ragged pass over the new tokens and the prefix pass that merges into it. One plan,
+  // one launch; the new tokens' K/V are read back from the pool.
   bool one_paged_pass = false;
 
   int prefix_len() const { return kv_len - qo_len; }
