@@ -180,25 +180,16 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       sm90::wait<0>();
       sm90::pin(s_acc);
       if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(tile_n)));
-      float corr[1][2];
-      scores(0, corr);  // O is still 0: nothing to rescale
-      bool moved = false;
-      // Before tile t's products: P_{t-2}.V_{t-2} done (none at t = 1), which frees O, pf and
-      // its V stage; O rescaled for tile t - 1, whose P goes into pf.
-      const auto take_p = [&](int t) {
-        sm90::wait<0>();
-        sm90::pin(o_acc);
-        if (t > 1 && lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(tile_n + t - 2)));
-        if (moved) softmax.rescale(o, corr);
+      {
+        float corr[1][2];
+        scores(0, corr);  // O is still 0: nothing to rescale
         pack_p<Cfg, typename Cfg::Mma>(s, pf);
-      };
-      // Tile t: S_t and P_{t-1}.V_{t-1} issued together, then the softmax of S_t while P.V
-      // runs. The wait for P.V is at the top of the next turn of the loop, in a basic block of
-      // its own after the softmax: placed after the softmax in the same block, ptxas hoists it
-      // above the exponentials and the warpgroup's softmax no longer overlaps its own P.V.
+      }
+      // Tile t: S_t, then P_{t-1}.V_{t-1} behind it, which runs while S_t is read. (ptxas waits
+      // for P.V before the softmax's exponentials, short of registers otherwise, so the overlap
+      // left is between the warpgroups.)
       for (int t = 1; t < num_tiles; ++t) {
         const int n = tile_n + t;
-        take_p(t);
         sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
         if constexpr (kGenericWrites) sm90::fence_async_shared();
         take_turn(wg);
@@ -208,9 +199,14 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         sm90::wait<1>();  // S_t
         sm90::pin(s_acc);
         if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(n)));
-        moved = scores(t, corr);
+        float corr[1][2];
+        const bool moved = scores(t, corr);
+        sm90::wait<0>();  // P_{t-1}.V_{t-1}: O, pf and V stage n - 1 are free
+        sm90::pin(o_acc);
+        if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));
+        if (moved) softmax.rescale(o, corr);
+        pack_p<Cfg, typename Cfg::Mma>(s, pf);
       }
-      take_p(num_tiles);
       // The last tile's P.V.
       const int n = tile_n + num_tiles - 1;
       sm90::mbar_wait(bars.v_full(Ring::stage(n)), Ring::full_parity(n));
