@@ -61,7 +61,7 @@ bool ragged_layer(bool use_ragged, WrapperKind kind, const LayerSpec& layer) {
 }
 
 // Whether an extend on cached prefixes runs as one paged pass (BackendOptions::extend_path) with a
-// pool of this dtype: automatic takes it on the CPU unless the pool is fp8.
+// pool of this dtype: automatic takes it unless the pool is fp8.
 bool extend_in_one_pass(const BackendOptions& o, DType pool_dtype) {
   switch (o.extend_path) {
     case ExtendPath::ragged:
@@ -71,7 +71,7 @@ bool extend_in_one_pass(const BackendOptions& o, DType pool_dtype) {
     case ExtendPath::automatic:
       break;
   }
-  return o.device.is_cpu() && !is_fp8(pool_dtype);
+  return !is_fp8(pool_dtype);
 }
 
 }  // namespace

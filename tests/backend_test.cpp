@@ -70,9 +70,8 @@ TEST_P(BackendTest, ExtendWithMixedPrefixes) {
     Request a = h.add_request(100), b = h.add_request(0), c = h.add_request(33);
     auto batch = h.make_batch(ForwardMode::EXTEND, {&a, &b, &c}, {20, 9, 1});
     h.run_and_check(batch);
-    // automatic: one paged pass on the CPU (a bf16 pool here), the ragged path on CUDA.
-    const bool ragged =
-        path == ExtendPath::ragged || (path == ExtendPath::automatic && !GetParam().is_cpu());
+    // automatic: one paged pass (a bf16 pool here).
+    const bool ragged = path == ExtendPath::ragged;
     EXPECT_EQ(h.backend().uses_ragged(), ragged);
     EXPECT_EQ(h.backend().reads_new_kv_from_input(h.layer(0)), ragged);
     EXPECT_FALSE(h.backend().extend_without_prefix());

@@ -759,8 +759,9 @@ std::vector<BenchCase> bench_grid(const std::string& name, Device device) {
   g.push_back(full);
   g.push_back(prefill_case(4, 4096, device, 32, 32, 64));
   g.push_back(prefill_case(4, 4096, device, 16, 16, 256));
-  // Each extend by the ragged pass and the merging prefix pass (the backend's default on CUDA),
-  // then as one paged pass over prefix and new tokens, timed in alternating rounds with it.
+  // Each extend by the ragged pass and the merging prefix pass (the backend's path with an fp8
+  // pool), then as one paged pass over prefix and new tokens (its default with a 16-bit pool),
+  // timed in alternating rounds with it.
   for (BenchCase e : {extend_case(4, 3072, 1024, device), extend_case(16, 4096, 256, device)}) {
     g.push_back(e);
     e.one_paged_pass = true;

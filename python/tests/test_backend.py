@@ -86,13 +86,13 @@ class Engine:
 
 @pytest.mark.parametrize("extend_path", ["auto", "ragged", "one_paged_pass"])
 def test_extend_then_decode(xp, rng, extend_path):
-    """An extend on cached prefixes by each path (auto: one paged pass on the CPU with a 16-bit
-    or f32 pool, the ragged pass and the merging prefix pass on CUDA), then decode."""
+    """An extend on cached prefixes by each path (auto: one paged pass with a 16-bit or f32 pool),
+    then decode."""
     e = Engine(xp, rng, extend_path=extend_path)
     e.add_requests([10, 0, 25])
     fb = e.batch(ForwardMode.EXTEND, [5, 7, 1])
     e.backend.init_forward_metadata(fb)
-    ragged = extend_path == "ragged" or (extend_path == "auto" and xp.device != "cpu")
+    ragged = extend_path == "ragged"
     assert e.backend.uses_ragged == ragged and not e.backend.extend_without_prefix
     e.run_layers(fb, [5, 7, 1])
     for _ in range(2):

@@ -42,8 +42,9 @@ namespace flashkv {
 // How an EXTEND / MIXED batch in which some request has a cached prefix attends (a batch with no
 // prefix anywhere takes the ragged pass alone, either way).
 enum class ExtendPath {
-  // One paged pass on the CPU with a 16-bit or f32 pool, where it measured faster on every shape
-  // tried (docs/perf/cpu.md); the ragged path on CUDA and with an fp8 pool.
+  // One paged pass with a 16-bit or f32 pool, where it measured faster on every shape tried on
+  // the CPU and on the H200 (docs/perf/cpu.md, docs/perf/prefill.md); the ragged path with an
+  // fp8 pool.
   automatic,
   // The seed's: a causal ragged pass over the new tokens as given, then a paged pass over the
   // prefix that merges into its result by LSE; the new K/V go into the pool after. Two plans,
