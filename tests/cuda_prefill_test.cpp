@@ -173,11 +173,11 @@ Inputs make_inputs(const Problem& pr, Rng& rng) {
         std::fill_n(m + in.mask_indptr[i] + int64_t{r} * pr.kv_lens[i], open, uint8_t{1});
       if (open > 0 && pr.q_lens[i] > 0) open_requests.push_back(i);
     }
-    // A hole's key gets V = 256 in every head and dim (the rows that see it carry it with their
-    // weight on it, which the reference shares), so that a kernel that lets its row see it is off
-    // by far more than the tolerance.
-    const Tensor& v = in.v;
-    const int64_t v_row = v.size(1) * v.size(2);
+    // A hole's key gets, in each KV head, the K of its row's first query head of that group,
+    // times 3: that head's logit for it is about 3 sqrt(d), so a kernel that lets the row see the
+    // key puts nearly all of the row's weight on it, and O and the LSE are off by far more than
+    // the tolerance. Other rows that see the key give it a logit of the usual size.
+    const int group = pr.hq / pr.hkv;
     for (int h = 0; h < pr.mask_holes && !open_requests.empty(); ++h) {
       const int i = open_requests[rng.uniform_int(0, static_cast<int>(open_requests.size()) - 1)];
       const int r = rng.uniform_int(0, pr.q_lens[i] - 1);
@@ -187,8 +187,13 @@ Inputs make_inputs(const Problem& pr, Rng& rng) {
           pr.paged ? int64_t{in.indices[in.kv_indptr[i] + key / pr.page_size]} * pr.page_size +
                          key % pr.page_size
                    : int64_t{in.kv_indptr[i]} + key;
-      for (int64_t e = row * v_row; e < (row + 1) * v_row; ++e)
-        store_from_double(v.data(), v.dtype(), e, 256.0);
+      const int64_t q_row = in.qo_indptr[i] + r;
+      for (int g = 0; g < pr.hkv; ++g)
+        for (int d = 0; d < pr.dqk; ++d) {
+          const double q = load_as_double(in.q.data(), pr.dtype,
+                                          (q_row * pr.hq + int64_t{g} * group) * pr.dqk + d);
+          store_from_double(in.k.data(), in.k.dtype(), (row * pr.hkv + g) * pr.dqk + d, 3.0 * q);
+        }
     }
   }
   // Sinks of the logits' size and larger, so that they move both O and the LSE.
