@@ -65,7 +65,7 @@ std::vector<PlanCase> cases() {
   c.push_back({"prefill/b4/q64/kv32k/cuda (split)", prefill, 4, 32768, 64, gpu, dflt});
   // 256 requests (the batch of the decode target) sharing about 8192 new tokens, the sizes of
   // `flashkv bench`'s plan lines (bench_plan_grid): new tokens only, then an extend on cached
-  // prefixes (the ragged and the prefix plan of one extend batch).
+  // prefixes, as one plan and as the ragged path's two.
   for (PlanCase p : bench::bench_plan_grid(gpu)) {
     p.name += "/cuda";
     c.push_back(p);

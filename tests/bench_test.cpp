@@ -349,8 +349,8 @@ TEST(Bench, FullCudaGridHasTheIssue28Rows) {
         << page << " " << dtype_name(kv);
     EXPECT_EQ(count([&](const BenchCase& c) { return extend(c, 16, 4096, 256); }), 1)
         << page << " " << dtype_name(kv);
-    // Page size 1, bf16: each also as one paged pass, right after it and paired with it.
-    const bool twins = page == 1 && kv == DType::bf16;
+    // A bf16 pool: each also as one paged pass, right after it and paired with it.
+    const bool twins = kv == DType::bf16;
     for (const auto& [b, prefix, n] : {std::tuple{4, 3072, 1024}, std::tuple{16, 4096, 256}}) {
       const auto at = std::find_if(grid.begin(), grid.end(),
                                    [&, b = b, prefix = prefix, n = n](const BenchCase& c) {
@@ -362,7 +362,7 @@ TEST(Bench, FullCudaGridHasTheIssue28Rows) {
       EXPECT_TRUE(extend(*(at - 1), b, prefix, n));
     }
   }
-  EXPECT_EQ(count([](const BenchCase& c) { return c.one_paged_pass; }), 2);
+  EXPECT_EQ(count([](const BenchCase& c) { return c.one_paged_pass; }), 4);
   EXPECT_EQ(count([](const BenchCase& c) {
               return c.op == BenchOp::verify && c.batch == 64 && c.qo_len == 8 &&
                      c.prefix_len() == 4096 && c.page_size == 1 &&
@@ -459,20 +459,24 @@ TEST(Bench, NewCaseKindsRunOnCpu) {
 
 TEST(Bench, PlanGridTimesPrefillAndExtendPlansOf256Requests) {
   const std::vector<PlanCase> grid = bench_plan_grid(device_info(Device::cpu()));
-  ASSERT_EQ(grid.size(), 2u);
+  ASSERT_EQ(grid.size(), 3u);
   EXPECT_EQ(grid[0].kind, PlanKind::prefill);
   EXPECT_EQ(grid[1].kind, PlanKind::extend);
+  EXPECT_EQ(grid[2].kind, PlanKind::extend_ragged);
   for (const PlanCase& c : grid) EXPECT_EQ(c.batch, 256);
   std::vector<std::string> seen;
   const std::vector<PlanResult> r =
-      run_plan_grid("quick", Device::cpu(), {PlanKind::extend},
+      run_plan_grid("quick", Device::cpu(), {PlanKind::extend, PlanKind::extend_ragged},
                     [&](const PlanResult& p) { seen.push_back(plan_kind_name(p.c.kind)); });
-  ASSERT_EQ(r.size(), 1u);
-  EXPECT_EQ(seen, std::vector<std::string>{"extend"});
-  EXPECT_GT(r[0].t.median_us, 0);
-  EXPECT_LE(r[0].t.min_us, r[0].t.median_us);
-  EXPECT_EQ(r[0].t.plans, 2);  // the ragged plan and the prefix plan
-  EXPECT_GE(r[0].t.items, 256);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(seen, (std::vector<std::string>{"extend", "extend_ragged"}));
+  for (const PlanResult& p : r) {
+    EXPECT_GT(p.t.median_us, 0);
+    EXPECT_LE(p.t.min_us, p.t.median_us);
+    EXPECT_GE(p.t.items, 256);
+  }
+  EXPECT_EQ(r[0].t.plans, 1);  // one causal plan over prefix and new tokens
+  EXPECT_EQ(r[1].t.plans, 2);  // the ragged plan and the prefix plan
   BenchReport report;
   report.plans = r;
   const std::string json = to_json(report);

@@ -185,7 +185,10 @@ int cmd_bench(int argc, char** argv) {
     // that plan with plan_prefill on the host per batch.
     std::vector<bench::PlanKind> kinds;
     if (op == "all" || op == "prefill") kinds.push_back(bench::PlanKind::prefill);
-    if (op == "all" || op == "extend") kinds.push_back(bench::PlanKind::extend);
+    if (op == "all" || op == "extend") {
+      kinds.push_back(bench::PlanKind::extend);
+      kinds.push_back(bench::PlanKind::extend_ragged);
+    }
     if (!preset && !kinds.empty())
       report.plans = bench::run_plan_grid(grid, device, kinds, [](const bench::PlanResult& r) {
         bench::print_plan_row(std::cout, r);

@@ -768,10 +768,13 @@ std::vector<BenchCase> bench_grid(const std::string& name, Device device) {
     e.paired = true;
     g.push_back(e);
   }
-  // Issue 28: the same extends on a pool of 16-token pages, then a TARGET_VERIFY: 64 requests of
-  // 8 draft tokens in a tree over a 4096-token prefix.
+  // Issue 28: the same extends on a pool of 16-token pages, each with its one-pass twin, then a
+  // TARGET_VERIFY: 64 requests of 8 draft tokens in a tree over a 4096-token prefix.
   for (BenchCase e : {extend_case(4, 3072, 1024, device), extend_case(16, 4096, 256, device)}) {
     e.page_size = 16;
+    g.push_back(e);
+    e.one_paged_pass = true;
+    e.paired = true;
     g.push_back(e);
   }
   g.push_back(verify_case(64, 4096, 8, device));

@@ -19,12 +19,23 @@ namespace flashkv::bench {
 // What one planning step plans. decode: plan_decode. prefill: one causal plan_prefill over each
 // request's whole KV (its prefix and its new tokens: a paged pass without the ragged path; with
 // max_kv 0, the ragged plan of a prefill of new tokens only). extend: what the backend plans for
-// an extend batch on its ragged path, a causal plan_prefill over the new tokens and a
-// non-causal one over the cached prefix.
-enum class PlanKind { decode, prefill, extend };
+// an extend batch with a 16-bit pool, the same one causal plan over prefix and new tokens.
+// extend_ragged: what it plans on the ragged path (an fp8 pool, or `extend_path` ragged), a causal
+// plan_prefill over the new tokens and a non-causal one over the cached prefix.
+enum class PlanKind { decode, prefill, extend, extend_ragged };
 
 inline const char* plan_kind_name(PlanKind k) {
-  return k == PlanKind::decode ? "decode" : k == PlanKind::prefill ? "prefill" : "extend";
+  switch (k) {
+    case PlanKind::decode:
+      return "decode";
+    case PlanKind::prefill:
+      return "prefill";
+    case PlanKind::extend:
+      return "extend";
+    case PlanKind::extend_ragged:
+      return "extend_ragged";
+  }
+  return "?";
 }
 
 // A serving-like batch of `batch` requests: cached prefixes of [0, max_kv] tokens and [1, q_max]
@@ -60,9 +71,10 @@ class PlanRunner {
         plan_decode(b.whole, c_.device, c_.options, &decode_);
         return;
       case PlanKind::prefill:
+      case PlanKind::extend:
         plan_prefill(b.whole, c_.device, c_.options, &prefill_);
         return;
-      case PlanKind::extend:
+      case PlanKind::extend_ragged:
         plan_prefill(b.ragged, c_.device, c_.options, &ragged_);
         plan_prefill(b.prefix, c_.device, c_.options, &prefill_);
         return;
@@ -72,8 +84,8 @@ class PlanRunner {
   // The plans of the last step.
   std::vector<const Plan*> last() const {
     if (c_.kind == PlanKind::decode) return {&decode_};
-    if (c_.kind == PlanKind::prefill) return {&prefill_};
-    return {&ragged_, &prefill_};
+    if (c_.kind == PlanKind::extend_ragged) return {&ragged_, &prefill_};
+    return {&prefill_};
   }
 
  private:
@@ -118,7 +130,7 @@ class PlanRunner {
 
 // Host time of one planning step: the median and the minimum over `repeats` rounds of `calls`
 // steps each (per step, in microseconds), and what the last step planned (summed over its
-// plans: 2 for extend).
+// plans: 2 for extend_ragged).
 struct PlanTiming {
   double median_us = 0, min_us = 0;
   int plans = 0;
@@ -161,10 +173,13 @@ inline PlanTiming time_plan(const PlanCase& c, int calls = 2000, int repeats = 1
 // The planner cases of `flashkv bench` (its "plan (host)" lines, also in flashkv_plan_bench):
 // 256 requests of 1..64 new tokens each (about 8192 in all, SGLang's default chunked-prefill
 // budget), Llama-3-8B heads, default plan options: a prefill of new tokens only (the ragged
-// plan), then an extend on cached prefixes of 0..4096 tokens (the ragged and the prefix plan).
+// plan), then an extend on cached prefixes of 0..4096 tokens as the backend plans it with a
+// 16-bit pool (one plan) and on its ragged path (the ragged and the prefix plan).
 inline std::vector<PlanCase> bench_plan_grid(const DeviceInfo& device) {
   return {{"prefill/b256/q64", PlanKind::prefill, 256, 0, 64, device, PlanOptions()},
-          {"extend/b256/q64/kv4k", PlanKind::extend, 256, 4096, 64, device, PlanOptions()}};
+          {"extend/b256/q64/kv4k", PlanKind::extend, 256, 4096, 64, device, PlanOptions()},
+          {"extend_ragged/b256/q64/kv4k", PlanKind::extend_ragged, 256, 4096, 64, device,
+           PlanOptions()}};
 }
 
 }  // namespace flashkv::bench
