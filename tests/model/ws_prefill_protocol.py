@@ -12,7 +12,10 @@ stages on phase n / S, empty barriers on the one before), the two turn barriers 
 by the warpgroup passing, one bar.sync by the one taking), and each warpgroup's products in
 flight (wgmma groups, retired oldest first by wait_group), and the row-block slots through which
 the producer hands the consumers each block (written as the producer starts the block, published
-by its arrival on the block's Q full barrier; an end mark after the last block). The
+by its arrival on the block's Q full barrier; an end mark after the last block), and, with paged
+16-bit K/V, each tile's custom-mask verdict (a ring of twice the K stages; written by producer
+thread 0 between the K stage's empty wait and its own arrival on the stage's full barrier, read by
+the consumers at the tile's softmax, after they released the stage). The
 configurations are the kernel's:
 two Q stages, or one (the block's first K/V tiles go ahead of its Q), with 16-bit K/V or with an
 fp8 staging ring of one or two stages (two Q stages and one staging stage at head dim 128).
@@ -24,6 +27,7 @@ Checked:
     product in flight reads it;
   - no staging stage is overwritten before the producer widened what it held;
   - every consumer reads each block's own slot, and the end mark after the last;
+  - every consumer reads each K tile's own verdict;
   - a turn barrier never holds two passes, and the turns balance at the end.
 The model is kept next to the kernel by hand: change both together. Finally, the script checks
 itself: each of a few seeded protocol bugs must be caught.
@@ -61,7 +65,13 @@ class Kernel:
         # each of the 8 consumer warps.
         # Q full: the copies' arrival (one per thread, as one) and thread 0's after the slot.
         self.q_full, self.q_empty = [Barrier(2) for _ in range(qs)], [Barrier(8) for _ in range(qs)]
-        self.k_full, self.k_empty = [Barrier(1) for _ in range(2)], [Barrier(8) for _ in range(2)]
+        # K full: the copies' arrival (one per thread, as one), and with 16-bit K/V (modelled as
+        # paged) thread 0's after the stage's verdict.
+        self.verdicts = not fs
+        self.k_full = [Barrier(2 if self.verdicts else 1) for _ in range(2)]
+        self.k_empty = [Barrier(8) for _ in range(2)]
+        # The tile whose verdict each word holds (Sm90WsConfig::kTileFlags, twice the K stages).
+        self.verdict = [None] * (2 if bug == "verdict ring too short" else 4)
         self.v_full, self.v_empty = [Barrier(1) for _ in range(2)], [Barrier(8) for _ in range(2)]
         self.staged = {"K": [Barrier(1) for _ in range(fs)], "V": [Barrier(1) for _ in range(fs)]}
         self.staging_use = {"K": [None] * fs, "V": [None] * fs}  # [use held, widened]
@@ -156,6 +166,13 @@ class Kernel:
     def produce_tile(self, n):  # produce_ragged_tiles / produce_paged_tiles
         yield from self.wait_empty(self.k_empty[n % 2], n)
         self.copy("K", n % 2, self.k_full[n % 2])
+        if self.verdicts and self.bug == "verdict after the arrival":
+            self.k_full[n % 2].arrive()
+            yield
+            self.verdict[n % len(self.verdict)] = n
+        elif self.verdicts:  # thread 0: the verdict, then its arrival
+            self.verdict[n % len(self.verdict)] = n
+            self.k_full[n % 2].arrive()
         yield from self.wait_empty(self.v_empty[n % 2], n)
         self.copy("V", n % 2, self.v_full[n % 2])
 
@@ -196,6 +213,11 @@ class Kernel:
             yield from widen(n)
 
     # --- the consumers -----------------------------------------------------------------------
+    def read_verdict(self, n):
+        if self.verdicts:
+            held = self.verdict[n % len(self.verdict)]
+            assert held == n, f"tile {n} read tile {held}'s verdict"
+
     def consumer(self, wg):
         blocks, cfg, bug = self.blocks, self.cfg, self.bug
         q_stages = cfg.q_stages
@@ -218,6 +240,8 @@ class Kernel:
                 self.pass_turn(wg)
                 self.wait_group(wg, 0)
                 self.k_empty[tile_n % 2].arrive(4)
+                yield
+                self.read_verdict(tile_n)  # the softmax of tile 0
                 for n in range(tile_n + 1, tile_n + tiles):
                     yield from self.wait_full(self.v_full[(n - 1) % 2], n - 1)
                     yield from self.take_turn(wg)
@@ -228,6 +252,7 @@ class Kernel:
                     self.wait_group(wg, 1)  # S_t
                     self.k_empty[n % 2].arrive(4)
                     yield  # the softmax
+                    self.read_verdict(n)
                     self.wait_group(wg, 0)  # P_{t-1}.V_{t-1}
                     self.v_empty[(n - 1) % 2].arrive(4)
                 n = tile_n + tiles - 1
@@ -275,7 +300,8 @@ def main():
     failure = failures(sequences)
     print(f"{len(CONFIGS) * sequences} walks:", failure or "no failure")
     ok = failure is None
-    for bug in ("P.V left in flight", "staging reused early", "slot ring too short"):
+    for bug in ("P.V left in flight", "staging reused early", "slot ring too short",
+                "verdict after the arrival", "verdict ring too short"):
         caught = failures(sequences, bug)
         print(f"seeded bug '{bug}':", f"caught ({caught})" if caught else "NOT caught")
         ok &= caught is not None

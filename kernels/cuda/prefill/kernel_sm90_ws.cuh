@@ -68,10 +68,12 @@ __global__ void __launch_bounds__(384, 1)
     }
     // K/V full: one arrival with the TMA's byte count (or after the copies of a tile that runs
     // past the block's keys), or one per producer thread (its copies with paged K/V, its widened
-    // stores with fp8).
+    // stores with fp8). Paged K takes one more where the producer hands over custom-mask
+    // verdicts, from thread 0, which publishes the tile's (tile_hides_none).
     const int full_arrivals = kPaged || Cfg::kFp8 ? 128 : 1;
+    const int k_full_arrivals = full_arrivals + (kPaged && Cfg::kPagedMaskVerdicts ? 1 : 0);
     for (int s = 0; s < Cfg::kKvStages; ++s) {
-      sm90::mbar_init(bars.k_full(s), full_arrivals);
+      sm90::mbar_init(bars.k_full(s), k_full_arrivals);
       sm90::mbar_init(bars.k_empty(s), 8);
       sm90::mbar_init(bars.v_full(s), full_arrivals);
       sm90::mbar_init(bars.v_empty(s), 8);

@@ -110,6 +110,16 @@ __device__ __forceinline__ bool tile_is_full(const AttentionParams& p, const Row
   return true;
 }
 
+// tile_is_full for a tile in which the custom mask hides no element from the block's rows (the
+// warp-specialized producer's verdict, custom_mask_hides_none): the custom mask replaces causal,
+// so the block's KV range and the window decide.
+__device__ __forceinline__ bool tile_is_full_unmasked(const AttentionParams& p, const RowBlock& b,
+                                                      int group, int j0, int tile) {
+  if (j0 + tile > b.kv_hi) return false;
+  const int last_pos = b.pos0 + (b.row0 + b.rows - 1) / group;
+  return !(p.window_left >= 0 && j0 < last_pos - p.window_left);
+}
+
 // Sets the hidden elements of a thread's S fragment to -inf. s[mt][nt][e]: row g (+8 for e >= 2)
 // of the warp's MMA tile mt, key j0 + nt * 8 + 2 * (lane % 4) + (e % 2). Row positions are
 // recomputed here (only masked tiles pay for them) rather than held in registers for the loop.

@@ -108,8 +108,19 @@ struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
   static constexpr int kBlockSlots = 2 * kQStages;
   static constexpr int kBlockSlotBytes = 64;
   static constexpr int kBlockSlotOffset = (kBarOffset + kBars * 8 + 63) / 64 * 64;
+  // With a custom mask, the producer's verdict on each tile (tile_hides_none, a 32-bit word a
+  // tile): whether the mask hides none of the tile's keys from the block's rows. Use n of the K
+  // ring has word n % kTileFlags: twice the K stages, so that the consumers can read it after
+  // they released the stage (the producer writes word n once it holds K stage n, which the
+  // consumers released after S_{n-2}, past their softmax of tile n - 3 and the read of word n - 4).
+  static constexpr int kTileFlags = 2 * kKvStages;
+  // Which kernels hand the verdicts over: paged 16-bit K/V below head dim 256. (The test's
+  // registers spill into the tile loops of the other producers: the TMA producer of ragged K/V,
+  // the fp8 producer and the paged one at head dim 256. Their consumers mask every element.)
+  static constexpr bool kPagedMaskVerdicts = !kFp8 && D < 256;
+  static constexpr int kTileFlagOffset = kBlockSlotOffset + kBlockSlots * kBlockSlotBytes;
   // Tiles must start on 1024-byte swizzle atoms: the dynamic allocation has that much slack.
-  static constexpr int kSmemBytes = kBlockSlotOffset + kBlockSlots * kBlockSlotBytes + 1024;
+  static constexpr int kSmemBytes = kTileFlagOffset + kTileFlags * 4 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "an SM's shared memory");
 };
 
@@ -230,6 +241,14 @@ template <typename Cfg>
 __device__ __forceinline__ RowBlock* block_slot(unsigned char* smem, int block_n) {
   return reinterpret_cast<RowBlock*>(smem + Cfg::kBlockSlotOffset +
                                      block_n % Cfg::kBlockSlots * Cfg::kBlockSlotBytes);
+}
+
+// The custom-mask verdict on use n of the K ring (see kTileFlagOffset). The producer writes it
+// once it holds the stage (after its empty wait) and before the arrival that completes the
+// stage's full barrier; the consumers read it after their full wait.
+template <typename Cfg>
+__device__ __forceinline__ uint32_t* tile_hides_none(unsigned char* smem, int n) {
+  return reinterpret_cast<uint32_t*>(smem + Cfg::kTileFlagOffset) + n % Cfg::kTileFlags;
 }
 
 template <typename Cfg>

@@ -105,6 +105,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   // async proxy, so the consumers fence them once they have landed. (TMA writes through the async
   // proxy itself.)
   constexpr bool kGenericWrites = kPaged || Cfg::kFp8;
+  // With a custom mask, where the producer hands over a verdict on each tile (tile_hides_none):
+  // whether the mask hides none of its keys from the block's rows.
+  constexpr bool kMaskVerdicts = kPaged && Cfg::kPagedMaskVerdicts;
   // S_t = Q.K_t^T into s_acc (K stage n, once it has landed; Q: the warpgroup's tile at q_tile;
   // `last`: the block's last tile).
   const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile, bool last) {
@@ -168,8 +171,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       const auto scores = [&](int t, float(&corr)[1][2]) {
         const int j0 = b.kv_lo + t * Cfg::kKvTile;
         if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap_blk);
-        if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
-          apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
+        const bool full = kMaskVerdicts && p.custom_mask
+                              ? *tile_hides_none<Cfg>(smem, tile_n + t) != 0 &&
+                                    tile_is_full_unmasked(p, b, group, j0, Cfg::kKvTile)
+                              : tile_is_full(p, b, group, j0, Cfg::kKvTile);
+        if (!full) apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
         return softmax.update_scores(s, c_blk, corr);
       };
 

@@ -34,6 +34,24 @@ struct PagedKey {
   }
 };
 
+// Whether the custom mask hides none of the keys [j0, j0 + tile) (all inside the request) from
+// any of the block's rows (the consumers then skip apply_mask where tile_is_full_unmasked): the
+// producer's 128 threads together (thread t < tile tests key j0 + t of each of the block's tokens,
+// so a warp loads consecutive bytes, where the per-element path of apply_mask loads a consumer
+// thread's scattered bytes one after the other), each getting the verdict through the producer's
+// named barrier.
+__device__ __forceinline__ bool custom_mask_hides_none(const AttentionParams& p, const RowBlock& b,
+                                                       int group, int j0, int tile, int t) {
+  bool none = true;
+  if (t < tile) {
+    const int tok_first = b.row0 / group, tok_last = (b.row0 + b.rows - 1) / group;
+    const uint8_t* key = p.custom_mask + b.mask_base +
+                         static_cast<int64_t>(b.local_q0 + tok_first) * b.kv_len + j0 + t;
+    for (int tok = tok_first; tok <= tok_last; ++tok, key += b.kv_len) none &= *key != 0;
+  }
+  return sm90::barrier_sync_and(ws::kProducerBarrier, 128, none);
+}
+
 // Copies one operand (K or V) of a paged tile into a stage: warp w of the producer copies keys
 // 32w .. 32w + 31, whose rows its own lanes hold (`key_row`, -1: zero-fill), 4 rows a pass and 8
 // threads a row, each thread the row's 16-byte chunk c of each of the kHalves 64-dim halves
@@ -137,7 +155,7 @@ __device__ __forceinline__ void produce_ragged_tiles(const AttentionParams& p,
 template <typename Cfg>
 __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, unsigned char* smem,
                                                     const WsBarriers<Cfg>& bars, const RowBlock& b,
-                                                    int kv_head, int t_begin, int t_end,
+                                                    int kv_head, int group, int t_begin, int t_end,
                                                     int& tile_n, int tid) {
   using QT = typename Cfg::Q;
   using Ring = ws::Ring<Cfg::kKvStages>;
@@ -156,13 +174,21 @@ __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, un
     const int j = b.kv_lo + t * Cfg::kKvTile + tid;
     const int32_t key_row = holds_key ? key.row(p, b, j) : -1;
     if (holds_key && t + 1 < t_end) key.fetch(p, b, j + Cfg::kKvTile);
-    const int s = Ring::stage(tile_n);
+    const int s = Ring::stage(tile_n), j0 = b.kv_lo + t * Cfg::kKvTile;
+    const bool hides_none = Cfg::kPagedMaskVerdicts && p.custom_mask &&
+                            j0 + Cfg::kKvTile <= b.kv_hi &&
+                            custom_mask_hides_none(p, b, group, j0, Cfg::kKvTile, tid);
     sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
     if (copies)
       copy_paged_operand<Cfg, Cfg::kQkHalves>(k, p.k_stride_n, k_head, key_row,
                                               smem + Cfg::kKOffset + s * Cfg::kKTileBytes, warp,
                                               lane);
     ws::cp_async_arrive_noinc(bars.k_full(s));
+    // The full barrier counts this arrival too: it publishes the custom mask's verdict.
+    if (Cfg::kPagedMaskVerdicts && tid == 0) {
+      if (p.custom_mask) *tile_hides_none<Cfg>(smem, tile_n) = hides_none;
+      sm90::mbar_arrive(bars.k_full(s));
+    }
     sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
     if (copies)
       copy_paged_operand<Cfg, Cfg::kVHalves>(v, p.v_stride_n, v_head, key_row,
@@ -370,7 +396,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
     const int num_tiles = num_kv_tiles<Cfg>(b);
     const auto tiles = [&](int t_begin, int t_end) {
       if constexpr (kPaged)
-        produce_paged_tiles<Cfg>(p, smem, bars, b, kv_head, t_begin, t_end, tile_n, tid);
+        produce_paged_tiles<Cfg>(p, smem, bars, b, kv_head, group, t_begin, t_end, tile_n, tid);
       else
         produce_ragged_tiles<Cfg>(p, maps, smem, bars, b, kv_head, t_begin, t_end, tile_n, tid);
     };

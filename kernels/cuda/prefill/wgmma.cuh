@@ -55,6 +55,17 @@ __device__ __forceinline__ void barrier_sync(int id, int threads) {
 __device__ __forceinline__ void barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// barrier_sync that also returns whether `pred` holds in every one of the `threads` threads.
+__device__ __forceinline__ bool barrier_sync_and(int id, int threads, bool pred) {
+  uint32_t all;
+  asm volatile(
+      "{\n.reg .pred in, out;\nsetp.ne.u32 in, %1, 0;\nbar.red.and.pred out, %2, %3, in;\n"
+      "selp.u32 %0, 1, 0, out;\n}\n"
+      : "=r"(all)
+      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(threads)
+      : "memory");
+  return all != 0;
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Shared-memory mbarriers (8 bytes each, at a shared address): init with an arrival count,
