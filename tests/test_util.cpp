@@ -1,8 +1,11 @@
 #include "test_util.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
+#include "flashkv/core/thread_pool.h"
 #include "flashkv/reference/compare.h"
 
 namespace flashkv::test {
@@ -17,10 +20,40 @@ Tensor random_tensor(Rng& rng, std::initializer_list<int64_t> shape, DType dtype
   return random_tensor(rng, std::vector<int64_t>(shape), dtype, scale);
 }
 
+namespace {
+// SplitMix64: a small generator for one chunk of a random tensor, seeded from the chunk's index.
+struct SplitMix64 {
+  uint64_t state;
+  uint64_t next() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform_open() { return (static_cast<double>(next() >> 11) + 0.5) * 0x1p-53; }  // (0, 1)
+};
+}  // namespace
+
+// The tensor is filled in chunks of 64k elements, each from its own generator seeded by one draw
+// of `rng` and the chunk's index, with unit normals by Box-Muller (two a pair of uniforms): the
+// values depend on the seed only, not on the thread count, and a large tensor (the prefill
+// tests' inputs reach 10^8 elements) fills on every core.
 Tensor random_tensor(Rng& rng, const std::vector<int64_t>& shape, DType dtype, double scale) {
   Tensor t = Tensor::empty(shape, dtype);
-  for (int64_t i = 0; i < t.numel(); ++i)
-    store_from_double(t.data(), dtype, i, rng.normal() * scale);
+  const uint64_t base = rng.gen()();
+  constexpr int64_t kChunk = int64_t{1} << 16;
+  const int64_t n = t.numel();
+  void* data = t.data();
+  ThreadPool::global().parallel_for((n + kChunk - 1) / kChunk, [&](int64_t c, int) {
+    SplitMix64 g{base ^ (static_cast<uint64_t>(c) * 0xd1b54a32d192ed03ull)};
+    const int64_t end = std::min(n, (c + 1) * kChunk);
+    for (int64_t i = c * kChunk; i < end; i += 2) {
+      const double r = std::sqrt(-2.0 * std::log(g.uniform_open())) * scale;
+      const double theta = 6.283185307179586 * g.uniform_open();
+      store_from_double(data, dtype, i, r * std::cos(theta));
+      if (i + 1 < end) store_from_double(data, dtype, i + 1, r * std::sin(theta));
+    }
+  });
   return t;
 }
 
