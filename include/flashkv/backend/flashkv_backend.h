@@ -43,7 +43,7 @@ namespace flashkv {
 // prefix anywhere takes the ragged pass alone, either way).
 enum class ExtendPath {
   // One paged pass with a 16-bit or f32 pool, where it measured faster on every shape tried on
-  // the CPU and on the H200 (docs/perf/cpu.md, docs/perf/prefill.md); the ragged path with an
+  // the CPU and on an H100 (docs/perf/cpu.md, docs/perf/prefill.md); the ragged path with an
   // fp8 pool.
   automatic,
   // The seed's: a causal ragged pass over the new tokens as given, then a paged pass over the
