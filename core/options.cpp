@@ -44,6 +44,8 @@ bool env_prefill_sm90_ws() { return on_unless_zero("FLASHKV_PREFILL_SM90_WS"); }
 
 bool env_prefill_sm90_ws_paged() { return on_unless_zero("FLASHKV_PREFILL_SM90_WS_PAGED"); }
 
+bool env_prefill_sm90_paged_tma() { return on_unless_zero("FLASHKV_PREFILL_SM90_PAGED_TMA"); }
+
 bool env_decode_pdl() { return on_unless_zero("FLASHKV_DECODE_PDL"); }
 
 }  // namespace flashkv

@@ -420,6 +420,39 @@ TEST(CudaPrefill, PagedPrefixPageSizes) {
   }
 }
 
+// Paged 16-bit K/V on the warp-specialized kernel at every head dim: pages of 16 to 128 tokens
+// (up to the kernel's key tile) load whole tiles by TMA, a page a copy; a tile past the block's
+// keys, blocks whose keys start off a page boundary (a window may start them anywhere) and other
+// page sizes are gathered with cp.async. Spare pages hold NaN, so a page loaded from the wrong
+// row shows.
+TEST(CudaPrefill, WholePagesOnEveryHeadDim) {
+  FLASHKV_REQUIRE_GPU();
+  for (const auto& [dqk, dv] : {std::pair{64, 64}, std::pair{128, 128}, std::pair{192, 128},
+                                std::pair{256, 256}})
+    for (int ps : {8, 16, 32, 64, 128}) {
+      SCOPED_TRACE(testing::Message() << "d=" << dqk << "/" << dv << " page_size=" << ps);
+      FLASHKV_SEEDED_RNG(rng, 760 + dqk + ps);
+      Problem pr;
+      pr.dqk = dqk;
+      pr.dv = dv;
+      pr.page_size = ps;
+      pr.q_lens = {1, 17, 127, 300, 5};
+      const std::vector<int32_t> prefix = {0, 97, 1000, 54, 256};
+      for (size_t i = 0; i < prefix.size(); ++i) pr.kv_lens.push_back(prefix[i] + pr.q_lens[i]);
+      check_problem(pr, rng);
+      pr.dtype = pr.kv_dtype = DType::f16;
+      pr.custom_mask = true;  // the tiles' verdicts arrive beside the pages
+      check_problem(pr, rng);
+      pr.custom_mask = false;
+      pr.window_left = 200;
+      check_problem(pr, rng);
+      pr.window_left = -1;
+      pr.plan.fixed_split_size = 256;  // chunks of whole pages and tiles
+      pr.expect_merges = true;
+      check_problem(pr, rng);
+    }
+}
+
 TEST(CudaPrefill, SplitKvMergesInChunkOrder) {
   FLASHKV_REQUIRE_GPU();
   FLASHKV_SEEDED_RNG(rng, 705);

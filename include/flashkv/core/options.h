@@ -41,6 +41,9 @@ inline constexpr EnvSwitch kEnvSwitches[] = {
     {"FLASHKV_PREFILL_SM90_WS_PAGED", "0",
      "0: paged K/V skips the warp-specialized sm_90a prefill kernel, as with "
      "FLASHKV_PREFILL_SM90_WS=0 (ragged K/V keeps it)"},
+    {"FLASHKV_PREFILL_SM90_PAGED_TMA", "0",
+     "0: the warp-specialized sm_90a prefill kernel gathers paged 16-bit K/V with cp.async at "
+     "every page size (else whole tiles of 16- to 128-token pages come by TMA, a page a copy)"},
     {"FLASHKV_DECODE_PDL", "0", "0: decode launches without programmatic dependent launch (sm_90)"},
 };
 inline constexpr size_t kNumEnvSwitches = sizeof(kEnvSwitches) / sizeof(kEnvSwitches[0]);
@@ -65,6 +68,8 @@ bool env_prefill_sm90_ws();
 
 // FLASHKV_PREFILL_SM90_WS_PAGED: false only for "0" (paged K/V skips the warp-specialized kernel).
 bool env_prefill_sm90_ws_paged();
+// FLASHKV_PREFILL_SM90_PAGED_TMA: false only for "0" (paged tiles by cp.async at every page size).
+bool env_prefill_sm90_paged_tma();
 
 // FLASHKV_DECODE_PDL: false only for "0" (decode launches without programmatic dependent launch).
 bool env_decode_pdl();

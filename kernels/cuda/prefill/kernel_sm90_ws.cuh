@@ -49,7 +49,7 @@
 namespace flashkv::cuda::prefill_detail {
 
 // grid (workers, Hkv), 384 threads; CTA (w, h) runs worker w's items for KV head h. `maps` is
-// unused with paged or fp8 K/V.
+// unused with fp8 K/V, and with paged K/V unless its paged_box is set.
 template <typename QT, int D, int DV, KvFormat F, bool kPaged>
 __global__ void __launch_bounds__(384, 1)
     prefill_sm90_ws_kernel(const __grid_constant__ AttentionParams p,
@@ -143,12 +143,19 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = Sm90WsConfig<QT, D, DV, F>;
   Sm90TmaMaps maps{};
   if (p.paged && !env_prefill_sm90_ws_paged()) return false;
+  const CUtensorMapDataType type = std::is_same<QT, __half>::value
+                                       ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   if (p.paged || Cfg::kFp8) {
     if (p.num_kv_rows > (int64_t{1} << 31) - 1) return false;
+    // Pages of 16 to 128 tokens (a power of two, at most a tile) map as boxes of one page.
+    const int ps = p.page_size;
+    if (p.paged && !Cfg::kFp8 && env_prefill_sm90_paged_tma() && ps >= 16 &&
+        ps <= Cfg::kKvTile && (ps & (ps - 1)) == 0 &&
+        encode_kv_map(&maps.k, p.k, type, p, D, ps, p.k_stride_n, p.k_stride_h) &&
+        encode_kv_map(&maps.v, p.v, type, p, DV, ps, p.v_stride_n, p.v_stride_h))
+      maps.paged_box = ps;
   } else {
-    const CUtensorMapDataType type = std::is_same<QT, __half>::value
-                                         ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                         : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
     if (!encode_kv_map(&maps.k, p.k, type, p, D, Cfg::kKvTile, p.k_stride_n, p.k_stride_h) ||
         !encode_kv_map(&maps.v, p.v, type, p, DV, Cfg::kKvTile, p.v_stride_n, p.v_stride_h))
       return false;

@@ -128,6 +128,9 @@ struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
 // boxes of kKvTile rows x 64 dims (one half of a tile).
 struct Sm90TmaMaps {
   CUtensorMap k, v;
+  // Paged 16-bit K/V: the page size when k and v map the pool in boxes of one page (whole tiles
+  // then come by TMA, see produce_paged_tiles); 0 where paged tiles are gathered with cp.async.
+  int paged_box = 0;
 };
 
 namespace ws {

@@ -149,11 +149,30 @@ __device__ __forceinline__ void produce_ragged_tiles(const AttentionParams& p,
   }
 }
 
+// One page of a paged tile by TMA, from the thread holding the page's first key (`key`, pool row
+// `row`): the page's rows of each 128-byte half go to the same rows of the stage as the
+// cp.async gather puts them (a page starts at a multiple of 16 rows, so the 128-byte swizzle's
+// phase, which follows the shared address, agrees), and the thread's arrival on the full barrier
+// adds the page's bytes to those it waits for.
+template <int kHalves, int kTile>
+__device__ __forceinline__ void load_page(const CUtensorMap* map, uint32_t stage, uint32_t full,
+                                          int page_size, int kv_head, int key, int32_t row) {
+  constexpr uint32_t kHalfBytes = kTile * 128;
+  ws::arrive_expect_tx(full, static_cast<uint32_t>(page_size) * 128 * kHalves);
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h)
+    ws::tma_load_3d(stage + h * kHalfBytes + key * 128, map, 64 * h, kv_head, row, full);
+}
+
 // The producer's K/V tiles [t_begin, t_end) of one row block, paged K/V: every thread waits for
 // every use of a stage itself (so none skips a phase), copies its part of the tile, and its copies
-// arrive on the stage's full barrier when they land.
+// arrive on the stage's full barrier when they land. Where the pool maps in boxes of one page
+// (maps.paged_box) and the tile's keys fill whole pages of the request, the thread holding each
+// page's first key loads the page by TMA instead and the others arrive at once: the barrier's
+// 128 arrivals stay, and it also waits for the pages' bytes.
 template <typename Cfg>
-__device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, unsigned char* smem,
+__device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p,
+                                                    const Sm90TmaMaps& maps, unsigned char* smem,
                                                     const WsBarriers<Cfg>& bars, const RowBlock& b,
                                                     int kv_head, int group, int t_begin, int t_end,
                                                     int& tile_n, int tid) {
@@ -170,7 +189,9 @@ __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, un
   const bool copies = warp < Cfg::kKvTile / 32;
   PagedKey key;
   if (t_begin < t_end && holds_key) key.fetch(p, b, b.kv_lo + t_begin * Cfg::kKvTile + tid);
-  for (int t = t_begin; t < t_end; ++t, ++tile_n) {
+  // One tile's K and V, by pages (kByPages) or gathered.
+  const auto tile = [&](auto by_pages, int t) {
+    constexpr bool kByPages = decltype(by_pages)::value;
     const int j = b.kv_lo + t * Cfg::kKvTile + tid;
     const int32_t key_row = holds_key ? key.row(p, b, j) : -1;
     if (holds_key && t + 1 < t_end) key.fetch(p, b, j + Cfg::kKvTile);
@@ -178,24 +199,53 @@ __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p, un
     const bool hides_none = Cfg::kPagedMaskVerdicts && p.custom_mask &&
                             j0 + Cfg::kKvTile <= b.kv_hi &&
                             custom_mask_hides_none(p, b, group, j0, Cfg::kKvTile, tid);
+    const bool loads_page = kByPages && holds_key && (tid & (maps.paged_box - 1)) == 0;
     sm90::mbar_wait(bars.k_empty(s), Ring::empty_parity(tile_n));
-    if (copies)
-      copy_paged_operand<Cfg, Cfg::kQkHalves>(k, p.k_stride_n, k_head, key_row,
-                                              smem + Cfg::kKOffset + s * Cfg::kKTileBytes, warp,
-                                              lane);
-    ws::cp_async_arrive_noinc(bars.k_full(s));
+    if constexpr (kByPages) {
+      if (loads_page)
+        load_page<Cfg::kQkHalves, Cfg::kKvTile>(
+            &maps.k, smem_addr(smem + Cfg::kKOffset + s * Cfg::kKTileBytes), bars.k_full(s),
+            maps.paged_box, kv_head, tid, key_row);
+      else
+        sm90::mbar_arrive(bars.k_full(s));
+    } else {
+      if (copies)
+        copy_paged_operand<Cfg, Cfg::kQkHalves>(k, p.k_stride_n, k_head, key_row,
+                                                smem + Cfg::kKOffset + s * Cfg::kKTileBytes, warp,
+                                                lane);
+      ws::cp_async_arrive_noinc(bars.k_full(s));
+    }
     // The full barrier counts this arrival too: it publishes the custom mask's verdict.
     if (Cfg::kPagedMaskVerdicts && tid == 0) {
       if (p.custom_mask) *tile_hides_none<Cfg>(smem, tile_n) = hides_none;
       sm90::mbar_arrive(bars.k_full(s));
     }
     sm90::mbar_wait(bars.v_empty(s), Ring::empty_parity(tile_n));
-    if (copies)
-      copy_paged_operand<Cfg, Cfg::kVHalves>(v, p.v_stride_n, v_head, key_row,
-                                             smem + Cfg::kVOffset + s * Cfg::kVTileBytes, warp,
-                                             lane);
-    ws::cp_async_arrive_noinc(bars.v_full(s));
+    if constexpr (kByPages) {
+      if (loads_page)
+        load_page<Cfg::kVHalves, Cfg::kKvTile>(
+            &maps.v, smem_addr(smem + Cfg::kVOffset + s * Cfg::kVTileBytes), bars.v_full(s),
+            maps.paged_box, kv_head, tid, key_row);
+      else
+        sm90::mbar_arrive(bars.v_full(s));
+    } else {
+      if (copies)
+        copy_paged_operand<Cfg, Cfg::kVHalves>(v, p.v_stride_n, v_head, key_row,
+                                               smem + Cfg::kVOffset + s * Cfg::kVTileBytes, warp,
+                                               lane);
+      ws::cp_async_arrive_noinc(bars.v_full(s));
+    }
+  };
+  // The tiles whose keys fill whole pages of the request come first (the block's keys start on a
+  // page boundary, so all its tiles do, or none), then the rest (a last tile past the block's
+  // keys, or all of them).
+  int t = t_begin;
+  const int ps = maps.paged_box;
+  if (ps != 0 && (b.kv_lo & (ps - 1)) == 0) {
+    const int t_pages = min(t_end, (b.kv_hi - b.kv_lo) / Cfg::kKvTile);
+    for (; t < t_pages; ++t, ++tile_n) tile(std::true_type{}, t);
   }
+  for (; t < t_end; ++t, ++tile_n) tile(std::false_type{}, t);
 }
 
 // The CTA's block_n-th row block's Q, once its stage is free: thread 0 arrives on the stage's
@@ -396,7 +446,8 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
     const int num_tiles = num_kv_tiles<Cfg>(b);
     const auto tiles = [&](int t_begin, int t_end) {
       if constexpr (kPaged)
-        produce_paged_tiles<Cfg>(p, smem, bars, b, kv_head, group, t_begin, t_end, tile_n, tid);
+        produce_paged_tiles<Cfg>(p, maps, smem, bars, b, kv_head, group, t_begin, t_end, tile_n,
+                                 tid);
       else
         produce_ragged_tiles<Cfg>(p, maps, smem, bars, b, kv_head, t_begin, t_end, tile_n, tid);
     };
