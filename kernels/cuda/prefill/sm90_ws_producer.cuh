@@ -336,22 +336,39 @@ struct Fp8Operand {
     }
   }
 
-  // Widens the chunks this lane copied into the swizzled 16-bit tile.
+  // Widens the chunks this lane copied into the swizzled 16-bit tile. The places are worked out
+  // once a call, not once a pass: pass i's key is key_0 + kRowsPerPass * i, so its staging row
+  // lies i * kRowsPerPass * kDim bytes past pass 0's, and its 16-bit chunks lie where pass i %
+  // kParities put them, kParities * kRowsPerPass rows further down (a whole number of 8-row
+  // swizzle periods, so the swizzle agrees). The loop then takes constant offsets only.
+  static constexpr int kParities = kRowsPerPass % 8 == 0 ? 1 : 8 / kRowsPerPass;
   static __device__ __forceinline__ void widen(const unsigned char* staging, unsigned char* tile) {
     const int tid = ws::tid_here(), warp = tid >> 5, lane = tid & 31, c = lane % kLanes;
+    const int key0 = kKeysPerWarp * warp + row_in_pass(lane);
+    const unsigned char* const src = staging + key0 * kDim + c * 16;
+    uint32_t dst[kParities][kChunks][2];
+#pragma unroll
+    for (int par = 0; par < kParities; ++par)
+#pragma unroll
+      for (int m = 0; m < kChunks; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          dst[par][m][h] = sm90::tile_offset(Cfg::kKvTile, key0 + kRowsPerPass * par,
+                                             2 * (c + kLanes * m) + h);
+    constexpr int kPeriodBytes = kParities * kRowsPerPass * 128;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      const int key = kKeysPerWarp * warp + kRowsPerPass * i + row_in_pass(lane);
 #pragma unroll
       for (int m = 0; m < kChunks; ++m) {
-        const int q = c + kLanes * m;
-        const uint4 raw = *reinterpret_cast<const uint4*>(staging + key * kDim + q * 16);
+        const uint4 raw = *reinterpret_cast<const uint4*>(src + i * kRowsPerPass * kDim +
+                                                          kLanes * m * 16);
         const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
         uint32_t out[8];
         widen_chunk(words, out);
-        *reinterpret_cast<uint4*>(tile + sm90::tile_offset(Cfg::kKvTile, key, 2 * q)) =
+        unsigned char* const row = tile + (i / kParities) * kPeriodBytes;
+        *reinterpret_cast<uint4*>(row + dst[i % kParities][m][0]) =
             make_uint4(out[0], out[1], out[2], out[3]);
-        *reinterpret_cast<uint4*>(tile + sm90::tile_offset(Cfg::kKvTile, key, 2 * q + 1)) =
+        *reinterpret_cast<uint4*>(row + dst[i % kParities][m][1]) =
             make_uint4(out[4], out[5], out[6], out[7]);
       }
     }
