@@ -427,8 +427,8 @@ TEST(CudaPrefill, PagedPrefixPageSizes) {
 // row shows.
 TEST(CudaPrefill, WholePagesOnEveryHeadDim) {
   FLASHKV_REQUIRE_GPU();
-  for (const auto& [dqk, dv] : {std::pair{64, 64}, std::pair{128, 128}, std::pair{192, 128},
-                                std::pair{256, 256}})
+  for (const auto& [dqk, dv] :
+       {std::pair{64, 64}, std::pair{128, 128}, std::pair{192, 128}, std::pair{256, 256}})
     for (int ps : {8, 16, 32, 64, 128}) {
       SCOPED_TRACE(testing::Message() << "d=" << dqk << "/" << dv << " page_size=" << ps);
       FLASHKV_SEEDED_RNG(rng, 760 + dqk + ps);

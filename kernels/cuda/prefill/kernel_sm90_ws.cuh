@@ -150,8 +150,8 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
     if (p.num_kv_rows > (int64_t{1} << 31) - 1) return false;
     // Pages of 16 to 128 tokens (a power of two, at most a tile) map as boxes of one page.
     const int ps = p.page_size;
-    if (p.paged && !Cfg::kFp8 && env_prefill_sm90_paged_tma() && ps >= 16 &&
-        ps <= Cfg::kKvTile && (ps & (ps - 1)) == 0 &&
+    if (p.paged && !Cfg::kFp8 && env_prefill_sm90_paged_tma() && ps >= 16 && ps <= Cfg::kKvTile &&
+        (ps & (ps - 1)) == 0 &&
         encode_kv_map(&maps.k, p.k, type, p, D, ps, p.k_stride_n, p.k_stride_h) &&
         encode_kv_map(&maps.v, p.v, type, p, DV, ps, p.v_stride_n, p.v_stride_h))
       maps.paged_box = ps;

@@ -353,15 +353,15 @@ struct Fp8Operand {
       for (int m = 0; m < kChunks; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          dst[par][m][h] = sm90::tile_offset(Cfg::kKvTile, key0 + kRowsPerPass * par,
-                                             2 * (c + kLanes * m) + h);
+          dst[par][m][h] =
+              sm90::tile_offset(Cfg::kKvTile, key0 + kRowsPerPass * par, 2 * (c + kLanes * m) + h);
     constexpr int kPeriodBytes = kParities * kRowsPerPass * 128;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
 #pragma unroll
       for (int m = 0; m < kChunks; ++m) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(src + i * kRowsPerPass * kDim +
-                                                          kLanes * m * 16);
+        const uint4 raw =
+            *reinterpret_cast<const uint4*>(src + i * kRowsPerPass * kDim + kLanes * m * 16);
         const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
         uint32_t out[8];
         widen_chunk(words, out);
