@@ -25,10 +25,11 @@ bool listed(const char* name) {
 }
 
 TEST(Options, EverySwitchIsListed) {
-  EXPECT_EQ(kNumEnvSwitches, 7u);
+  EXPECT_EQ(kNumEnvSwitches, 8u);
   for (const char* name :
        {"FLASHKV_NUM_THREADS", "FLASHKV_CPU_ISA", "FLASHKV_CPU_PREFETCH", "FLASHKV_PREFILL_SM90",
-        "FLASHKV_PREFILL_SM90_WS", "FLASHKV_PREFILL_SM90_WS_PAGED", "FLASHKV_DECODE_PDL"})
+        "FLASHKV_PREFILL_SM90_WS", "FLASHKV_PREFILL_SM90_WS_PAGED",
+        "FLASHKV_PREFILL_SM90_PAGED_TMA", "FLASHKV_DECODE_PDL"})
     EXPECT_TRUE(listed(name)) << name;
   for (const EnvSwitch& s : kEnvSwitches) {
     EXPECT_GT(std::strlen(s.values), 0u) << s.name;
@@ -106,6 +107,7 @@ TEST(Options, CudaSwitchesAreOffOnlyForZero) {
   for (const Switch& s : {Switch{"FLASHKV_PREFILL_SM90", &env_prefill_sm90},
                           Switch{"FLASHKV_PREFILL_SM90_WS", &env_prefill_sm90_ws},
                           Switch{"FLASHKV_PREFILL_SM90_WS_PAGED", &env_prefill_sm90_ws_paged},
+                          Switch{"FLASHKV_PREFILL_SM90_PAGED_TMA", &env_prefill_sm90_paged_tma},
                           Switch{"FLASHKV_DECODE_PDL", &env_decode_pdl}}) {
     SCOPED_TRACE(s.name);
     {
