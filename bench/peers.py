@@ -15,7 +15,8 @@ backend's default with a 16-bit pool), on a pool of page size 1 with shuffled sl
 take dense [batch, heads, tokens, dim] tensors (the grid's requests are of equal length), with
 grouped-query K/V as they are (enable_gqa) or, where a backend refuses that, repeated to the
 query heads (same FLOPs; the case line says so); extend's prefix is dense too, with the causal
-mask aligned to the bottom right (each new token sees the whole prefix), as flashkv's is.
+mask aligned to the bottom right (each new token sees the whole prefix), as flashkv's is: native
+in FlashAttention, a dense boolean mask for the other backends (their line says so).
 
 FLOPs, as `flashkv bench` counts them: 4 * Hq * D * (new * prefix + new * (new + 1) / 2) per
 request with causal masking, 4 * Hq * D * n * n without.
@@ -182,23 +183,40 @@ BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient":
             "math": "MATH"}
 
 
+def lower_right_mask(c: Case, device: torch.device) -> torch.Tensor:
+    """extend's mask for a dense prefix: new token i (at position prefix + i) sees keys 0..prefix + i."""
+    rows = torch.arange(c.new, device=device).unsqueeze(1)
+    keys = torch.arange(c.prefix + c.new, device=device).unsqueeze(0)
+    return keys <= rows + c.prefix
+
+
 def peer_runner(c: Case, x: Inputs, backend: str) -> Callable[[], torch.Tensor]:
     """SDPA under one backend; raises where the backend cannot run the case. Tries grouped K/V
-    as they are, then repeated to the query heads."""
+    as they are, then repeated to the query heads. extend (causal over a prefix) needs the mask
+    aligned to the bottom right, which SDPA's is_causal is not (it aligns top left): FlashAttention
+    takes it natively (its causal flag means bottom right; called directly, as CausalBias does,
+    since CausalBias would pick FlashAttention whatever backend was asked for), the others get it
+    as a dense boolean mask (the note says so)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     kind = getattr(SDPBackend, BACKENDS[backend])
-    mask = None
-    if c.causal and c.prefix:
-        from torch.nn.attention.bias import causal_lower_right
-        mask = causal_lower_right(c.new, c.prefix + c.new)
-    causal = c.causal and not c.prefix
+    extend = c.causal and c.prefix > 0
+    mask = lower_right_mask(c, x.q.device) if extend and backend != "flash" else None
+    notes = ["dense mask"] if mask is not None else []
 
     def make(k: torch.Tensor, v: torch.Tensor, gqa: bool) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            with sdpa_kernel(kind):
-                return F.scaled_dot_product_attention(x.q, k, v, attn_mask=mask, is_causal=causal,
-                                                      enable_gqa=gqa)
+        if extend and backend == "flash":
+            def run() -> torch.Tensor:
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    x.q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=c.dim ** -0.5)[0]
+        else:
+            def run() -> torch.Tensor:
+                with sdpa_kernel(kind):
+                    if gqa:
+                        return F.scaled_dot_product_attention(x.q, k, v, attn_mask=mask,
+                                                              is_causal=c.causal and not extend, enable_gqa=True)
+                    return F.scaled_dot_product_attention(x.q, k, v, attn_mask=mask, is_causal=c.causal and not extend)
         run()
+        run.notes = list(notes)  # type: ignore[attr-defined]
         return run
 
     if c.hkv == c.hq:
@@ -208,14 +226,9 @@ def peer_runner(c: Case, x: Inputs, backend: str) -> Callable[[], torch.Tensor]:
     except Exception:  # the backend takes no grouped K/V (or this torch has no enable_gqa)
         pass
     group = c.hq // c.hkv
-    k, v = x.k.repeat_interleave(group, dim=1), x.v.repeat_interleave(group, dim=1)
-
-    def run_repeated() -> torch.Tensor:
-        with sdpa_kernel(kind):
-            return F.scaled_dot_product_attention(x.q, k, v, attn_mask=mask, is_causal=causal)
-    run_repeated()
-    run_repeated.repeated_kv = True  # type: ignore[attr-defined]
-    return run_repeated
+    run = make(x.k.repeat_interleave(group, dim=1), x.v.repeat_interleave(group, dim=1), False)
+    run.notes.append("K/V repeated to the query heads")  # type: ignore[attr-defined]
+    return run
 
 
 # The largest difference between two outputs taken as the same attention: bf16 outputs of
@@ -245,9 +258,7 @@ def run_case(c: Case, device: str, dtype: torch.dtype, peers: List[str], timer: 
             r.note = "n/a: " + ((str(e).strip().splitlines() or [type(e).__name__])[0])[:110]
             continue
         r.max_diff = max_diff(runners[p](), ours)
-        notes = []
-        if getattr(runners[p], "repeated_kv", False):
-            notes.append("K/V repeated to the query heads")
+        notes = list(getattr(runners[p], "notes", []))
         if r.max_diff > MISMATCH:
             notes.append(f"MISMATCH: outputs differ by more than {MISMATCH}")
         r.note = "; ".join(notes)
