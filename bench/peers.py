@@ -34,16 +34,13 @@ that the script works, not a measurement.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -156,10 +153,11 @@ class Inputs:
             # A pool of page size 1: request r's token t in slot perm[r * kv + t] (shuffled, as
             # slots are after a server has run a while).
             perm = torch.randperm(c.batch * kv, generator=g)
+            slots = perm.to(device)
             self.k_pool = torch.empty_like(self.k_tokens)
             self.v_pool = torch.empty_like(self.v_tokens)
-            self.k_pool[perm.to(device)] = self.k_tokens
-            self.v_pool[perm.to(device)] = self.v_tokens
+            self.k_pool[slots] = self.k_tokens
+            self.v_pool[slots] = self.v_tokens
             self.kv_indices = perm.to(torch.int32)
             self.last_page_len = torch.ones(c.batch, dtype=torch.int32)
 
@@ -211,10 +209,8 @@ def peer_runner(c: Case, x: Inputs, backend: str) -> Callable[[], torch.Tensor]:
         else:
             def run() -> torch.Tensor:
                 with sdpa_kernel(kind):
-                    if gqa:
-                        return F.scaled_dot_product_attention(x.q, k, v, attn_mask=mask,
-                                                              is_causal=c.causal and not extend, enable_gqa=True)
-                    return F.scaled_dot_product_attention(x.q, k, v, attn_mask=mask, is_causal=c.causal and not extend)
+                    return F.scaled_dot_product_attention(x.q, k, v, attn_mask=mask,
+                                                          is_causal=c.causal and not extend, enable_gqa=gqa)
         run()
         run.notes = list(notes)  # type: ignore[attr-defined]
         return run
@@ -223,7 +219,7 @@ def peer_runner(c: Case, x: Inputs, backend: str) -> Callable[[], torch.Tensor]:
         return make(x.k, x.v, False)
     try:
         return make(x.k, x.v, True)
-    except Exception:  # the backend takes no grouped K/V (or this torch has no enable_gqa)
+    except Exception:  # the backend takes no grouped K/V
         pass
     group = c.hq // c.hkv
     run = make(x.k.repeat_interleave(group, dim=1), x.v.repeat_interleave(group, dim=1), False)
