@@ -27,7 +27,7 @@ namespace {
 using LaunchFn = void (*)(const AttentionParams&, cudaStream_t);
 
 // The kernel families, each a launcher for (Q type, K/V format) at head dims (DQK, DV): the sm_80
-// kernel, and the sm_90a kernels (null where they take no such K/V, sm90_takes in launch.h).
+// kernel, and the sm_90a kernels.
 template <int DQK, int DV>
 struct Sm80Kernels {
   template <typename QT, KvFormat F>
@@ -39,10 +39,7 @@ template <int DQK, int DV>
 struct Sm90Kernels {
   template <typename QT, KvFormat F>
   static LaunchFn launcher() {
-    if constexpr (sm90_takes(DQK, DV, F))
-      return &launch_prefill_sm90<QT, DQK, DV, F>;
-    else
-      return nullptr;
+    return &launch_prefill_sm90<QT, DQK, DV, F>;
   }
 };
 
@@ -103,8 +100,8 @@ const char* compiled_head_dims() {
       ;
 }
 
-// The sm_90a kernels run what they support (16-bit KV at head dims 64, 128 and 256, and 192 / 128;
-// fp8 KV at 64, 128 and 256) on a compute capability 9.0 device when this build has sm_90a code
+// The sm_90a kernels run every head dim and K/V format (16-bit or fp8 KV at head dims 64, 128 and
+// 256, and 192 / 128) on a compute capability 9.0 device when this build has sm_90a code
 // (FLASHKV_SM90A), unless FLASHKV_PREFILL_SM90=0 (read at every call, so a test or a benchmark can
 // compare the kernels in one process).
 LaunchFn pick_sm90(const AttentionParams& p) {

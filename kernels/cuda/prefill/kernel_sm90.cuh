@@ -211,7 +211,6 @@ void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream) {
   // The warp-specialized kernel (kernel_sm90_ws.cuh) unless FLASHKV_PREFILL_SM90_WS=0, or for
   // paged K/V FLASHKV_PREFILL_SM90_WS_PAGED=0 (core/options.h), or where it does not apply;
   // then with 16-bit K/V at head dim 128 the cp.async kernel above, else the sm_80 kernel.
-  static_assert(sm90_takes(D, DV, F), "no sm_90a kernel for this K/V format at these head dims");
   if (env_prefill_sm90_ws() && launch_prefill_sm90_ws<QT, D, DV, F>(p, stream)) return;
   if constexpr (D != 128 || DV != 128 || F != KvFormat::kSame) {
     launch_prefill<D, DV, QT, F>(p, stream);

@@ -15,15 +15,10 @@ template <int DQK, int DV, typename QT, KvFormat KVF>
 void launch_prefill(const AttentionParams& p, cudaStream_t stream);
 
 // The sm_90a kernels (kernel_sm90_ws.cuh, kernel_sm90.cuh): 16-bit Q at head dims D_qk = D and
-// D_v = DV (64, 128 or 256 for both, or 192 / 128) with K/V of format F (16-bit at every one of
-// them, fp8 at 64, 128 and 256), every variant of the sm_80 kernel. Instantiated for bf16 and f16
-// in cuda/inst/prefill_sm90_d<D>.cu (16-bit K/V) and prefill_sm90_<e4m3|e5m2>_d<D>.cu.
+// D_v = DV (64, 128 or 256 for both, or 192 / 128) with K/V of format F (16-bit or fp8), every
+// variant of the sm_80 kernel. Instantiated for bf16 and f16 in cuda/inst/prefill_sm90_d<D>.cu
+// (16-bit K/V) and prefill_sm90_<e4m3|e5m2>_d<D>.cu.
 template <typename QT, int D, int DV, KvFormat F>
 void launch_prefill_sm90(const AttentionParams& p, cudaStream_t stream);
-
-// Whether the sm_90a kernels take K/V of format F at head dims (D, DV): 16-bit K/V at every head
-// dim, fp8 where a staging stage fits beside the warp-specialized kernel's rings (not at
-// 192 / 128, whose fp8 K/V the sm_80 kernel runs).
-constexpr bool sm90_takes(int d, int dv, KvFormat f) { return f == KvFormat::kSame || d == dv; }
 
 }  // namespace flashkv::cuda::prefill_detail

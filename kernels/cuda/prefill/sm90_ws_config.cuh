@@ -21,10 +21,11 @@ namespace flashkv::cuda::prefill_detail {
 // What both sm_90a kernels share: 16-bit Q/K/V at head dims D (Q.K^T) and DV (P.V) (the
 // warp-specialized kernel: 64, 128 or 256 for both, or 192 / 128; the cp.async one: 128),
 // 128-row blocks of 16 rows a consumer warp (one mma.sync-layout tile, so the sm_80 masks, softmax
-// and epilogue apply), and K/V tiles of D / 64 (DV / 64) halves, each [kKvTile, 64] half one
-// 128-byte line a key. The tiles are 128 keys, 64 at head dim 256: there a consumer thread's O is
-// already 128 registers (64 rows x 256 dims over 128 threads), and a 128-key stage would be 64 KB.
-template <typename QT, int D = 128, int DV = D>
+// and epilogue apply), and K/V tiles of D / 64 (DV / 64) halves, each [KvTile, 64] half one
+// 128-byte line a key. The tiles are 128 keys, 64 at head dim 256 (there a consumer thread's O is
+// already 128 registers, 64 rows x 256 dims over 128 threads, and a 128-key stage would be 64 KB)
+// and with fp8 K/V at 192 / 128 (ws_kv_tile).
+template <typename QT, int D = 128, int DV = D, int KvTile = D == 256 ? 64 : 128>
 struct Sm90Shape {
   static_assert((D == DV && (D == 64 || D == 128 || D == 256)) || (D == 192 && DV == 128),
                 "the sm_90a kernels take head dims 64, 128, 256 and 192 / 128");
@@ -37,7 +38,8 @@ struct Sm90Shape {
   static constexpr int kMTiles = 1;  // 16 rows a warp
   static constexpr int kRowsPerWarp = 16;
   static constexpr int kCtaRows = 128;
-  static constexpr int kKvTile = D == 256 ? 64 : 128;
+  static constexpr int kKvTile = KvTile;
+  static_assert(KvTile == 64 || KvTile == 128, "64- or 128-key tiles");
   static constexpr int kQkChunks = kDqk / 8, kVChunks = kDv / 8;
   static constexpr int kQTileBytes = kCtaRows * D * 2;  // one Q stage
   static constexpr int kKTileBytes = kKvTile * D * 2;   // one stage of K
@@ -47,11 +49,20 @@ struct Sm90Shape {
   static_assert(D == 256 || kCtaRows == prefill_cta_rows_of(kDv), "the plan's row tile");
 };
 
+// The warp-specialized kernel's K/V tile: Sm90Shape's, but 64 keys with fp8 K/V at 192 / 128,
+// where 128-key tiles leave no room for a staging stage (one Q stage of 48 KB, two K stages of 48
+// KB and two V stages of 32 KB: 208 KB); with 64-key tiles two Q stages, two K and V stages and
+// two staging stages fit.
+template <int D, int DV, KvFormat F>
+constexpr int ws_kv_tile() {
+  return D == 256 || (F != KvFormat::kSame && D != DV) ? 64 : 128;
+}
+
 // F: K/V in Q's type (kSame), or fp8 (kE4M3 / kE5M2), which the producer copies into a staging
 // ring of plain fp8 rows and widens (exactly) into the 16-bit K and V rings the consumers read.
 template <typename QT, int D, int DV = D, KvFormat F = KvFormat::kSame>
-struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
-  using Base = Sm90Shape<QT, D, DV>;
+struct Sm90WsConfig : Sm90Shape<QT, D, DV, ws_kv_tile<D, DV, F>()> {
+  using Base = Sm90Shape<QT, D, DV, ws_kv_tile<D, DV, F>()>;
   static constexpr KvFormat kKvFormat = F;
   static constexpr bool kFp8 = F != KvFormat::kSame;
   // The 16-bit type of both products (Q.K^T and P.V): Q's, but f16 with fp8 K/V. e4m3 and e5m2
@@ -71,16 +82,16 @@ struct Sm90WsConfig : Sm90Shape<QT, D, DV> {
   static constexpr int kSmemLimit = 227 * 1024 - 2048;  // less the barriers and alignment slack
   static constexpr int kRingBytes = kKvStages * (kKTileBytes + kVTileBytes);
   // fp8: one staging stage holds a tile's fp8 K and V rows. Two where they fit beside two Q
-  // stages (head dim 64), so that a tile's copies are in flight while the one before is widened;
-  // else one, whose copies run an operand ahead of the widening (head dims 128 and 256). Two Q
-  // stages and one staging stage ran faster at 128 than one Q stage and two staging stages
-  // (docs/perf/prefill.md). (192 / 128 fits no staging stage: fp8 runs the sm_80 kernel.)
+  // stages and the K and V rings (head dim 64), so that a tile's copies are in flight while
+  // the one before is widened; else one, whose copies run an operand ahead of the widening (head
+  // dims 128 and 256). Two Q stages and one staging stage ran faster at 128 than one Q stage and
+  // two staging stages (docs/perf/prefill.md). At 192 / 128, in 64-key tiles, two fit.
   static constexpr int kStagingBytes = kFp8 ? kKvTile * (D + DV) : 0;
   static constexpr int kFp8Stages =
       !kFp8 ? 0 : (2 * kQTileBytes + kRingBytes + 2 * kStagingBytes <= kSmemLimit ? 2 : 1);
   // Two Q stages where they fit beside the K and V rings, so that the next block's Q arrives
   // while this one runs (one Q stage and three of K and V were slower at head dim 128, see
-  // docs/perf/prefill.md); one at head dims 256 and 192 / 128.
+  // docs/perf/prefill.md); one at head dim 256 and with 16-bit K/V at 192 / 128.
   static constexpr int kQStages =
       2 * kQTileBytes + kRingBytes + kFp8Stages * kStagingBytes <= kSmemLimit ? 2 : 1;
   // With one Q stage a block's Q can only land after the previous block's epilogue: the producer

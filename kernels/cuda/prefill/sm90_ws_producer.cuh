@@ -287,7 +287,10 @@ __device__ __forceinline__ void fill_q_stage(const AttentionParams& p, unsigned 
 // barrier with the others between its copies and its reads.
 template <typename Cfg, int kDim>
 struct Fp8Operand {
-  static constexpr int kLanes = kDim / 16 < 8 ? kDim / 16 : 8;  // lanes a row
+  // Lanes a row: 8, or a row's chunks where fewer (head dim 64); 4 at 192, whose 12 chunks 8
+  // lanes would not share evenly.
+  static constexpr int kLanes = kDim / 16 < 8 ? kDim / 16 : (kDim / 16) % 8 == 0 ? 8 : 4;
+  static_assert((kDim / 16) % kLanes == 0, "a row's chunks shared evenly among its lanes");
   static constexpr int kRowsPerPass = 32 / kLanes;
   static constexpr int kKeysPerWarp = Cfg::kKvTile / 4;
   static constexpr int kPasses = kKeysPerWarp / kRowsPerPass;
