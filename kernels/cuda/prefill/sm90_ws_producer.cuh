@@ -55,23 +55,28 @@ __device__ __forceinline__ bool custom_mask_hides_none(const AttentionParams& p,
 // Copies one operand (K or V) of a paged tile into a stage: warp w of the producer copies keys
 // 32w .. 32w + 31, whose rows its own lanes hold (`key_row`, -1: zero-fill), 4 rows a pass and 8
 // threads a row, each thread the row's 16-byte chunk c of each of the kHalves 64-dim halves
-// (c = lane % 8).
+// (c = lane % 8). Pass i's row is pass i % 2's moved down by i / 2 whole 8-row swizzle periods,
+// so the thread works out its two passes' places in the stage once and every copy's shared
+// address is one of them plus a constant.
 template <typename Cfg, int kHalves>
 __device__ __forceinline__ void copy_paged_operand(const typename Cfg::Q* src, int64_t stride_n,
                                                    int64_t head_off, int32_t key_row,
                                                    unsigned char* stage, int warp, int lane) {
-  const int c = lane & 7;
+  const int c = lane & 7, key0 = 32 * warp + (lane >> 3);
+  const uint32_t stage_addr = smem_addr(stage);
+  uint32_t dst[2];
+#pragma unroll
+  for (int par = 0; par < 2; ++par)
+    dst[par] = stage_addr + sm90::tile_offset(Cfg::kKvTile, key0 + 4 * par, c);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int holder = 4 * i + (lane >> 3);
-    const int32_t r = __shfl_sync(0xffffffffu, key_row, holder);
-    const int key = 32 * warp + holder;
+    const int32_t r = __shfl_sync(0xffffffffu, key_row, 4 * i + (lane >> 3));
     const bool valid = r >= 0;
     const typename Cfg::Q* row_src = src + (valid ? r * stride_n + head_off + c * 8 : 0);
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
-      cp_async_16(stage + sm90::tile_offset(Cfg::kKvTile, key, c + 8 * h), row_src + 64 * h,
-                  valid ? 16 : 0);
+      ptx::cp_async_16(dst[i % 2] + (i / 2) * 8 * 128 + h * Cfg::kKvTile * 128, row_src + 64 * h,
+                       valid);
   }
 }
 
