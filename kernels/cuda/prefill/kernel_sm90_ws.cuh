@@ -1,12 +1,12 @@
-// The warp-specialized Hopper (sm_90a) prefill kernel for 16-bit K/V at head dims 64, 128, 256
-// and 192 / 128, and fp8 K/V at 64, 128 and 256, ragged (contiguous) or paged. A CTA is three
-// warpgroups:
+// The warp-specialized Hopper (sm_90a) prefill kernel for 16-bit and fp8 K/V at head dims 64, 128,
+// 256 and 192 / 128, ragged (contiguous) or paged. A CTA is three warpgroups:
 //   - a producer, which walks the plan's row blocks and hands each to the consumers with its Q (the
 //     block's geometry in a shared-memory slot, block_slot), fills two-stage rings of K and V tiles
-//     (128 keys; 64 at head dim 256), each stage handed over on mbarriers (full: the bytes landed;
-//     empty: every consumer warp is done reading it), and copies the block's packed Q rows (two Q
-//     stages, so the next block's Q arrives while this one runs; one at head dim 256, whose Q tile
-//     is 64 KB, and there the block's first K/V tiles go ahead of its Q). Ragged K/V: one thread
+//     (128 keys; 64 at head dim 256 and with fp8 at 192 / 128), each stage handed over on
+//     mbarriers (full: the bytes landed; empty: every consumer warp is done reading it), and
+//     copies the block's packed Q rows (two Q stages, so the next block's Q arrives while this one
+//     runs; one at head dim 256, whose Q tile is 64 KB, and with 16-bit K/V at 192 / 128; there
+//     the block's first K/V tiles go ahead of its Q). Ragged K/V: one thread
 //     issues the tensor-memory-access (TMA) copies of whole tiles, and the warpgroup copies a tile
 //     that runs past the block's keys with zero-filled cp.async copies, so that no key outside the
 //     range can put a NaN into P.V. Paged K/V: the threads gather every tile's rows with cp.async
