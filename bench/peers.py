@@ -38,6 +38,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -277,6 +278,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--min-seconds", type=float, default=0.25)
     ap.add_argument("--json", default=None, help="write the machine and every case as JSON")
     a = ap.parse_args(argv)
+    # SDPA warns at each call that a backend pinned by sdpa_kernel does not take the case; the
+    # case line already says why the peer could not run it.
+    for message in (".*kernel not used because", ".*has been runtime disabled",
+                    ".*both fused kernels require"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("peers: --device cuda: no CUDA device", file=sys.stderr)
         return 2
