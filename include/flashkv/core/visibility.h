@@ -33,8 +33,9 @@
 //   kernels/cuda/decode (view_of)           query_position(kv_len, 1, 0) and
 //                                           window_first_key for v.lo
 //   kernels/cuda/prefill/mask.cuh           make_row_block: query_position (pos0),
-//                                           causal_key_end (hi), window_first_key (lo);
-//                                           tile_is_full: block_fully_visible;
+//                                           causal_key_end (hi), window_first_key (lo),
+//                                           block_fully_visible as a key range (full_lo,
+//                                           full_hi);
 //                                           apply_mask: window_first_key (lo), causal_key_end (hi)
 #pragma once
 

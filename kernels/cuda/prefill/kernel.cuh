@@ -79,7 +79,7 @@ __device__ __forceinline__ void run_block(const AttentionParams& p, const RowBlo
       float s[Cfg::kMTiles][kNTiles][4];
       qk_product<Cfg>(fa, stage_off * Cfg::kKStageBytes, s);
       if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap);
-      if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
+      if (!tile_is_full(p, b, j0, Cfg::kKvTile))
         apply_mask<Cfg::kMTiles, kNTiles>(s, p, b, group, warp_row0, j0, lane);
       softmax.update(s, o, c);
       PFragments<Cfg> pf;

@@ -165,7 +165,7 @@ __device__ __forceinline__ void run_block_sm90(const AttentionParams& p, const R
         sm90::wait<0>();
       }
       if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap);
-      if (!tile_is_full(p, b, group, j0, Cfg::kKvTile))
+      if (!tile_is_full(p, b, j0, Cfg::kKvTile))
         apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
       float corr[1][2];
       const bool moved = softmax.update_scores(s, c, corr);

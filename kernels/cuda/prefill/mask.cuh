@@ -33,6 +33,10 @@ struct RowBlock {
   int kv_lo, kv_hi;   // keys [kv_lo, kv_hi) can be visible to some row of the block
   int64_t mask_base;  // custom mask: element of (local query 0, key 0) of the request
   int local_q0;       // request-local query index of the item's first token
+  // Keys [full_lo, full_hi) are visible to every row of the block under causal and the window
+  // (the custom mask aside): a tile inside needs no per-element mask (tile_is_full). Worked out
+  // once a block, since the rows' positions take a division by the group.
+  int full_lo, full_hi;
 
   // Packed row x of the block (its group query heads a token, token-major): the row's token
   // within the item (its Q/O row is q_begin + tok) and its query head.
@@ -70,6 +74,10 @@ __device__ __forceinline__ RowBlock make_row_block(const AttentionParams& p, con
   if (p.window_left >= 0) lo = max(lo, window_first_key(first_pos, p.window_left));
   b.kv_lo = lo;
   b.kv_hi = hi;
+  // block_fully_visible (core/visibility.h) as a key range: the earliest row sees up to its own
+  // position (causal), the latest row from its window's first key.
+  b.full_lo = p.window_left >= 0 ? window_first_key(last_pos, p.window_left) : INT_MIN;
+  b.full_hi = p.causal && !p.custom_mask ? min(hi, causal_key_end(first_pos)) : hi;
   return b;
 }
 
@@ -95,29 +103,16 @@ __device__ __forceinline__ void for_each_row_block(const AttentionParams& p, Run
 
 // True when every element of the KV tile [j0, j0 + tile) is visible to every row of the block,
 // so the tile needs no per-element mask (uniform across the CTA).
-__device__ __forceinline__ bool tile_is_full(const AttentionParams& p, const RowBlock& b, int group,
-                                             int j0, int tile) {
-  if (p.custom_mask) return false;
-  if (j0 + tile > b.kv_hi) return false;
-  const int first_pos = b.pos0 + b.row0 / group;
-  const int last_pos = b.pos0 + (b.row0 + b.rows - 1) / group;
-  // block_fully_visible (core/visibility.h) as two early exits: the earliest row sees the tile's
-  // last key (causal) and the latest row its first key (window). The window bound is
-  // window_first_key(last_pos, window_left) written out: through the helper call nvcc emits
-  // different code for the prefill kernels; written out, their code stays as it was.
-  if (p.causal && j0 + tile - 1 > causal_last_key(first_pos)) return false;
-  if (p.window_left >= 0 && j0 < last_pos - p.window_left) return false;
-  return true;
+__device__ __forceinline__ bool tile_is_full(const AttentionParams& p, const RowBlock& b, int j0,
+                                             int tile) {
+  return !p.custom_mask && j0 >= b.full_lo && j0 + tile <= b.full_hi;
 }
 
 // tile_is_full for a tile in which the custom mask hides no element from the block's rows (the
 // warp-specialized producer's verdict, custom_mask_hides_none): the custom mask replaces causal,
-// so the block's KV range and the window decide.
-__device__ __forceinline__ bool tile_is_full_unmasked(const AttentionParams& p, const RowBlock& b,
-                                                      int group, int j0, int tile) {
-  if (j0 + tile > b.kv_hi) return false;
-  const int last_pos = b.pos0 + (b.row0 + b.rows - 1) / group;
-  return !(p.window_left >= 0 && j0 < last_pos - p.window_left);
+// so the block's KV range and the window decide (full_hi is kv_hi under a custom mask).
+__device__ __forceinline__ bool tile_is_full_unmasked(const RowBlock& b, int j0, int tile) {
+  return j0 >= b.full_lo && j0 + tile <= b.full_hi;
 }
 
 // Sets the hidden elements of a thread's S fragment to -inf. s[mt][nt][e]: row g (+8 for e >= 2)

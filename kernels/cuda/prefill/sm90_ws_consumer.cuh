@@ -84,7 +84,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   using QRing = ws::Ring<Cfg::kQStages>;
   using Ring = ws::Ring<Cfg::kKvStages>;
   constexpr int kNTiles = Cfg::kKvTile / 8;
-  const int lane = ctid & 31, cwarp = ctid >> 5, wg = cwarp >> 2;
+  // The warp and warpgroup indices broadcast from lane 0, so that the compiler knows them
+  // uniform across the warp and keeps what derives from them (the Q tile's descriptors) in
+  // uniform registers.
+  const int lane = ctid & 31, cwarp = __shfl_sync(0xffffffffu, ctid >> 5, 0), wg = cwarp >> 2;
   const int warp_row0 = cwarp * Cfg::kRowsPerWarp;
   const uint32_t base = smem_addr(smem);
 
@@ -114,11 +117,14 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
     sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
     if (kGenericWrites || last) sm90::fence_async_shared();
     const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes;
+    const uint64_t q_desc = sm90::k_major(q_tile, Cfg::kWgRows, 0, 0);
+    const uint64_t k_desc = sm90::k_major(k_tile, Cfg::kKvTile, 0, 0);
     sm90::fence();
 #pragma unroll
     for (int k = 0; k < Cfg::kDqk / 16; ++k)
-      sm90::mma_ss<typename Cfg::Mma>(s_acc, sm90::k_major(q_tile, Cfg::kWgRows, 0, k),
-                                      sm90::k_major(k_tile, Cfg::kKvTile, 0, k), k > 0);
+      sm90::mma_ss<typename Cfg::Mma>(
+          s_acc, sm90::advance(q_desc, sm90::k_major_step(Cfg::kWgRows, k)),
+          sm90::advance(k_desc, sm90::k_major_step(Cfg::kKvTile, k)), k > 0);
     sm90::commit();
   };
   const int kv_head = blockIdx.y, group = p.num_qo_heads / p.num_kv_heads;
@@ -157,14 +163,15 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       constexpr int kPartAcc = Cfg::kDv / 2 / kParts;
       float(&o_parts)[kParts][kPartAcc] = reinterpret_cast<float(&)[kParts][kPartAcc]>(o);
       const auto issue_pv = [&](int n) {
-        const uint32_t v_tile = base + Cfg::kVOffset + Ring::stage(n) * Cfg::kVTileBytes;
+        const uint64_t v_desc = sm90::n_major(
+            base + Cfg::kVOffset + Ring::stage(n) * Cfg::kVTileBytes, Cfg::kKvTile, 0);
 #pragma unroll
         for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)
 #pragma unroll
           for (int part = 0; part < kParts; ++part)
             sm90::mma_rs<typename Cfg::Mma>(
                 o_parts[part], pf[0][kk],
-                sm90::n_major(v_tile + part * 2 * Cfg::kKvTile * 128, Cfg::kKvTile, kk));
+                sm90::advance(v_desc, part * 2 * Cfg::kKvTile * 128 + sm90::n_major_step(kk)));
         sm90::commit();
       };
       // The soft cap, the mask and the online softmax of tile t: s becomes P (in place).
@@ -173,8 +180,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap_blk);
         const bool full = kMaskVerdicts && p.custom_mask
                               ? *tile_hides_none<Cfg>(smem, tile_n + t) != 0 &&
-                                    tile_is_full_unmasked(p, b, group, j0, Cfg::kKvTile)
-                              : tile_is_full(p, b, group, j0, Cfg::kKvTile);
+                                    tile_is_full_unmasked(b, j0, Cfg::kKvTile)
+                              : tile_is_full(p, b, j0, Cfg::kKvTile);
         if (!full) apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
         return softmax.update_scores(s, c_blk, corr);
       };

@@ -48,6 +48,26 @@ __device__ __forceinline__ uint64_t n_major(uint32_t tile, int rows, int k) {
   return descriptor(tile + k * 16 * 128, rows * 128, 1024);
 }
 
+// A descriptor whose start address is `bytes` further on: k_major(tile, rows, row0, k) is
+// advance(k_major(tile, rows, row0, 0), k_major_step(rows, k)), n_major likewise. With the steps
+// constants (an unrolled k loop), a product's descriptor is one 32-bit add to a tile's, not the
+// address arithmetic and masking of descriptor(). The address field (bits 0-13) cannot carry:
+// shared-memory addresses stay below 2^18.
+__device__ __forceinline__ uint64_t advance(uint64_t desc, uint32_t bytes) {
+  uint32_t lo, hi;
+  asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(desc));
+  lo += bytes >> 4;
+  uint64_t out;
+  asm("mov.b64 %0, {%1, %2};\n" : "=l"(out) : "r"(lo), "r"(hi));
+  return out;
+}
+__host__ __device__ constexpr uint32_t k_major_step(int rows, int k) {
+  return static_cast<uint32_t>((k >> 2) * rows * 128 + (k & 3) * 32);
+}
+__host__ __device__ constexpr uint32_t n_major_step(int k) {
+  return static_cast<uint32_t>(k * 16 * 128);
+}
+
 // Named barriers (ids 1..15; 0 is __syncthreads): `threads` threads (a multiple of 32) meet.
 __device__ __forceinline__ void barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
