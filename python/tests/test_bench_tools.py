@@ -1,0 +1,121 @@
+"""bench/compare_builds.py (builds timed against each other in alternating rounds) and
+bench/stage_probes.py (the Hopper consumer with one stage of the steady tile left out): the parts
+that run without a GPU. The summary's ratios are per round, the sources a variant names are
+found, and every probe's edit still matches the consumer (the script refuses otherwise)."""
+
+import csv
+import importlib.util
+import io
+import os
+import sys
+import tarfile
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"flashkv_bench_{name}",
+                                                  os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+FIELDS = ["op", "device", "batch", "qo_len", "kv_len", "prefix_len", "num_qo_heads",
+          "num_kv_heads", "head_dim", "page_size", "kv_layout", "dtype", "kv_dtype", "us", "gbps",
+          "tflops", "roofline_fraction", "runs", "cuda_graph", "window_left", "logit_cap", "sinks",
+          "one_paged_pass", "mask", "env", "vs_twin", "vs_twin_min", "vs_twin_max", "rounds"]
+
+
+def write_csv(path, rows):
+    """rows: (batch, us, runs); everything else fixed. `runs` is measured: not part of the case."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, FIELDS)
+        w.writeheader()
+        for batch, us, runs in rows:
+            w.writerow({"op": "prefill", "device": "cuda:0", "batch": batch, "qo_len": 4096,
+                        "kv_len": 4096, "prefix_len": 0, "num_qo_heads": 32, "num_kv_heads": 8,
+                        "head_dim": 128, "page_size": 1, "kv_layout": "none", "dtype": "bf16",
+                        "kv_dtype": "bf16", "us": us, "gbps": 1.0, "tflops": 1000.0 / us,
+                        "roofline_fraction": 0.5, "runs": runs, "cuda_graph": 1,
+                        "window_left": -1, "logit_cap": 0, "sinks": 0, "one_paged_pass": 0,
+                        "mask": "causal"})
+
+
+def test_summary_takes_each_round_against_its_own_baseline(tmp_path):
+    cb = load("compare_builds")
+    # Round 2 runs everything 10% slower: per-round ratios cancel that, a ratio of medians would not.
+    write_csv(tmp_path / "r1_main_prefill.csv", [(1, 100.0, 50), (4, 200.0, 50)])
+    write_csv(tmp_path / "r1_new_prefill.csv", [(1, 90.0, 55), (4, 210.0, 40)])
+    write_csv(tmp_path / "r2_main_prefill.csv", [(1, 110.0, 45), (4, 220.0, 45)])
+    write_csv(tmp_path / "r2_new_prefill.csv", [(1, 99.0, 51), (4, 220.0, 47)])
+    write_csv(tmp_path / "r1_other_prefill.csv", [(1, 1.0, 1)])  # not asked for: ignored
+    lines = cb.summary(tmp_path, ["main", "new"])
+    assert lines[0].startswith("rounds: [1, 2]")
+    rows = [l for l in lines[2:]]
+    assert len(rows) == 2, lines  # `runs` differs between files: still one case each
+    assert rows[0].split()[:2] == ["prefill", "1x4096"]
+    assert "105.0" in rows[0] and "0.900 (0.900..0.900)" in rows[0]
+    assert "1.025 (1.000..1.050)" in rows[1]
+
+
+def test_variants_are_named_sources(tmp_path):
+    cb = load("compare_builds")
+    assert cb.parse_variant("main=build/x.tar.gz") == ("main", "build/x.tar.gz")
+    assert cb.parse_variant("a.b-c=git:HEAD~1") == ("a.b-c", "git:HEAD~1")
+    for bad in ("main", "=x", "main=", "a/b=x"):
+        with pytest.raises(Exception, match="NAME=SRC"):
+            cb.parse_variant(bad)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "CMakeLists.txt").write_text("project(x)\n")
+    assert cb.materialize("here", str(tree), tmp_path / "work") == tree.resolve()
+    packed = tmp_path / "tree.tar.gz"
+    with tarfile.open(packed, "w:gz") as t:
+        t.add(tree / "CMakeLists.txt", arcname="CMakeLists.txt")
+    got = cb.materialize("packed", str(packed), tmp_path / "work")
+    assert (got / "CMakeLists.txt").read_text() == "project(x)\n"
+    with pytest.raises(SystemExit, match="not a directory, a tar file or git:REV"):
+        cb.materialize("nothing", str(tmp_path / "missing.tgz"), tmp_path / "work")
+
+
+def test_run_refuses_a_single_variant(capsys):
+    assert load("compare_builds").main(["run", "--variant", "a=."]) == 2
+    assert "two or more variants" in capsys.readouterr().err
+
+
+def test_every_probe_matches_the_consumer():
+    sp = load("stage_probes")
+    consumer = open(os.path.join(BENCH, "..", sp.CONSUMER)).read()
+    for probe in sp.PROBES:
+        text = sp.patched(consumer, probe)
+        assert text != consumer
+        for old, new in sp.PROBES[probe]:
+            assert old not in text.replace(new, "")
+
+
+def test_a_probe_that_no_longer_matches_stops_the_script():
+    sp = load("stage_probes")
+    with pytest.raises(SystemExit, match="nopv: expected one match"):
+        sp.patched("// a consumer without the P.V loop\n", "nopv")
+
+
+def test_probe_trees_differ_from_the_tree_in_the_consumer_only(tmp_path):
+    sp = load("stage_probes")
+    root = tmp_path / "root"
+    consumer = open(os.path.join(BENCH, "..", sp.CONSUMER)).read()
+    (root / os.path.dirname(sp.CONSUMER)).mkdir(parents=True)
+    (root / sp.CONSUMER).write_text(consumer)
+    (root / "CMakeLists.txt").write_text("project(x)\n")
+    (root / "build").mkdir()
+    (root / "build" / "big.o").write_text("not copied")
+    trees = sp.write(tmp_path / "out", ["nomask", "nostore"], root=root)
+    assert [t.name for t in trees] == ["nomask", "nostore"]
+    for t in trees:
+        assert (t / "CMakeLists.txt").read_text() == "project(x)\n"
+        assert not (t / "build").exists()
+        assert (t / sp.CONSUMER).read_text() == sp.patched(consumer, t.name)
+    assert sp.main([str(tmp_path / "out"), "nosuch"]) == 2
