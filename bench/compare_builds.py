@@ -131,12 +131,12 @@ def materialize(name: str, src: str, work: Path) -> Path:
 
 def build(name: str, tree: Path, work: Path, jobs: int, cmake_args: list[str]) -> subprocess.Popen:
     out = work / f"build_{name}"
-    log = open(work / f"build_{name}.log", "w")
     script = (f"cmake -S '{tree}' -B '{out}' -G Ninja -DCMAKE_BUILD_TYPE=Release "
               f"-DFLASHKV_BUILD_TESTS=OFF -DFLASHKV_BUILD_PYTHON=OFF "
               + " ".join(f"'{a}'" for a in cmake_args)
               + f" && cmake --build '{out}' -j {jobs} --target flashkv_cli")
-    return subprocess.Popen(["bash", "-c", script], stdout=log, stderr=subprocess.STDOUT)
+    with open(work / f"build_{name}.log", "w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(["bash", "-c", script], stdout=log, stderr=subprocess.STDOUT)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -5,7 +5,6 @@ found, and every probe's edit still matches the consumer (the script refuses oth
 
 import csv
 import importlib.util
-import io
 import os
 import sys
 import tarfile
@@ -55,7 +54,7 @@ def test_summary_takes_each_round_against_its_own_baseline(tmp_path):
     write_csv(tmp_path / "r1_other_prefill.csv", [(1, 1.0, 1)])  # not asked for: ignored
     lines = cb.summary(tmp_path, ["main", "new"])
     assert lines[0].startswith("rounds: [1, 2]")
-    rows = [l for l in lines[2:]]
+    rows = lines[2:]
     assert len(rows) == 2, lines  # `runs` differs between files: still one case each
     assert rows[0].split()[:2] == ["prefill", "1x4096"]
     assert "105.0" in rows[0] and "0.900 (0.900..0.900)" in rows[0]

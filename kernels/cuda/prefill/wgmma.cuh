@@ -37,15 +37,21 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t smem_addr, uint32_t lead
 // K-major operand (Q as A, K as B): 16 elements of depth at k-step k of a [rows, 128] tile whose
 // first row is `row0` (a multiple of 8): 32 bytes a step inside a half. Consecutive 8-row groups
 // are 1024 bytes apart; the leading offset is unused with this swizzle.
+__host__ __device__ constexpr uint32_t k_major_step(int rows, int k) {
+  return static_cast<uint32_t>((k >> 2) * rows * 128 + (k & 3) * 32);
+}
 __device__ __forceinline__ uint64_t k_major(uint32_t tile, int rows, int row0, int k) {
-  return descriptor(tile + (k >> 2) * rows * 128 + row0 * 128 + (k & 3) * 32, 16, 1024);
+  return descriptor(tile + row0 * 128 + k_major_step(rows, k), 16, 1024);
 }
 
 // N-major B operand (V for P.V, B[key][dim] with dims contiguous): keys 16k .. 16k + 15 of a
 // [rows, 128] tile. The two 64-dim halves are `rows` * 128 bytes apart (leading offset), 8-key
 // groups 1024 bytes (stride offset).
+__host__ __device__ constexpr uint32_t n_major_step(int k) {
+  return static_cast<uint32_t>(k * 16 * 128);
+}
 __device__ __forceinline__ uint64_t n_major(uint32_t tile, int rows, int k) {
-  return descriptor(tile + k * 16 * 128, rows * 128, 1024);
+  return descriptor(tile + n_major_step(k), rows * 128, 1024);
 }
 
 // A descriptor whose start address is `bytes` further on: k_major(tile, rows, row0, k) is
@@ -60,12 +66,6 @@ __device__ __forceinline__ uint64_t advance(uint64_t desc, uint32_t bytes) {
   uint64_t out;
   asm("mov.b64 %0, {%1, %2};\n" : "=l"(out) : "r"(lo), "r"(hi));
   return out;
-}
-__host__ __device__ constexpr uint32_t k_major_step(int rows, int k) {
-  return static_cast<uint32_t>((k >> 2) * rows * 128 + (k & 3) * 32);
-}
-__host__ __device__ constexpr uint32_t n_major_step(int k) {
-  return static_cast<uint32_t>(k * 16 * 128);
 }
 
 // Named barriers (ids 1..15; 0 is __syncthreads): `threads` threads (a multiple of 32) meet.
