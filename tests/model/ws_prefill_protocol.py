@@ -18,7 +18,9 @@ thread 0 between the K stage's empty wait and its own arrival on the stage's ful
 the consumers at the tile's softmax, after they released the stage). The
 configurations are the kernel's:
 two Q stages, or one (the block's first K/V tiles go ahead of its Q), with 16-bit K/V or with an
-fp8 staging ring of one or two stages (two Q stages and one staging stage at head dim 128).
+fp8 staging ring of one or two stages (two Q stages and one staging stage at head dim 128), and
+the consumers' wait for their own P.V after each tile's softmax or, with ragged K/V at head dim
+128 (`late`), at the top of the next turn.
 Checked:
   - no deadlock;
   - every parity wait passes on exactly the phase it means (a parity tells apart only neighbouring
@@ -50,8 +52,9 @@ class Barrier:
             self.done, self.pending = self.done + 1, self.count
 
 
-Config = collections.namedtuple("Config", "q_stages fp8_stages")
-CONFIGS = [Config(2, 0), Config(1, 0), Config(1, 1), Config(2, 2), Config(2, 1)]
+Config = collections.namedtuple("Config", "q_stages fp8_stages late", defaults=[False])
+CONFIGS = [Config(2, 0), Config(1, 0), Config(1, 1), Config(2, 2), Config(2, 1),
+           Config(2, 0, True), Config(2, 1, True)]
 
 
 class Kernel:
@@ -243,6 +246,10 @@ class Kernel:
                 yield
                 self.read_verdict(tile_n)  # the softmax of tile 0
                 for n in range(tile_n + 1, tile_n + tiles):
+                    if cfg.late:  # P_{t-2}.V_{t-2}, waited for at the top of the turn
+                        self.wait_group(wg, 1 if bug == "late wait skipped" else 0)
+                        if n - 1 > tile_n:
+                            self.v_empty[(n - 2) % 2].arrive(4)
                     yield from self.wait_full(self.v_full[(n - 1) % 2], n - 1)
                     yield from self.take_turn(wg)
                     yield from self.wait_full(self.k_full[n % 2], n)
@@ -253,8 +260,13 @@ class Kernel:
                     self.k_empty[n % 2].arrive(4)
                     yield  # the softmax
                     self.read_verdict(n)
-                    self.wait_group(wg, 0)  # P_{t-1}.V_{t-1}
-                    self.v_empty[(n - 1) % 2].arrive(4)
+                    if not cfg.late:
+                        self.wait_group(wg, 0)  # P_{t-1}.V_{t-1}
+                        self.v_empty[(n - 1) % 2].arrive(4)
+                if cfg.late:
+                    self.wait_group(wg, 0)
+                    if tiles >= 2:
+                        self.v_empty[(tile_n + tiles - 2) % 2].arrive(4)
                 n = tile_n + tiles - 1
                 yield from self.wait_full(self.v_full[n % 2], n)
                 yield from self.take_turn(wg)
@@ -301,7 +313,7 @@ def main():
     print(f"{len(CONFIGS) * sequences} walks:", failure or "no failure")
     ok = failure is None
     for bug in ("P.V left in flight", "staging reused early", "slot ring too short",
-                "verdict after the arrival", "verdict ring too short"):
+                "verdict after the arrival", "verdict ring too short", "late wait skipped"):
         caught = failures(sequences, bug)
         print(f"seeded bug '{bug}':", f"caught ({caught})" if caught else "NOT caught")
         ok &= caught is not None

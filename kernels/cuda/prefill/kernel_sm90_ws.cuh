@@ -19,8 +19,9 @@
 //   - two consumers of 64 packed query rows each (the plan's 128-row tile), issuing as
 //     kernel_sm90.cuh does S_t = Q.K_t^T with P_{t-1}.V_{t-1} behind it. They take turns to issue
 //     their products (two named barriers), so one warpgroup's softmax runs under the other's
-//     products. (Inside a warpgroup ptxas waits for P.V before the softmax's exponentials: with
-//     S, O and P live at once it is short of registers otherwise; docs/perf/prefill.md.)
+//     products. With ragged K/V at head dim 128 a warpgroup also runs its softmax under its own
+//     P.V, waiting for it at its next turn (kLateWait in consume); elsewhere it waits for it
+//     after the softmax's mask, where ptxas places the wait.
 // No barrier spans the CTA inside the KV loop: the warpgroups only meet through the rings.
 // Masks, the online softmax and the epilogue are the sm_80 kernel's, one 16-row tile a warp.
 //

@@ -186,6 +186,28 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         return softmax.update_scores(s, c_blk, corr);
       };
 
+      // When a warpgroup waits for its own P_{t-1}.V_{t-1}. Where the wait follows tile t's
+      // softmax in one basic block, ptxas hoists it above the softmax's exponentials, so the
+      // softmax runs only after the warpgroup's own P.V. With kLateWait the wait (with the V
+      // stage's release, O's rescale and the packing of P_t) comes at the top of the next turn
+      // instead, a block of its own after the softmax, which then runs under the P.V. That is
+      // faster with ragged K/V at head dim 128, and slower with paged K/V, whose gather needs the
+      // V stage back a softmax sooner (docs/perf/prefill.md, History, "The own P.V wait").
+      constexpr bool kLateWait = !kPaged && Cfg::kDqk == 128;
+      // After tile t's softmax (its row maxima moved: `moved`, by `corr`): waits for
+      // P_{t-1}.V_{t-1} (nothing is in flight at t = 0), frees its V stage, rescales O and packs
+      // P_t.
+      const auto finish_tile = [&](int t, bool moved, const float(&corr)[1][2]) {
+        sm90::wait<0>();
+        sm90::pin(o_acc);
+        if (t >= 1 && lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(tile_n + t - 1)));
+        if (moved) softmax.rescale(o, corr);
+        pack_p<Cfg, typename Cfg::Mma>(s, pf);
+      };
+      // kLateWait: the softmax result of the tile last read, for its finish_tile at the next turn.
+      float late_corr[1][2];
+      bool late_moved = false;
+
       // Tile 0: S_0 alone.
       take_turn(wg);
       issue_qk(s_acc, tile_n, q_tile, num_tiles == 1);
@@ -195,14 +217,14 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(tile_n)));
       {
         float corr[1][2];
-        scores(0, corr);  // O is still 0: nothing to rescale
-        pack_p<Cfg, typename Cfg::Mma>(s, pf);
+        scores(0, kLateWait ? late_corr : corr);  // O is still 0: nothing to rescale
+        if constexpr (!kLateWait) pack_p<Cfg, typename Cfg::Mma>(s, pf);
       }
-      // Tile t: S_t, then P_{t-1}.V_{t-1} behind it, which runs while S_t is read. (ptxas waits
-      // for P.V before the softmax's exponentials, short of registers otherwise, so the overlap
-      // left is between the warpgroups.)
+      // Tile t: S_t, then P_{t-1}.V_{t-1} behind it, which runs while S_t is read, and under
+      // the other warpgroup's softmax.
       for (int t = 1; t < num_tiles; ++t) {
         const int n = tile_n + t;
+        if constexpr (kLateWait) finish_tile(t - 1, late_moved, late_corr);
         sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
         if constexpr (kGenericWrites) sm90::fence_async_shared();
         take_turn(wg);
@@ -212,14 +234,15 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         sm90::wait<1>();  // S_t
         sm90::pin(s_acc);
         if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(n)));
-        float corr[1][2];
-        const bool moved = scores(t, corr);
-        sm90::wait<0>();  // P_{t-1}.V_{t-1}: O, pf and V stage n - 1 are free
-        sm90::pin(o_acc);
-        if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));
-        if (moved) softmax.rescale(o, corr);
-        pack_p<Cfg, typename Cfg::Mma>(s, pf);
+        if constexpr (kLateWait) {
+          late_moved = scores(t, late_corr);
+        } else {
+          float corr[1][2];
+          const bool moved = scores(t, corr);
+          finish_tile(t, moved, corr);
+        }
       }
+      if constexpr (kLateWait) finish_tile(num_tiles - 1, late_moved, late_corr);
       // The last tile's P.V.
       const int n = tile_n + num_tiles - 1;
       sm90::mbar_wait(bars.v_full(Ring::stage(n)), Ring::full_parity(n));
