@@ -9,50 +9,166 @@ compute wrong results; they exist to be timed.
   nostore    no epilogue store of the block's output
   nopv       no P.V products (half the tile's products); V is still loaded
 
+One more probe computes right results and records where a tile's time goes:
+
+  timeline   every consumer thread of CTA (0, 0) reads %clock at fixed points of its first 96
+             tiles (into local memory, which costs a few percent of the time), on the fourth
+             launch of each kernel file's warp-specialized kernels; the launch function prints
+             the records to stderr on its eighth launch, a `TIMELINE` line a tile and warpgroup
+
 Usage:
-  python3 bench/stage_probes.py OUTDIR [PROBE ...]      # default: every probe
+  python3 bench/stage_probes.py OUTDIR [PROBE ...]      # default: the four stage probes
   python3 bench/compare_builds.py run --variant base=. --variant nopv=OUTDIR/nopv ... \\
       --op prefill --op extend --cmake-arg=-DFLASHKV_HEAD_DIMS=64;128;256
+  python3 bench/stage_probes.py OUTDIR timeline         # then build OUTDIR/timeline, and:
+  OUTDIR/timeline/build/flashkv bench --device cuda --grid full --op prefill 2> timeline.txt
+  python3 bench/stage_probes.py --summary timeline.txt  # each phase's median, in SM clocks
 
-Each edit is a literal replacement that must match exactly once: when the consumer changes so
-that one no longer matches, the script stops and names it.
+Each edit is a literal replacement that must match exactly once: when the kernel changes so that
+one no longer matches, the script stops and names it.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSUMER = "kernels/cuda/prefill/sm90_ws_consumer.cuh"
+LAUNCH = "kernels/cuda/prefill/kernel_sm90_ws.cuh"
 # A condition the compiler cannot fold that never holds at run time: the code it guards stays in
 # the kernel (registers and scheduling as before) but does not run.
 NEVER = "p.num_qo_heads < 0"
 
-PROBES: dict[str, list[tuple[str, str]]] = {
-    "nosoftmax": [("return softmax.update_scores(s, c_blk, corr);",
+# The timeline's points, in the order a turn of the tile loop passes them (a name each, for the
+# summary): the turn's start; after the late wait's finish of the tile before (kLateWait; else at
+# once); after the V wait; after the turn; K ready (inside the issue); after issuing S_t and
+# P_{t-1}.V_{t-1} and passing the turn; after the wait for S_t; after the mask and softmax; after
+# the early wait's finish (without kLateWait; else at once).
+POINTS = ["start", "late finish", "V ready", "turn", "K ready", "issued", "S ready", "softmax",
+          "early finish"]
+TIMELINE_TILES = 96
+_REC = "        ev[ri][{}] = clk();\n"
+
+TIMELINE = [
+    (CONSUMER, "// The consumer warpgroups (threads 128..383;",
+     f"constexpr int kTimelineTiles = {TIMELINE_TILES};\n"
+     "__device__ unsigned int g_timeline_launch[2];\n"
+     "__device__ uint32_t g_timeline[2][kTimelineTiles][11];\n"
+     "__device__ int g_timeline_n[2];\n\n"
+     "// The consumer warpgroups (threads 128..383;"),
+    (CONSUMER, "  const uint32_t base = smem_addr(smem);\n",
+     "  const uint32_t base = smem_addr(smem);\n"
+     "  uint32_t ev[kTimelineTiles][11];\n  int nrec = 0;\n  uint32_t kready = 0;\n"
+     "  bool rec = false;\n"
+     "  if (blockIdx.x == 0 && blockIdx.y == 0 && (ctid & 127) == 0)\n"
+     "    rec = atomicAdd(&g_timeline_launch[wg], 1u) == 3;\n"
+     "  const auto clk = [] {\n    uint32_t c;\n"
+     "    asm volatile(\"mov.u32 %0, %%clock;\" : \"=r\"(c));\n    return c;\n  };\n"),
+    (CONSUMER, "    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));\n",
+     "    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));\n"
+     "    kready = clk();\n"),
+    (CONSUMER, "        const int n = tile_n + t;\n"
+     "        if constexpr (kLateWait) finish_tile(t - 1, late_moved, late_corr);\n",
+     "        const int n = tile_n + t;\n"
+     "        const int ri = nrec < kTimelineTiles ? nrec : kTimelineTiles - 1;\n        ++nrec;\n"
+     + _REC.format(0) +
+     "        if constexpr (kLateWait) finish_tile(t - 1, late_moved, late_corr);\n"
+     + _REC.format(1)),
+    (CONSUMER, "        if constexpr (kGenericWrites) sm90::fence_async_shared();\n"
+     "        take_turn(wg);\n        issue_qk(s_acc, n, q_tile, t == num_tiles - 1);\n"
+     "        issue_pv(n - 1);\n        pass_turn(wg);\n        sm90::wait<1>();  // S_t\n"
+     "        sm90::pin(s_acc);\n",
+     "        if constexpr (kGenericWrites) sm90::fence_async_shared();\n"
+     + _REC.format(2) + "        take_turn(wg);\n" + _REC.format(3) +
+     "        issue_qk(s_acc, n, q_tile, t == num_tiles - 1);\n"
+     "        issue_pv(n - 1);\n        pass_turn(wg);\n" + _REC.format(5) +
+     "        sm90::wait<1>();  // S_t\n        sm90::pin(s_acc);\n" + _REC.format(6) +
+     "        ev[ri][4] = kready;\n        ev[ri][9] = (block_n << 16) | t;\n"),
+    (CONSUMER, "          late_moved = scores(t, late_corr);\n",
+     "          late_moved = scores(t, late_corr);\n" + _REC.format(7) +
+     "          ev[ri][8] = ev[ri][7];\n"),
+    (CONSUMER, "          const bool moved = scores(t, corr);\n          finish_tile(t, moved, corr);\n",
+     "          const bool moved = scores(t, corr);\n" + _REC.format(7) +
+     "          finish_tile(t, moved, corr);\n" + _REC.format(8)),
+    (CONSUMER, "  if (wg == 0) take_turn(0);\n",
+     "  if (wg == 0) take_turn(0);\n  if (rec) {\n"
+     "    for (int i = 0; i < (nrec < kTimelineTiles ? nrec : kTimelineTiles); ++i)\n"
+     "      for (int k = 0; k < 11; ++k) g_timeline[wg][i][k] = ev[i][k];\n"
+     "    g_timeline_n[wg] = nrec;\n  }\n"),
+    (LAUNCH, "                maps);\n  return true;\n",
+     "                maps);\n  static int timeline_calls = 0;\n"
+     "  if (++timeline_calls == 8) {\n    cudaDeviceSynchronize();\n"
+     "    static uint32_t h[2][kTimelineTiles][11];\n    int n[2] = {0, 0};\n"
+     "    cudaMemcpyFromSymbol(h, g_timeline, sizeof h);\n"
+     "    cudaMemcpyFromSymbol(n, g_timeline_n, sizeof n);\n"
+     "    for (int w = 0; w < 2; ++w)\n"
+     "      for (int i = 0; i < (n[w] < kTimelineTiles ? n[w] : kTimelineTiles); ++i) {\n"
+     "        std::fprintf(stderr, \"TIMELINE D=%d paged=%d fp8=%d wg=%d block=%u tile=%u clk=\", D,\n"
+     "                     int(p.paged), int(Cfg::kFp8), w, h[w][i][9] >> 16, h[w][i][9] & 0xffff);\n"
+     "        for (int k = 0; k < 9; ++k) std::fprintf(stderr, \" %u\", h[w][i][k]);\n"
+     "        std::fprintf(stderr, \"\\n\");\n      }\n  }\n  return true;\n"),
+    (LAUNCH, "#include <cstdint>\n", "#include <cstdint>\n#include <cstdio>\n"),
+]
+
+PROBES: dict[str, list[tuple[str, str, str]]] = {
+    "nosoftmax": [(CONSUMER, "return softmax.update_scores(s, c_blk, corr);",
                    "(void)corr;\n#pragma unroll\n"
                    "for (int i = 0; i < kNTiles * 4; ++i) s_acc[i] *= c_blk;\nreturn false;")],
-    "nomask": [("if (!full) apply_mask", f"if (!full && {NEVER}) apply_mask")],
-    "nostore": [("    if (staged)\n      store_block_staged",
+    "nomask": [(CONSUMER, "if (!full) apply_mask", f"if (!full && {NEVER}) apply_mask")],
+    "nostore": [(CONSUMER, "    if (staged)\n      store_block_staged",
                  f"    if ({NEVER} && staged)\n      store_block_staged"),
-                ("    else\n      store_block<Cfg>", f"    else if ({NEVER})\n      store_block<Cfg>")],
-    "nopv": [("for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)\n#pragma unroll\n          for (int part",
+                (CONSUMER, "    else\n      store_block<Cfg>",
+                 f"    else if ({NEVER})\n      store_block<Cfg>")],
+    "nopv": [(CONSUMER,
+              "for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk)\n#pragma unroll\n          for (int part",
               f"for (int kk = 0; kk < ({NEVER} ? Cfg::kKvTile / 16 : 0); ++kk)\n#pragma unroll\n"
               "          for (int part")],
+    "timeline": TIMELINE,
 }
+STAGE_PROBES = ["nosoftmax", "nomask", "nostore", "nopv"]
 
 
-def patched(text: str, probe: str) -> str:
-    for old, new in PROBES[probe]:
+def patched(texts: dict[str, str], probe: str) -> dict[str, str]:
+    """texts: the files' texts by path; returns the probe's (only the files it edits)."""
+    out = {}
+    for path, old, new in PROBES[probe]:
+        text = out.get(path, texts[path])
         count = text.count(old)
         if count != 1:
-            raise SystemExit(f"stage_probes: {probe}: expected one match of {old!r} in {CONSUMER}, "
+            raise SystemExit(f"stage_probes: {probe}: expected one match of {old!r} in {path}, "
                              f"found {count}")
-        text = text.replace(old, new)
-    return text
+        out[path] = text.replace(old, new)
+    return out
+
+
+def summary(lines) -> list[str]:
+    """Each kernel's and warpgroup's median time of each phase of a tile, in SM clocks, from the
+    timeline probe's lines; `period` is from one tile's start to the next's in the same block."""
+    tiles: dict[tuple[str, str], list[tuple[int, int, list[int]]]] = {}
+    pattern = re.compile(r"TIMELINE (D=\d+ paged=\d fp8=\d) wg=(\d) block=(\d+) tile=(\d+) "
+                         r"clk=((?: \d+){9})")
+    for line in lines:
+        m = pattern.search(line)
+        if m:
+            clocks = [int(c) for c in m.group(5).split()]
+            tiles.setdefault((m.group(1), m.group(2)), []).append(
+                (int(m.group(3)), int(m.group(4)), clocks))
+    out = []
+    for (kernel, wg), rows in tiles.items():
+        phases: dict[str, list[int]] = {}
+        for i, (block, _, c) in enumerate(rows):
+            for k in range(1, len(POINTS)):
+                phases.setdefault(POINTS[k], []).append((c[k] - c[k - 1]) % 2**32)
+            if i + 1 < len(rows) and rows[i + 1][0] == block:
+                phases.setdefault("period", []).append((rows[i + 1][2][0] - c[0]) % 2**32)
+        parts = " ".join(f"{name} {statistics.median(v):.0f}" for name, v in phases.items())
+        out.append(f"{kernel} wg={wg} tiles={len(rows)}: {parts}")
+    return out
 
 
 def source_files(root: Path) -> list[str]:
@@ -69,8 +185,9 @@ def source_files(root: Path) -> list[str]:
 
 
 def write(out: Path, probes: list[str], root: Path = ROOT) -> list[Path]:
-    consumer = (root / CONSUMER).read_text()
-    texts = {probe: patched(consumer, probe) for probe in probes}  # all match, or none written
+    sources = {path: (root / path).read_text() for path in (CONSUMER, LAUNCH)
+               if (root / path).exists()}
+    edits = {probe: patched(sources, probe) for probe in probes}  # all match, or none written
     files = source_files(root)
     trees = []
     for probe in probes:
@@ -79,7 +196,8 @@ def write(out: Path, probes: list[str], root: Path = ROOT) -> list[Path]:
         for f in files:
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(root / f, dest / f)
-        (dest / CONSUMER).write_text(texts[probe])
+        for path, text in edits[probe].items():
+            (dest / path).write_text(text)
         trees.append(dest)
     return trees
 
@@ -89,7 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    probes = argv[1:] or list(PROBES)
+    if argv[0] == "--summary":
+        if len(argv) != 2:
+            print("stage_probes: --summary takes one file of TIMELINE lines", file=sys.stderr)
+            return 2
+        with open(argv[1]) as f:
+            for line in summary(f):
+                print(line)
+        return 0
+    probes = argv[1:] or STAGE_PROBES
     unknown = [p for p in probes if p not in PROBES]
     if unknown:
         print(f"stage_probes: unknown probe '{unknown[0]}' (known: {', '.join(PROBES)})",

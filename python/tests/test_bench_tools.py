@@ -1,7 +1,8 @@
 """bench/compare_builds.py (builds timed against each other in alternating rounds) and
-bench/stage_probes.py (the Hopper consumer with one stage of the steady tile left out): the parts
-that run without a GPU. The summary's ratios are per round, the sources a variant names are
-found, and every probe's edit still matches the consumer (the script refuses otherwise)."""
+bench/stage_probes.py (the Hopper consumer with one stage of the steady tile left out, or with a
+per-tile timeline): the parts that run without a GPU. The summary's ratios are per round, the
+sources a variant names are found, every probe's edit still matches the kernel (the script
+refuses otherwise), and the timeline's phases are the differences of its points."""
 
 import csv
 import importlib.util
@@ -86,35 +87,66 @@ def test_run_refuses_a_single_variant(capsys):
     assert "two or more variants" in capsys.readouterr().err
 
 
-def test_every_probe_matches_the_consumer():
+def kernel_sources(sp):
+    return {path: open(os.path.join(BENCH, "..", path)).read() for path in (sp.CONSUMER, sp.LAUNCH)}
+
+
+def test_every_probe_matches_the_kernel():
     sp = load("stage_probes")
-    consumer = open(os.path.join(BENCH, "..", sp.CONSUMER)).read()
+    sources = kernel_sources(sp)
     for probe in sp.PROBES:
-        text = sp.patched(consumer, probe)
-        assert text != consumer
-        for old, new in sp.PROBES[probe]:
-            assert old not in text.replace(new, "")
+        edited = sp.patched(sources, probe)
+        assert edited and all(text != sources[path] for path, text in edited.items())
+        for path, old, new in sp.PROBES[probe]:
+            assert old not in edited[path].replace(new, "")
+    assert set(sp.patched(sources, "timeline")) == {sp.CONSUMER, sp.LAUNCH}
 
 
 def test_a_probe_that_no_longer_matches_stops_the_script():
     sp = load("stage_probes")
     with pytest.raises(SystemExit, match="nopv: expected one match"):
-        sp.patched("// a consumer without the P.V loop\n", "nopv")
+        sp.patched({sp.CONSUMER: "// a consumer without the P.V loop\n"}, "nopv")
 
 
-def test_probe_trees_differ_from_the_tree_in_the_consumer_only(tmp_path):
+def test_probe_trees_differ_from_the_tree_in_the_probes_files_only(tmp_path):
     sp = load("stage_probes")
     root = tmp_path / "root"
-    consumer = open(os.path.join(BENCH, "..", sp.CONSUMER)).read()
+    sources = kernel_sources(sp)
     (root / os.path.dirname(sp.CONSUMER)).mkdir(parents=True)
-    (root / sp.CONSUMER).write_text(consumer)
+    for path, text in sources.items():
+        (root / path).write_text(text)
     (root / "CMakeLists.txt").write_text("project(x)\n")
     (root / "build").mkdir()
     (root / "build" / "big.o").write_text("not copied")
-    trees = sp.write(tmp_path / "out", ["nomask", "nostore"], root=root)
-    assert [t.name for t in trees] == ["nomask", "nostore"]
+    trees = sp.write(tmp_path / "out", ["nomask", "nostore", "timeline"], root=root)
+    assert [t.name for t in trees] == ["nomask", "nostore", "timeline"]
     for t in trees:
         assert (t / "CMakeLists.txt").read_text() == "project(x)\n"
         assert not (t / "build").exists()
-        assert (t / sp.CONSUMER).read_text() == sp.patched(consumer, t.name)
+        edited = sp.patched(sources, t.name)
+        for path, text in sources.items():
+            assert (t / path).read_text() == edited.get(path, text)
     assert sp.main([str(tmp_path / "out"), "nosuch"]) == 2
+
+
+def test_timeline_summary_takes_each_phase_and_the_period_within_a_block(tmp_path, capsys):
+    sp = load("stage_probes")
+    lines = ["noise\n"]
+    # Warpgroup 0: two tiles of block 0 (a period of 1000), one of block 1; the clock wraps in the
+    # last one. Each phase is 10 * its point's index, but "softmax", 300.
+    starts = [(0, 1, 100), (0, 2, 1100), (1, 1, 2**32 - 50)]
+    for block, tile, t0 in starts:
+        points = [t0]
+        for k in range(1, 9):
+            points.append(points[-1] + (300 if sp.POINTS[k] == "softmax" else 10 * k))
+        clk = " ".join(str(p % 2**32) for p in points)
+        lines.append(f"TIMELINE D=128 paged=0 fp8=0 wg=0 block={block} tile={tile} clk= {clk}\n")
+    out = sp.summary(lines)
+    assert len(out) == 1 and out[0].startswith("D=128 paged=0 fp8=0 wg=0 tiles=3:")
+    assert "late finish 10 V ready 20 turn 30 K ready 40 issued 50 S ready 60 softmax 300" in out[0]
+    assert out[0].endswith("early finish 80 period 1000")
+    path = tmp_path / "timeline.txt"
+    path.write_text("".join(lines))
+    assert sp.main(["--summary", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == out[0]
+    assert sp.main(["--summary"]) == 2
