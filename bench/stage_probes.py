@@ -52,18 +52,21 @@ NEVER = "p.num_qo_heads < 0"
 POINTS = ["start", "late finish", "V ready", "turn", "K ready", "issued", "S ready", "softmax",
           "early finish"]
 TIMELINE_TILES = 96
+# A tile's record: the clock at each point, then its block and tile (block << 16 | tile).
+_WIDTH = len(POINTS) + 1
+_ID = len(POINTS)
 _REC = "        ev[ri][{}] = clk();\n"
 
 TIMELINE = [
     (CONSUMER, "// The consumer warpgroups (threads 128..383;",
      f"constexpr int kTimelineTiles = {TIMELINE_TILES};\n"
      "__device__ unsigned int g_timeline_launch[2];\n"
-     "__device__ uint32_t g_timeline[2][kTimelineTiles][11];\n"
+     f"__device__ uint32_t g_timeline[2][kTimelineTiles][{_WIDTH}];\n"
      "__device__ int g_timeline_n[2];\n\n"
      "// The consumer warpgroups (threads 128..383;"),
     (CONSUMER, "  const uint32_t base = smem_addr(smem);\n",
      "  const uint32_t base = smem_addr(smem);\n"
-     "  uint32_t ev[kTimelineTiles][11];\n  int nrec = 0;\n  uint32_t kready = 0;\n"
+     f"  uint32_t ev[kTimelineTiles][{_WIDTH}];\n  int nrec = 0;\n  uint32_t kready = 0;\n"
      "  bool rec = false;\n"
      "  if (blockIdx.x == 0 && blockIdx.y == 0 && (ctid & 127) == 0)\n"
      "    rec = atomicAdd(&g_timeline_launch[wg], 1u) == 3;\n"
@@ -88,7 +91,8 @@ TIMELINE = [
      "        issue_qk(s_acc, n, q_tile, t == num_tiles - 1);\n"
      "        issue_pv(n - 1);\n        pass_turn(wg);\n" + _REC.format(5) +
      "        sm90::wait<1>();  // S_t\n        sm90::pin(s_acc);\n" + _REC.format(6) +
-     "        ev[ri][4] = kready;\n        ev[ri][9] = (block_n << 16) | t;\n"),
+     f"        ev[ri][{POINTS.index('K ready')}] = kready;\n"
+     f"        ev[ri][{_ID}] = (block_n << 16) | t;\n"),
     (CONSUMER, "          late_moved = scores(t, late_corr);\n",
      "          late_moved = scores(t, late_corr);\n" + _REC.format(7) +
      "          ev[ri][8] = ev[ri][7];\n"),
@@ -98,19 +102,20 @@ TIMELINE = [
     (CONSUMER, "  if (wg == 0) take_turn(0);\n",
      "  if (wg == 0) take_turn(0);\n  if (rec) {\n"
      "    for (int i = 0; i < (nrec < kTimelineTiles ? nrec : kTimelineTiles); ++i)\n"
-     "      for (int k = 0; k < 11; ++k) g_timeline[wg][i][k] = ev[i][k];\n"
+     f"      for (int k = 0; k < {_WIDTH}; ++k) g_timeline[wg][i][k] = ev[i][k];\n"
      "    g_timeline_n[wg] = nrec;\n  }\n"),
     (LAUNCH, "                maps);\n  return true;\n",
      "                maps);\n  static int timeline_calls = 0;\n"
      "  if (++timeline_calls == 8) {\n    cudaDeviceSynchronize();\n"
-     "    static uint32_t h[2][kTimelineTiles][11];\n    int n[2] = {0, 0};\n"
+     f"    static uint32_t h[2][kTimelineTiles][{_WIDTH}];\n    int n[2] = {{0, 0}};\n"
      "    cudaMemcpyFromSymbol(h, g_timeline, sizeof h);\n"
      "    cudaMemcpyFromSymbol(n, g_timeline_n, sizeof n);\n"
      "    for (int w = 0; w < 2; ++w)\n"
      "      for (int i = 0; i < (n[w] < kTimelineTiles ? n[w] : kTimelineTiles); ++i) {\n"
      "        std::fprintf(stderr, \"TIMELINE D=%d paged=%d fp8=%d wg=%d block=%u tile=%u clk=\", D,\n"
-     "                     int(p.paged), int(Cfg::kFp8), w, h[w][i][9] >> 16, h[w][i][9] & 0xffff);\n"
-     "        for (int k = 0; k < 9; ++k) std::fprintf(stderr, \" %u\", h[w][i][k]);\n"
+     f"                     int(p.paged), int(Cfg::kFp8), w, h[w][i][{_ID}] >> 16,\n"
+     f"                     h[w][i][{_ID}] & 0xffff);\n"
+     f"        for (int k = 0; k < {_ID}; ++k) std::fprintf(stderr, \" %u\", h[w][i][k]);\n"
      "        std::fprintf(stderr, \"\\n\");\n      }\n  }\n  return true;\n"),
     (LAUNCH, "#include <cstdint>\n", "#include <cstdint>\n#include <cstdio>\n"),
 ]
@@ -151,7 +156,7 @@ def summary(lines) -> list[str]:
     timeline probe's lines; `period` is from one tile's start to the next's in the same block."""
     tiles: dict[tuple[str, str], list[tuple[int, int, list[int]]]] = {}
     pattern = re.compile(r"TIMELINE (D=\d+ paged=\d fp8=\d) wg=(\d) block=(\d+) tile=(\d+) "
-                         r"clk=((?: \d+){9})")
+                         rf"clk=((?: \d+){{{len(POINTS)}}})")
     for line in lines:
         m = pattern.search(line)
         if m:
