@@ -52,10 +52,16 @@ struct OnlineSoftmax {
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float m = row_max[mt][h];
+        // The row's max over the thread's 2 kNTiles logits as a tree: log2 levels of dependent
+        // max instructions before the shuffles, where a running max is a chain of kNTiles + 1.
+        float v[kNTiles];
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-          m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        for (int nt = 0; nt < kNTiles; ++nt) v[nt] = fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+#pragma unroll
+        for (int w = 1; w < kNTiles; w *= 2)
+#pragma unroll
+          for (int i = 0; i + w < kNTiles; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
+        float m = fmaxf(row_max[mt][h], v[0]);
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
         // First visible key: -inf -> finite gives +inf > threshold. Still nothing visible:
