@@ -13,8 +13,10 @@ One more probe computes right results and records where a tile's time goes:
 
   timeline   every consumer thread of CTA (0, 0) reads %clock at fixed points of its first 96
              tiles (into local memory, which costs a few percent of the time), on the fourth
-             launch of each kernel file's warp-specialized kernels; the launch function prints
-             the records to stderr on its eighth launch, a `TIMELINE` line a tile and warpgroup
+             launch of each kernel file's warp-specialized kernels (a CUDA graph's replays
+             count); at the process's exit each kernel file that launched prints its records to
+             stderr, a `TIMELINE` line a tile and warpgroup (no synchronisation while it runs, so
+             a graph capture is never disturbed)
 
 Usage:
   python3 bench/stage_probes.py OUTDIR [PROBE ...]      # default: the four stage probes
@@ -62,7 +64,8 @@ TIMELINE = [
      f"constexpr int kTimelineTiles = {TIMELINE_TILES};\n"
      "__device__ unsigned int g_timeline_launch[2];\n"
      f"__device__ uint32_t g_timeline[2][kTimelineTiles][{_WIDTH}];\n"
-     "__device__ int g_timeline_n[2];\n\n"
+     "__device__ int g_timeline_n[2];\n"
+     "__device__ int g_timeline_paged;\n\n"
      "// The consumer warpgroups (threads 128..383;"),
     (CONSUMER, "  const uint32_t base = smem_addr(smem);\n",
      "  const uint32_t base = smem_addr(smem);\n"
@@ -103,21 +106,27 @@ TIMELINE = [
      "  if (wg == 0) take_turn(0);\n  if (rec) {\n"
      "    for (int i = 0; i < (nrec < kTimelineTiles ? nrec : kTimelineTiles); ++i)\n"
      f"      for (int k = 0; k < {_WIDTH}; ++k) g_timeline[wg][i][k] = ev[i][k];\n"
-     "    g_timeline_n[wg] = nrec;\n  }\n"),
+     "    g_timeline_n[wg] = nrec;\n    g_timeline_paged = kPaged;\n  }\n"),
     (LAUNCH, "                maps);\n  return true;\n",
-     "                maps);\n  static int timeline_calls = 0;\n"
-     "  if (++timeline_calls == 8) {\n    cudaDeviceSynchronize();\n"
-     f"    static uint32_t h[2][kTimelineTiles][{_WIDTH}];\n    int n[2] = {{0, 0}};\n"
-     "    cudaMemcpyFromSymbol(h, g_timeline, sizeof h);\n"
-     "    cudaMemcpyFromSymbol(n, g_timeline_n, sizeof n);\n"
-     "    for (int w = 0; w < 2; ++w)\n"
-     "      for (int i = 0; i < (n[w] < kTimelineTiles ? n[w] : kTimelineTiles); ++i) {\n"
-     "        std::fprintf(stderr, \"TIMELINE D=%d paged=%d fp8=%d wg=%d block=%u tile=%u clk=\", D,\n"
-     f"                     int(p.paged), int(Cfg::kFp8), w, h[w][i][{_ID}] >> 16,\n"
-     f"                     h[w][i][{_ID}] & 0xffff);\n"
-     f"        for (int k = 0; k < {_ID}; ++k) std::fprintf(stderr, \" %u\", h[w][i][k]);\n"
-     "        std::fprintf(stderr, \"\\n\");\n      }\n  }\n  return true;\n"),
-    (LAUNCH, "#include <cstdint>\n", "#include <cstdint>\n#include <cstdio>\n"),
+     "                maps);\n"
+     "  if (!g_timeline_hooked) {  // one printer a kernel file (this header's translation unit)\n"
+     "    g_timeline_hooked = true;\n    std::atexit([] {\n"
+     f"      static uint32_t h[2][kTimelineTiles][{_WIDTH}];\n"
+     "      int n[2] = {0, 0}, paged = 0;\n"
+     "      if (cudaMemcpyFromSymbol(h, g_timeline, sizeof h) != cudaSuccess ||\n"
+     "          cudaMemcpyFromSymbol(n, g_timeline_n, sizeof n) != cudaSuccess ||\n"
+     "          cudaMemcpyFromSymbol(&paged, g_timeline_paged, sizeof paged) != cudaSuccess)\n"
+     "        return;\n"
+     "      for (int w = 0; w < 2; ++w)\n"
+     "        for (int i = 0; i < (n[w] < kTimelineTiles ? n[w] : kTimelineTiles); ++i) {\n"
+     "          std::fprintf(stderr, \"TIMELINE D=%d paged=%d fp8=%d wg=%d block=%u tile=%u clk=\",\n"
+     f"                       D, paged, int(Cfg::kFp8), w, h[w][i][{_ID}] >> 16,\n"
+     f"                       h[w][i][{_ID}] & 0xffff);\n"
+     f"          for (int k = 0; k < {_ID}; ++k) std::fprintf(stderr, \" %u\", h[w][i][k]);\n"
+     "          std::fprintf(stderr, \"\\n\");\n        }\n    });\n  }\n  return true;\n"),
+    (LAUNCH, "#include <cstdint>\n", "#include <cstdint>\n#include <cstdio>\n#include <cstdlib>\n"),
+    (LAUNCH, "// The driver's cuTensorMapEncodeTiled,",
+     "static bool g_timeline_hooked = false;\n\n// The driver's cuTensorMapEncodeTiled,"),
 ]
 
 PROBES: dict[str, list[tuple[str, str, str]]] = {
