@@ -1,6 +1,7 @@
 // Instruction-throughput benchmark for the instructions the Hopper prefill kernels lean on: the
 // exponential (ex2.approx, the special-function unit), the fp8 -> f16 widening the fp8 producer
 // issues (cvt e4m3x2 -> f16x2), the f32 -> bf16 pack of P, and exp2 as a cubic on the FMA pipe.
+// The first three go through the kernels' own helpers (common/ptx.cuh, common/convert.cuh).
 // Each case runs one such step per chain on 8 independent chains a thread; a pair case runs two
 // kinds of step a chain. A pair that takes as long as its two parts one after the other shares
 // a pipe; one that takes as long as the slower part does not.
@@ -22,13 +23,19 @@
 #include <cstring>
 #include <vector>
 
+#include "common/convert.cuh"
+#include "common/ptx.cuh"
 #include "cuda_timing.h"
 #include "flashkv/core/cuda_runtime.h"
 
 namespace {
 
 using flashkv::bench::detail::EventTimer;
+using flashkv::cuda::fp8x2_to_f16x2;
+using flashkv::cuda::pack2;
+using flashkv::cuda::ptx::exp2_fast;
 using flashkv::detail::cuda_check;
+constexpr auto kE4M3 = flashkv::cuda::KvFormat::kE4M3;
 
 enum Step : int { kEx2, kCvt, kPack, kPoly, kEx2Cvt, kEx2Pack, kEx2Poly8, kFfma, kSteps };
 const char* const kNames[kSteps] = {"ex2.approx.f32 (MUFU)",
@@ -40,24 +47,6 @@ const char* const kNames[kSteps] = {"ex2.approx.f32 (MUFU)",
                                     "ex2, one chain in 8 by the cubic",
                                     "ffma"};
 
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ uint32_t widen(uint32_t w) {
-  uint32_t y = w;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const uint16_t pair = static_cast<uint16_t>(w);
-  asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(y) : "h"(pair));
-#endif
-  return y;
-}
-__device__ __forceinline__ uint32_t pack(float a, float b) {
-  uint32_t y;
-  asm volatile("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(y) : "f"(a), "f"(b));
-  return y;
-}
 // 2^x: x = j + f, |f| <= 1/2, 2^f by a cubic, 2^j in the exponent field (x >= -127).
 __device__ __forceinline__ float exp2_cubic(float x) {
   x = fmaxf(x, -127.0f);
@@ -80,22 +69,27 @@ __global__ void steps(float* out, int iters, long long* cycles) {
   }
   __syncthreads();
   const long long t0 = clock64();
+  // Only the chains keep the steps (the helpers' asm is not volatile): each step's result feeds
+  // its chain's next step, and the chains end in the store below. cvt e4m3x2 widens w's low two
+  // bytes; the pack puts a in the high half.
   for (int it = 0; it < iters; ++it) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      if constexpr (kStep == kEx2) a[i] = ex2(a[i]) - 1.5f;
-      if constexpr (kStep == kCvt) w[i] = widen(w[i]) ^ 0x5a5au;
-      if constexpr (kStep == kPack) w[i] = pack(a[i], __uint_as_float(w[i])) ^ 0x5a5au;
+      if constexpr (kStep == kEx2) a[i] = exp2_fast(a[i]) - 1.5f;
+      if constexpr (kStep == kCvt)
+        w[i] = fp8x2_to_f16x2<kE4M3>(static_cast<uint16_t>(w[i])) ^ 0x5a5au;
+      if constexpr (kStep == kPack)
+        w[i] = pack2<__nv_bfloat16>(__uint_as_float(w[i]), a[i]) ^ 0x5a5au;
       if constexpr (kStep == kPoly) a[i] = exp2_cubic(a[i]) - 1.5f;
       if constexpr (kStep == kEx2Cvt) {
-        a[i] = ex2(a[i]) - 1.5f;
-        w[i] = widen(w[i]) ^ 0x5a5au;
+        a[i] = exp2_fast(a[i]) - 1.5f;
+        w[i] = fp8x2_to_f16x2<kE4M3>(static_cast<uint16_t>(w[i])) ^ 0x5a5au;
       }
       if constexpr (kStep == kEx2Pack) {
-        a[i] = ex2(a[i]) - 1.5f;
-        w[i] = pack(a[i], __uint_as_float(w[i])) ^ 0x5a5au;
+        a[i] = exp2_fast(a[i]) - 1.5f;
+        w[i] = pack2<__nv_bfloat16>(__uint_as_float(w[i]), a[i]) ^ 0x5a5au;
       }
-      if constexpr (kStep == kEx2Poly8) a[i] = (i == 7 ? exp2_cubic(a[i]) : ex2(a[i])) - 1.5f;
+      if constexpr (kStep == kEx2Poly8) a[i] = (i == 7 ? exp2_cubic(a[i]) : exp2_fast(a[i])) - 1.5f;
       if constexpr (kStep == kFfma) a[i] = fmaf(a[i], 0.999f, 0.5f);
     }
   }
