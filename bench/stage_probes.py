@@ -17,6 +17,12 @@ One more probe computes right results and records where a tile's time goes:
              count); at the process's exit each kernel file that launched prints its records to
              stderr, a `TIMELINE` line a tile and warpgroup (no synchronisation while it runs, so
              a graph capture is never disturbed)
+  blocks     the same for the row blocks: each consumer warpgroup's thread 0 of CTA (0, 0) reads
+             %clock as a block starts, once its Q has landed, once S_0 is in, after the last
+             P.V and after the store, and the producer's thread 0 as it starts the block's
+             tiles, after the tiles that go ahead of Q, once the Q stage is free, after Q's
+             copies and after the rest (16-bit K/V), for the first 64 blocks of the fourth
+             launch; `BLOCKS` and `PRODUCER` lines at exit
 
 Usage:
   python3 bench/stage_probes.py OUTDIR [PROBE ...]      # default: the four stage probes
@@ -25,6 +31,7 @@ Usage:
   python3 bench/stage_probes.py OUTDIR timeline         # then build OUTDIR/timeline, and:
   OUTDIR/timeline/build/flashkv bench --device cuda --grid full --op prefill 2> timeline.txt
   python3 bench/stage_probes.py --summary timeline.txt  # each phase's median, in SM clocks
+  (the same for `blocks`; --summary reads both kinds of line)
 
 Each edit is a literal replacement that must match exactly once: when the kernel changes so that
 one no longer matches, the script stops and names it.
@@ -41,7 +48,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSUMER = "kernels/cuda/prefill/sm90_ws_consumer.cuh"
+PRODUCER = "kernels/cuda/prefill/sm90_ws_producer.cuh"
 LAUNCH = "kernels/cuda/prefill/kernel_sm90_ws.cuh"
+FILES = (CONSUMER, PRODUCER, LAUNCH)
 # A condition the compiler cannot fold that never holds at run time: the code it guards stays in
 # the kernel (registers and scheduling as before) but does not run.
 NEVER = "p.num_qo_heads < 0"
@@ -129,6 +138,111 @@ TIMELINE = [
      "static bool g_timeline_hooked = false;\n\n// The driver's cuTensorMapEncodeTiled,"),
 ]
 
+# The blocks probe's points: a consumer warpgroup's (the block's start, before its Q wait; Q
+# landed and the block read; S_0 in, or as Q landed without keys; after the last P.V, likewise;
+# after the store) and the producer's (before the block's tiles that go ahead of its Q; after
+# them; the Q stage free; Q's copies issued; the rest of the tiles issued).
+BLOCK_POINTS = ["start", "Q ready", "S_0 ready", "tiles done", "stored"]
+PRODUCER_POINTS = ["start", "early tiles", "Q stage free", "Q issued", "tiles issued"]
+BLOCKS_MAX = 64
+_BW = len(BLOCK_POINTS) + 1  # the points, then the block's tiles
+
+BLOCKS = [
+    (CONSUMER, "namespace flashkv::cuda::prefill_detail {\n",
+     "namespace flashkv::cuda::prefill_detail {\n\n"
+     f"constexpr int kBlocksMax = {BLOCKS_MAX};\n"
+     "__device__ unsigned int g_blocks_launch[3];  // consumer warpgroups 0, 1, the producer\n"
+     f"__device__ uint32_t g_blocks[2][kBlocksMax][{_BW}];\n"
+     f"__device__ uint32_t g_blocks_producer[kBlocksMax][{len(PRODUCER_POINTS)}];\n"
+     "__device__ int g_blocks_n[2];\n"
+     "__device__ int g_blocks_paged;\n"
+     "__device__ bool g_blocks_producer_records;\n"
+     "__device__ __forceinline__ uint32_t blocks_clock() {\n  uint32_t c;\n"
+     "  asm volatile(\"mov.u32 %0, %%clock;\" : \"=r\"(c));\n  return c;\n}\n"),
+    (CONSUMER, "  const uint32_t base = smem_addr(smem);\n",
+     "  const uint32_t base = smem_addr(smem);\n"
+     "  bool brec = false;\n"
+     "  if (blockIdx.x == 0 && blockIdx.y == 0 && (ctid & 127) == 0)\n"
+     "    brec = atomicAdd(&g_blocks_launch[wg], 1u) == 3;\n"),
+    (CONSUMER, "    const int qs = QRing::stage(block_n);\n"
+     "    sm90::mbar_wait(bars.q_full(qs), QRing::full_parity(block_n));\n"
+     "    const RowBlock b = *block_slot<Cfg>(smem, block_n);\n"
+     "    if (b.rows == 0) break;\n",
+     "    const int qs = QRing::stage(block_n);\n"
+     "    const uint32_t bt0 = blocks_clock();\n"
+     "    sm90::mbar_wait(bars.q_full(qs), QRing::full_parity(block_n));\n"
+     "    const RowBlock b = *block_slot<Cfg>(smem, block_n);\n"
+     "    if (b.rows == 0) break;\n"
+     "    const uint32_t bt1 = blocks_clock();\n"
+     "    uint32_t bt2 = bt1, bt3 = bt1;\n"),
+    (CONSUMER, "      if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(tile_n)));\n",
+     "      if (lane == 0) sm90::mbar_arrive(bars.k_empty(Ring::stage(tile_n)));\n"
+     "      bt2 = blocks_clock();\n"),
+    (CONSUMER, "    float scale[1][2], lse[1][2];\n",
+     "    if (num_tiles > 0) bt3 = blocks_clock();\n    float scale[1][2], lse[1][2];\n"),
+    (CONSUMER, "    if (lane == 0) sm90::mbar_arrive(bars.q_empty(qs));\n    tile_n += num_tiles;\n",
+     "    if (brec && block_n < kBlocksMax) {\n"
+     "      const uint32_t bt4 = blocks_clock();\n"
+     "      const uint32_t rec[] = {bt0, bt1, bt2, bt3, bt4, static_cast<uint32_t>(num_tiles)};\n"
+     f"      for (int k = 0; k < {_BW}; ++k) g_blocks[wg][block_n][k] = rec[k];\n"
+     "      g_blocks_n[wg] = block_n + 1;\n      g_blocks_paged = kPaged;\n    }\n"
+     "    if (lane == 0) sm90::mbar_arrive(bars.q_empty(qs));\n    tile_n += num_tiles;\n"),
+    (PRODUCER, "  sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));\n",
+     "  sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));\n"
+     "  if (blockIdx.x == 0 && blockIdx.y == 0 && tid == 0 && g_blocks_producer_records &&\n"
+     "      block_n < kBlocksMax)\n"
+     "    g_blocks_producer[block_n][2] = blocks_clock();\n"),
+    (PRODUCER, "  int block_n = 0, tile_n = 0;\n",
+     "  int block_n = 0, tile_n = 0;\n"
+     "  const bool prec = blockIdx.x == 0 && blockIdx.y == 0 && tid == 0 &&\n"
+     "                    atomicAdd(&g_blocks_launch[2], 1u) == 3;\n"
+     "  if (blockIdx.x == 0 && blockIdx.y == 0 && tid == 0) g_blocks_producer_records = prec;\n"),
+    (PRODUCER, "    const int early = Cfg::tiles_before_q(num_tiles);  // then Q, then the rest\n"
+     "    tiles(0, early);\n"
+     "    fill_q_stage<Cfg>(p, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);\n"
+     "    ++block_n;\n    tiles(early, num_tiles);\n",
+     "    const uint32_t pt0 = blocks_clock();\n"
+     "    const int early = Cfg::tiles_before_q(num_tiles);  // then Q, then the rest\n"
+     "    tiles(0, early);\n"
+     "    const uint32_t pt1 = blocks_clock();\n"
+     "    fill_q_stage<Cfg>(p, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);\n"
+     "    const uint32_t pt3 = blocks_clock();\n"
+     "    ++block_n;\n    tiles(early, num_tiles);\n"
+     "    if (prec && block_n - 1 < kBlocksMax) {\n"
+     "      g_blocks_producer[block_n - 1][0] = pt0;\n"
+     "      g_blocks_producer[block_n - 1][1] = pt1;\n"
+     "      g_blocks_producer[block_n - 1][3] = pt3;\n"
+     "      g_blocks_producer[block_n - 1][4] = blocks_clock();\n    }\n"),
+    (LAUNCH, "                maps);\n  return true;\n",
+     "                maps);\n"
+     "  if (!g_blocks_hooked) {  // one printer a kernel file (this header's translation unit)\n"
+     "    g_blocks_hooked = true;\n    std::atexit([] {\n"
+     f"      static uint32_t h[2][kBlocksMax][{_BW}];\n"
+     f"      static uint32_t pr[kBlocksMax][{len(PRODUCER_POINTS)}];\n"
+     "      int n[2] = {0, 0}, paged = 0;\n"
+     "      if (cudaMemcpyFromSymbol(h, g_blocks, sizeof h) != cudaSuccess ||\n"
+     "          cudaMemcpyFromSymbol(pr, g_blocks_producer, sizeof pr) != cudaSuccess ||\n"
+     "          cudaMemcpyFromSymbol(n, g_blocks_n, sizeof n) != cudaSuccess ||\n"
+     "          cudaMemcpyFromSymbol(&paged, g_blocks_paged, sizeof paged) != cudaSuccess)\n"
+     "        return;\n"
+     "      for (int w = 0; w < 2; ++w)\n"
+     "        for (int i = 0; i < n[w]; ++i) {\n"
+     "          std::fprintf(stderr, \"BLOCKS D=%d paged=%d fp8=%d wg=%d block=%d tiles=%u clk=\",\n"
+     f"                       D, paged, int(Cfg::kFp8), w, i, h[w][i][{_BW - 1}]);\n"
+     f"          for (int k = 0; k < {_BW - 1}; ++k) std::fprintf(stderr, \" %u\", h[w][i][k]);\n"
+     "          std::fprintf(stderr, \"\\n\");\n        }\n"
+     "      for (int i = 0; i < (n[0] > n[1] ? n[0] : n[1]); ++i) {\n"
+     "        if (pr[i][0] == 0) continue;  // fp8 K/V: the producer's other points are not read\n"
+     "        std::fprintf(stderr, \"PRODUCER D=%d paged=%d fp8=%d block=%d clk=\", D, paged,\n"
+     "                     int(Cfg::kFp8), i);\n"
+     f"        for (int k = 0; k < {len(PRODUCER_POINTS)}; ++k)\n"
+     "          std::fprintf(stderr, \" %u\", pr[i][k]);\n"
+     "        std::fprintf(stderr, \"\\n\");\n      }\n    });\n  }\n  return true;\n"),
+    (LAUNCH, "#include <cstdint>\n", "#include <cstdint>\n#include <cstdio>\n#include <cstdlib>\n"),
+    (LAUNCH, "// The driver's cuTensorMapEncodeTiled,",
+     "static bool g_blocks_hooked = false;\n\n// The driver's cuTensorMapEncodeTiled,"),
+]
+
 PROBES: dict[str, list[tuple[str, str, str]]] = {
     "nosoftmax": [(CONSUMER, "return softmax.update_scores(s, c_blk, corr);",
                    "(void)corr;\n#pragma unroll\n"
@@ -143,6 +257,7 @@ PROBES: dict[str, list[tuple[str, str, str]]] = {
               f"for (int kk = 0; kk < ({NEVER} ? Cfg::kKvTile / 16 : 0); ++kk)\n#pragma unroll\n"
               "          for (int part")],
     "timeline": TIMELINE,
+    "blocks": BLOCKS,
 }
 STAGE_PROBES = ["nosoftmax", "nomask", "nostore", "nopv"]
 
@@ -160,28 +275,83 @@ def patched(texts: dict[str, str], probe: str) -> dict[str, str]:
     return out
 
 
+def _signed(d: int) -> int:
+    """A difference of two 32-bit clocks, as a signed number (the clock wraps)."""
+    return (d + 2**31) % 2**32 - 2**31
+
+
+def _medians(phases: dict[str, list[int]]) -> str:
+    return " ".join(f"{name} {statistics.median(v):.0f}" for name, v in phases.items() if v)
+
+
 def summary(lines) -> list[str]:
-    """Each kernel's and warpgroup's median time of each phase of a tile, in SM clocks, from the
-    timeline probe's lines; `period` is from one tile's start to the next's in the same block."""
+    """Each kernel's and warpgroup's median time of each phase, in SM clocks, from the timeline
+    and blocks probes' lines. Timeline: each phase of a tile; `period`, from one tile's start to
+    the next's in the same block; `boundary`, from a block's last recorded tile's start to the
+    next block's first (two periods if a block cost nothing beyond its tiles). Blocks: each
+    consumer phase of a block (`a loop tile` is the tiles after tile 0, a tile), `to the next
+    block` from the store to the next block's start; the producer's phases, and `Q landed` from
+    its last copy of a block's Q to the later warpgroup's Q ready."""
     tiles: dict[tuple[str, str], list[tuple[int, int, list[int]]]] = {}
+    blocks: dict[tuple[str, str], dict[int, tuple[int, list[int]]]] = {}
+    producer: dict[str, dict[int, list[int]]] = {}
     pattern = re.compile(r"TIMELINE (D=\d+ paged=\d fp8=\d) wg=(\d) block=(\d+) tile=(\d+) "
                          rf"clk=((?: \d+){{{len(POINTS)}}})")
+    block_pattern = re.compile(r"BLOCKS (D=\d+ paged=\d fp8=\d) wg=(\d) block=(\d+) "
+                               rf"tiles=(\d+) clk=((?: \d+){{{len(BLOCK_POINTS)}}})")
+    producer_pattern = re.compile(r"PRODUCER (D=\d+ paged=\d fp8=\d) block=(\d+) "
+                                  rf"clk=((?: \d+){{{len(PRODUCER_POINTS)}}})")
     for line in lines:
-        m = pattern.search(line)
-        if m:
+        if m := pattern.search(line):
             clocks = [int(c) for c in m.group(5).split()]
             tiles.setdefault((m.group(1), m.group(2)), []).append(
                 (int(m.group(3)), int(m.group(4)), clocks))
+        elif m := block_pattern.search(line):
+            blocks.setdefault((m.group(1), m.group(2)), {})[int(m.group(3))] = (
+                int(m.group(4)), [int(c) for c in m.group(5).split()])
+        elif m := producer_pattern.search(line):
+            producer.setdefault(m.group(1), {})[int(m.group(2))] = [
+                int(c) for c in m.group(3).split()]
     out = []
     for (kernel, wg), rows in tiles.items():
         phases: dict[str, list[int]] = {}
+        boundary = []
         for i, (block, _, c) in enumerate(rows):
             for k in range(1, len(POINTS)):
                 phases.setdefault(POINTS[k], []).append((c[k] - c[k - 1]) % 2**32)
             if i + 1 < len(rows) and rows[i + 1][0] == block:
                 phases.setdefault("period", []).append((rows[i + 1][2][0] - c[0]) % 2**32)
-        parts = " ".join(f"{name} {statistics.median(v):.0f}" for name, v in phases.items())
-        out.append(f"{kernel} wg={wg} tiles={len(rows)}: {parts}")
+            elif i + 1 < len(rows) and rows[i + 1][0] == block + 1:
+                boundary.append((rows[i + 1][2][0] - c[0]) % 2**32)
+        line = f"{kernel} wg={wg} tiles={len(rows)}: {_medians(phases)}"
+        if boundary and phases.get("period"):
+            b = statistics.median(boundary)
+            line += f" boundary {b:.0f} ({b / statistics.median(phases['period']):.1f} periods)"
+        out.append(line)
+    for (kernel, wg), by_block in blocks.items():
+        phases = {"Q wait": [], "tile 0": [], "a loop tile": [], "finish and store": [],
+                  "to the next block": []}
+        for n, (count, c) in by_block.items():
+            phases["Q wait"].append((c[1] - c[0]) % 2**32)
+            if count > 0:
+                phases["tile 0"].append((c[2] - c[1]) % 2**32)
+            if count > 1:
+                phases["a loop tile"].append((c[3] - c[2]) % 2**32 / (count - 1))
+            phases["finish and store"].append((c[4] - c[3]) % 2**32)
+            if n + 1 in by_block:
+                phases["to the next block"].append((by_block[n + 1][1][0] - c[4]) % 2**32)
+        out.append(f"{kernel} wg={wg} blocks={len(by_block)}: {_medians(phases)}")
+    for kernel, by_block in producer.items():
+        phases = {name: [] for name in PRODUCER_POINTS[1:]}
+        phases["Q landed"] = []
+        for n, c in by_block.items():
+            for k in range(1, len(PRODUCER_POINTS)):
+                phases[PRODUCER_POINTS[k]].append((c[k] - c[k - 1]) % 2**32)
+            ready = [blocks[(kernel, w)][n][1][1] for w in "01"
+                     if n in blocks.get((kernel, w), {})]
+            if len(ready) == 2:
+                phases["Q landed"].append(max(_signed(r - c[3]) for r in ready))
+        out.append(f"{kernel} producer blocks={len(by_block)}: {_medians(phases)}")
     return out
 
 
@@ -199,8 +369,7 @@ def source_files(root: Path) -> list[str]:
 
 
 def write(out: Path, probes: list[str], root: Path = ROOT) -> list[Path]:
-    sources = {path: (root / path).read_text() for path in (CONSUMER, LAUNCH)
-               if (root / path).exists()}
+    sources = {path: (root / path).read_text() for path in FILES if (root / path).exists()}
     edits = {probe: patched(sources, probe) for probe in probes}  # all match, or none written
     files = source_files(root)
     trees = []
@@ -223,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     if argv[0] == "--summary":
         if len(argv) != 2:
-            print("stage_probes: --summary takes one file of TIMELINE lines", file=sys.stderr)
+            print("stage_probes: --summary takes one file of TIMELINE or BLOCKS lines",
+                  file=sys.stderr)
             return 2
         with open(argv[1]) as f:
             for line in summary(f):

@@ -88,7 +88,7 @@ def test_run_refuses_a_single_variant(capsys):
 
 
 def kernel_sources(sp):
-    return {path: open(os.path.join(BENCH, "..", path)).read() for path in (sp.CONSUMER, sp.LAUNCH)}
+    return {path: open(os.path.join(BENCH, "..", path)).read() for path in sp.FILES}
 
 
 def test_every_probe_matches_the_kernel():
@@ -100,6 +100,7 @@ def test_every_probe_matches_the_kernel():
         for path, old, new in sp.PROBES[probe]:
             assert old not in edited[path].replace(new, "")
     assert set(sp.patched(sources, "timeline")) == {sp.CONSUMER, sp.LAUNCH}
+    assert set(sp.patched(sources, "blocks")) == set(sp.FILES)
 
 
 def test_a_probe_that_no_longer_matches_stops_the_script():
@@ -132,9 +133,10 @@ def test_probe_trees_differ_from_the_tree_in_the_probes_files_only(tmp_path):
 def test_timeline_summary_takes_each_phase_and_the_period_within_a_block(tmp_path, capsys):
     sp = load("stage_probes")
     lines = ["noise\n"]
-    # Warpgroup 0: two tiles of block 0 (a period of 1000), one of block 1; the clock wraps in the
-    # last one. Each phase is 10 * its point's index, but "softmax", 300.
-    starts = [(0, 1, 100), (0, 2, 1100), (1, 1, 2**32 - 50)]
+    # Warpgroup 0: two tiles of block 0 (a period of 1000), one of block 1 five periods after the
+    # last of block 0; the clock wraps in block 0's second tile. Each phase is 10 * its point's
+    # index, but "softmax", 300.
+    starts = [(0, 1, 2**32 - 1300), (0, 2, 2**32 - 300), (1, 1, 4700)]
     for block, tile, t0 in starts:
         points = [t0]
         for k in range(1, 9):
@@ -144,9 +146,30 @@ def test_timeline_summary_takes_each_phase_and_the_period_within_a_block(tmp_pat
     out = sp.summary(lines)
     assert len(out) == 1 and out[0].startswith("D=128 paged=0 fp8=0 wg=0 tiles=3:")
     assert "late finish 10 V ready 20 turn 30 K ready 40 issued 50 S ready 60 softmax 300" in out[0]
-    assert out[0].endswith("early finish 80 period 1000")
+    assert out[0].endswith("early finish 80 period 1000 boundary 5000 (5.0 periods)")
     path = tmp_path / "timeline.txt"
     path.write_text("".join(lines))
     assert sp.main(["--summary", str(path)]) == 0
     assert capsys.readouterr().out.strip() == out[0]
     assert sp.main(["--summary"]) == 2
+
+
+def test_blocks_summary_takes_each_block_phase_and_the_q_copies_landing():
+    sp = load("stage_probes")
+    lines = [
+        "BLOCKS D=256 paged=0 fp8=0 wg=0 block=0 tiles=3 clk= 0 100 300 2300 2800\n",
+        "BLOCKS D=256 paged=0 fp8=0 wg=0 block=1 tiles=1 clk= 2900 3000 3200 3200 3500\n",
+        "BLOCKS D=256 paged=0 fp8=0 wg=1 block=0 tiles=3 clk= 10 120 330 2330 2830\n",
+        "BLOCKS D=256 paged=0 fp8=0 wg=1 block=1 tiles=0 clk= 2951 3051 3051 3051 3301\n",
+        "PRODUCER D=256 paged=0 fp8=0 block=0 clk= 5 6 8 50 60\n",
+        "PRODUCER D=256 paged=0 fp8=0 block=1 clk= 2000 2101 2851 2901 2951\n",
+    ]
+    out = sp.summary(lines)
+    assert out == [
+        "D=256 paged=0 fp8=0 wg=0 blocks=2: Q wait 100 tile 0 200 a loop tile 1000 "
+        "finish and store 400 to the next block 100",
+        "D=256 paged=0 fp8=0 wg=1 blocks=2: Q wait 105 tile 0 210 a loop tile 1000 "
+        "finish and store 375 to the next block 121",
+        "D=256 paged=0 fp8=0 producer blocks=2: early tiles 51 Q stage free 376 Q issued 46 "
+        "tiles issued 30 Q landed 110",
+    ]
