@@ -119,8 +119,8 @@ def test_probe_trees_differ_from_the_tree_in_the_probes_files_only(tmp_path):
     (root / "CMakeLists.txt").write_text("project(x)\n")
     (root / "build").mkdir()
     (root / "build" / "big.o").write_text("not copied")
-    trees = sp.write(tmp_path / "out", ["nomask", "nostore", "timeline"], root=root)
-    assert [t.name for t in trees] == ["nomask", "nostore", "timeline"]
+    trees = sp.write(tmp_path / "out", ["nomask", "nostore", "timeline", "blocks"], root=root)
+    assert [t.name for t in trees] == ["nomask", "nostore", "timeline", "blocks"]
     for t in trees:
         assert (t / "CMakeLists.txt").read_text() == "project(x)\n"
         assert not (t / "build").exists()
