@@ -55,6 +55,30 @@ FILES = (CONSUMER, PRODUCER, LAUNCH)
 # the kernel (registers and scheduling as before) but does not run.
 NEVER = "p.num_qo_heads < 0"
 
+# What the recording probes share: the SM clock, the launch they record (each recording thread
+# counts its kernel file's launches, so all of them pick the same one), and the printer that a
+# kernel file registers on its first launch to print its records to stderr as the process exits.
+_CLOCK = "asm volatile(\"mov.u32 %0, %%clock;\" : \"=r\"(c));"
+
+
+def _fourth_launch(counter: str) -> str:
+    return f"atomicAdd(&{counter}, 1u) == 3"
+
+
+def _at_exit(name: str, printer: str) -> list[tuple[str, str, str]]:
+    """The launch header's edits that run `printer` (statements) once at exit per kernel file."""
+    return [
+        (LAUNCH, "                maps);\n  return true;\n",
+         "                maps);\n"
+         f"  if (!g_{name}_hooked) {{  // one printer a kernel file (this header's translation unit)\n"
+         f"    g_{name}_hooked = true;\n    std::atexit([] {{\n{printer}    }});\n  }}\n"
+         "  return true;\n"),
+        (LAUNCH, "#include <cstdint>\n", "#include <cstdint>\n#include <cstdio>\n#include <cstdlib>\n"),
+        (LAUNCH, "// The driver's cuTensorMapEncodeTiled,",
+         f"static bool g_{name}_hooked = false;\n\n// The driver's cuTensorMapEncodeTiled,"),
+    ]
+
+
 # The timeline's points, in the order a turn of the tile loop passes them (a name each, for the
 # summary): the turn's start; after the late wait's finish of the tile before (kLateWait; else at
 # once); after the V wait; after the turn; K ready (inside the issue); after issuing S_t and
@@ -81,9 +105,8 @@ TIMELINE = [
      f"  uint32_t ev[kTimelineTiles][{_WIDTH}];\n  int nrec = 0;\n  uint32_t kready = 0;\n"
      "  bool rec = false;\n"
      "  if (blockIdx.x == 0 && blockIdx.y == 0 && (ctid & 127) == 0)\n"
-     "    rec = atomicAdd(&g_timeline_launch[wg], 1u) == 3;\n"
-     "  const auto clk = [] {\n    uint32_t c;\n"
-     "    asm volatile(\"mov.u32 %0, %%clock;\" : \"=r\"(c));\n    return c;\n  };\n"),
+     f"    rec = {_fourth_launch('g_timeline_launch[wg]')};\n"
+     f"  const auto clk = [] {{\n    uint32_t c;\n    {_CLOCK}\n    return c;\n  }};\n"),
     (CONSUMER, "    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));\n",
      "    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));\n"
      "    kready = clk();\n"),
@@ -116,27 +139,20 @@ TIMELINE = [
      "    for (int i = 0; i < (nrec < kTimelineTiles ? nrec : kTimelineTiles); ++i)\n"
      f"      for (int k = 0; k < {_WIDTH}; ++k) g_timeline[wg][i][k] = ev[i][k];\n"
      "    g_timeline_n[wg] = nrec;\n    g_timeline_paged = kPaged;\n  }\n"),
-    (LAUNCH, "                maps);\n  return true;\n",
-     "                maps);\n"
-     "  if (!g_timeline_hooked) {  // one printer a kernel file (this header's translation unit)\n"
-     "    g_timeline_hooked = true;\n    std::atexit([] {\n"
-     f"      static uint32_t h[2][kTimelineTiles][{_WIDTH}];\n"
-     "      int n[2] = {0, 0}, paged = 0;\n"
-     "      if (cudaMemcpyFromSymbol(h, g_timeline, sizeof h) != cudaSuccess ||\n"
-     "          cudaMemcpyFromSymbol(n, g_timeline_n, sizeof n) != cudaSuccess ||\n"
-     "          cudaMemcpyFromSymbol(&paged, g_timeline_paged, sizeof paged) != cudaSuccess)\n"
-     "        return;\n"
-     "      for (int w = 0; w < 2; ++w)\n"
-     "        for (int i = 0; i < (n[w] < kTimelineTiles ? n[w] : kTimelineTiles); ++i) {\n"
-     "          std::fprintf(stderr, \"TIMELINE D=%d paged=%d fp8=%d wg=%d block=%u tile=%u clk=\",\n"
-     f"                       D, paged, int(Cfg::kFp8), w, h[w][i][{_ID}] >> 16,\n"
-     f"                       h[w][i][{_ID}] & 0xffff);\n"
-     f"          for (int k = 0; k < {_ID}; ++k) std::fprintf(stderr, \" %u\", h[w][i][k]);\n"
-     "          std::fprintf(stderr, \"\\n\");\n        }\n    });\n  }\n  return true;\n"),
-    (LAUNCH, "#include <cstdint>\n", "#include <cstdint>\n#include <cstdio>\n#include <cstdlib>\n"),
-    (LAUNCH, "// The driver's cuTensorMapEncodeTiled,",
-     "static bool g_timeline_hooked = false;\n\n// The driver's cuTensorMapEncodeTiled,"),
-]
+] + _at_exit("timeline",
+             f"      static uint32_t h[2][kTimelineTiles][{_WIDTH}];\n"
+             "      int n[2] = {0, 0}, paged = 0;\n"
+             "      if (cudaMemcpyFromSymbol(h, g_timeline, sizeof h) != cudaSuccess ||\n"
+             "          cudaMemcpyFromSymbol(n, g_timeline_n, sizeof n) != cudaSuccess ||\n"
+             "          cudaMemcpyFromSymbol(&paged, g_timeline_paged, sizeof paged) != cudaSuccess)\n"
+             "        return;\n"
+             "      for (int w = 0; w < 2; ++w)\n"
+             "        for (int i = 0; i < (n[w] < kTimelineTiles ? n[w] : kTimelineTiles); ++i) {\n"
+             "          std::fprintf(stderr, \"TIMELINE D=%d paged=%d fp8=%d wg=%d block=%u tile=%u clk=\",\n"
+             f"                       D, paged, int(Cfg::kFp8), w, h[w][i][{_ID}] >> 16,\n"
+             f"                       h[w][i][{_ID}] & 0xffff);\n"
+             f"          for (int k = 0; k < {_ID}; ++k) std::fprintf(stderr, \" %u\", h[w][i][k]);\n"
+             "          std::fprintf(stderr, \"\\n\");\n        }\n")
 
 # The blocks probe's points: a consumer warpgroup's (the block's start, before its Q wait; Q
 # landed and the block read; S_0 in, or as Q landed without keys; after the last P.V, likewise;
@@ -158,12 +174,12 @@ BLOCKS = [
      "__device__ int g_blocks_paged;\n"
      "__device__ bool g_blocks_producer_records;\n"
      "__device__ __forceinline__ uint32_t blocks_clock() {\n  uint32_t c;\n"
-     "  asm volatile(\"mov.u32 %0, %%clock;\" : \"=r\"(c));\n  return c;\n}\n"),
+     f"  {_CLOCK}\n  return c;\n}}\n"),
     (CONSUMER, "  const uint32_t base = smem_addr(smem);\n",
      "  const uint32_t base = smem_addr(smem);\n"
      "  bool brec = false;\n"
      "  if (blockIdx.x == 0 && blockIdx.y == 0 && (ctid & 127) == 0)\n"
-     "    brec = atomicAdd(&g_blocks_launch[wg], 1u) == 3;\n"),
+     f"    brec = {_fourth_launch('g_blocks_launch[wg]')};\n"),
     (CONSUMER, "    const int qs = QRing::stage(block_n);\n"
      "    sm90::mbar_wait(bars.q_full(qs), QRing::full_parity(block_n));\n"
      "    const RowBlock b = *block_slot<Cfg>(smem, block_n);\n"
@@ -195,7 +211,7 @@ BLOCKS = [
     (PRODUCER, "  int block_n = 0, tile_n = 0;\n",
      "  int block_n = 0, tile_n = 0;\n"
      "  const bool prec = blockIdx.x == 0 && blockIdx.y == 0 && tid == 0 &&\n"
-     "                    atomicAdd(&g_blocks_launch[2], 1u) == 3;\n"
+     f"                    {_fourth_launch('g_blocks_launch[2]')};\n"
      "  if (blockIdx.x == 0 && blockIdx.y == 0 && tid == 0) g_blocks_producer_records = prec;\n"),
     (PRODUCER, "    const int early = Cfg::tiles_before_q(num_tiles);  // then Q, then the rest\n"
      "    tiles(0, early);\n"
@@ -213,35 +229,28 @@ BLOCKS = [
      "      g_blocks_producer[block_n - 1][1] = pt1;\n"
      "      g_blocks_producer[block_n - 1][3] = pt3;\n"
      "      g_blocks_producer[block_n - 1][4] = blocks_clock();\n    }\n"),
-    (LAUNCH, "                maps);\n  return true;\n",
-     "                maps);\n"
-     "  if (!g_blocks_hooked) {  // one printer a kernel file (this header's translation unit)\n"
-     "    g_blocks_hooked = true;\n    std::atexit([] {\n"
-     f"      static uint32_t h[2][kBlocksMax][{_BW}];\n"
-     f"      static uint32_t pr[kBlocksMax][{len(PRODUCER_POINTS)}];\n"
-     "      int n[2] = {0, 0}, paged = 0;\n"
-     "      if (cudaMemcpyFromSymbol(h, g_blocks, sizeof h) != cudaSuccess ||\n"
-     "          cudaMemcpyFromSymbol(pr, g_blocks_producer, sizeof pr) != cudaSuccess ||\n"
-     "          cudaMemcpyFromSymbol(n, g_blocks_n, sizeof n) != cudaSuccess ||\n"
-     "          cudaMemcpyFromSymbol(&paged, g_blocks_paged, sizeof paged) != cudaSuccess)\n"
-     "        return;\n"
-     "      for (int w = 0; w < 2; ++w)\n"
-     "        for (int i = 0; i < n[w]; ++i) {\n"
-     "          std::fprintf(stderr, \"BLOCKS D=%d paged=%d fp8=%d wg=%d block=%d tiles=%u clk=\",\n"
-     f"                       D, paged, int(Cfg::kFp8), w, i, h[w][i][{_BW - 1}]);\n"
-     f"          for (int k = 0; k < {_BW - 1}; ++k) std::fprintf(stderr, \" %u\", h[w][i][k]);\n"
-     "          std::fprintf(stderr, \"\\n\");\n        }\n"
-     "      for (int i = 0; i < (n[0] > n[1] ? n[0] : n[1]); ++i) {\n"
-     "        if (pr[i][0] == 0) continue;  // fp8 K/V: the producer's other points are not read\n"
-     "        std::fprintf(stderr, \"PRODUCER D=%d paged=%d fp8=%d block=%d clk=\", D, paged,\n"
-     "                     int(Cfg::kFp8), i);\n"
-     f"        for (int k = 0; k < {len(PRODUCER_POINTS)}; ++k)\n"
-     "          std::fprintf(stderr, \" %u\", pr[i][k]);\n"
-     "        std::fprintf(stderr, \"\\n\");\n      }\n    });\n  }\n  return true;\n"),
-    (LAUNCH, "#include <cstdint>\n", "#include <cstdint>\n#include <cstdio>\n#include <cstdlib>\n"),
-    (LAUNCH, "// The driver's cuTensorMapEncodeTiled,",
-     "static bool g_blocks_hooked = false;\n\n// The driver's cuTensorMapEncodeTiled,"),
-]
+] + _at_exit("blocks",
+             f"      static uint32_t h[2][kBlocksMax][{_BW}];\n"
+             f"      static uint32_t pr[kBlocksMax][{len(PRODUCER_POINTS)}];\n"
+             "      int n[2] = {0, 0}, paged = 0;\n"
+             "      if (cudaMemcpyFromSymbol(h, g_blocks, sizeof h) != cudaSuccess ||\n"
+             "          cudaMemcpyFromSymbol(pr, g_blocks_producer, sizeof pr) != cudaSuccess ||\n"
+             "          cudaMemcpyFromSymbol(n, g_blocks_n, sizeof n) != cudaSuccess ||\n"
+             "          cudaMemcpyFromSymbol(&paged, g_blocks_paged, sizeof paged) != cudaSuccess)\n"
+             "        return;\n"
+             "      for (int w = 0; w < 2; ++w)\n"
+             "        for (int i = 0; i < n[w]; ++i) {\n"
+             "          std::fprintf(stderr, \"BLOCKS D=%d paged=%d fp8=%d wg=%d block=%d tiles=%u clk=\",\n"
+             f"                       D, paged, int(Cfg::kFp8), w, i, h[w][i][{_BW - 1}]);\n"
+             f"          for (int k = 0; k < {_BW - 1}; ++k) std::fprintf(stderr, \" %u\", h[w][i][k]);\n"
+             "          std::fprintf(stderr, \"\\n\");\n        }\n"
+             "      for (int i = 0; i < (n[0] > n[1] ? n[0] : n[1]); ++i) {\n"
+             "        if (pr[i][0] == 0) continue;  // fp8 K/V: the producer's other points are not read\n"
+             "        std::fprintf(stderr, \"PRODUCER D=%d paged=%d fp8=%d block=%d clk=\", D, paged,\n"
+             "                     int(Cfg::kFp8), i);\n"
+             f"        for (int k = 0; k < {len(PRODUCER_POINTS)}; ++k)\n"
+             "          std::fprintf(stderr, \" %u\", pr[i][k]);\n"
+             "        std::fprintf(stderr, \"\\n\");\n      }\n")
 
 PROBES: dict[str, list[tuple[str, str, str]]] = {
     "nosoftmax": [(CONSUMER, "return softmax.update_scores(s, c_blk, corr);",
