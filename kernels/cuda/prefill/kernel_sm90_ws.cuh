@@ -140,8 +140,8 @@ inline bool encode_map(CUtensorMap* map, const void* data, CUtensorMapDataType t
 inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataType type,
                           const AttentionParams& p, int head_dim, int box_rows, int64_t stride_n,
                           int64_t stride_h) {
-  return encode_map(map, data, type, p.num_kv_rows, p.num_kv_heads, head_dim, 1, box_rows,
-                    stride_n, stride_h);
+  return encode_map(map, data, type, p.num_kv_rows, p.num_kv_heads, head_dim, 1, box_rows, stride_n,
+                    stride_h);
 }
 
 // Q ([num_qo_tokens, Hq, head_dim]) in boxes of one consumer warpgroup's 64 packed rows: 64 / G

@@ -266,8 +266,8 @@ __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p,
 template <typename Cfg>
 __device__ __forceinline__ void fill_q_stage(const AttentionParams& p, const Sm90TmaMaps& maps,
                                              unsigned char* smem, const WsBarriers<Cfg>& bars,
-                                             const RowBlock& b, int kv_head, int group,
-                                             int block_n, bool has_keys, int tid) {
+                                             const RowBlock& b, int kv_head, int group, int block_n,
+                                             bool has_keys, int tid) {
   using QT = typename Cfg::Q;
   using QRing = ws::Ring<Cfg::kQStages>;
   const int qs = QRing::stage(block_n);
@@ -285,10 +285,9 @@ __device__ __forceinline__ void fill_q_stage(const AttentionParams& p, const Sm9
       for (int w = 0; w < 2; ++w)
 #pragma unroll
         for (int h = 0; h < Cfg::kQkHalves; ++h)
-          ws::tma_load_3d(smem_addr(q_stage) + w * (Cfg::kWgRows * Cfg::kDqk * 2) +
-                              h * (Cfg::kWgRows * 128),
-                          &maps.q, 64 * h, kv_head * group, tok + w * Cfg::kWgRows / group,
-                          bars.q_full(qs));
+          ws::tma_load_3d(
+              smem_addr(q_stage) + w * (Cfg::kWgRows * Cfg::kDqk * 2) + h * (Cfg::kWgRows * 128),
+              &maps.q, 64 * h, kv_head * group, tok + w * Cfg::kWgRows / group, bars.q_full(qs));
     } else {
       sm90::mbar_arrive(bars.q_full(qs));
     }
@@ -412,11 +411,10 @@ struct Fp8Operand {
 // u's staging is widened. Q is copied with cp.async too, its landing counted on the Q stage's
 // full barrier, so the producer never waits for its own copies but through the barriers.
 template <typename Cfg, bool kPaged>
-__device__ __forceinline__ void produce_fp8_block(const AttentionParams& p,
-                                                  const Sm90TmaMaps& maps, unsigned char* smem,
-                                                  const WsBarriers<Cfg>& bars, const RowBlock& b,
-                                                  int kv_head, int group, int block_n, int& tile_n,
-                                                  int tid) {
+__device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, const Sm90TmaMaps& maps,
+                                                  unsigned char* smem, const WsBarriers<Cfg>& bars,
+                                                  const RowBlock& b, int kv_head, int group,
+                                                  int block_n, int& tile_n, int tid) {
   using Ring = ws::Ring<Cfg::kKvStages>;
   using Staging = ws::Ring<Cfg::kFp8Stages>;
   using KOp = Fp8Operand<Cfg, Cfg::kDqk>;
@@ -486,8 +484,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
     // The block's slot for the consumers, published with its Q (fill_q_stage).
     if (tid == 0) *block_slot<Cfg>(smem, block_n) = b;
     if constexpr (Cfg::kFp8) {
-      produce_fp8_block<Cfg, kPaged>(p, maps, smem, bars, b, kv_head, group, block_n, tile_n,
-                                     tid);
+      produce_fp8_block<Cfg, kPaged>(p, maps, smem, bars, b, kv_head, group, block_n, tile_n, tid);
       ++block_n;
       return;
     }
