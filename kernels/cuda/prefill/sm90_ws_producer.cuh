@@ -257,8 +257,8 @@ __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p,
 // full barrier (which publishes the block's slot, written earlier, see produce), and the block's
 // 128 packed Q rows go into the stage. A whole block (128 rows) comes by TMA where Q has a map:
 // thread 0's arrival expects its bytes, and it issues one box a consumer warpgroup's rows and 64
-// dims. Issued from one thread, those copies take tens of cycles, where the warpgroup's 16-byte
-// copies of a 64 KB stage took the producer some 4700 (docs/perf/prefill.md). Otherwise the
+// dims: a few instructions, where the warpgroup's 16-byte copies stall at issue for thousands of
+// cycles a block (docs/perf/prefill.md, the blocks probe). Otherwise the
 // warpgroup copies the rows, 8 threads a row, 16 chunks each, padding rows zero-filled. A block
 // without keys takes its stage too and copies nothing (its epilogue may stage a merge state
 // there), and so does the end mark (a block of no rows). Each thread's copies arrive on the full
