@@ -1173,14 +1173,15 @@ TEST(CudaPrefill, StridedOutputRowsOnEveryKernel) {
   });
 }
 
-// Q with token rows apart beyond their own (a view of a wider tensor, as a fused QKV projection
-// gives): 8 elements apart keeps 16-byte rows, which the Hopper kernel maps for TMA; 4 apart
-// does not, and it copies Q's rows. Every kernel, paged and ragged, GQA 4 and 1.
+// Q with token rows apart beyond their own, NaN between (a view of a wider tensor, as a fused QKV
+// projection gives; CUDA prefill takes strides of whole 16-byte chunks): the Hopper kernel's
+// TMA map of Q and the copies of partial blocks both follow the stride. Every kernel, paged and
+// ragged, GQA 4 and 1.
 TEST(CudaPrefill, StridedQueryRowsOnEveryKernel) {
   FLASHKV_REQUIRE_GPU();
   for_each_prefill_kernel([&](int dqk, int dv) {
     FLASHKV_SEEDED_RNG(rng, 1797);
-    for (int pad : {8, 4}) {
+    for (int pad : {8, 64}) {
       SCOPED_TRACE(testing::Message() << "q_row_pad " << pad);
       Problem pr = small_variant_problem();  // paged, page size 16, causal
       pr.dqk = dqk;
