@@ -215,13 +215,13 @@ BLOCKS = [
      "  if (blockIdx.x == 0 && blockIdx.y == 0 && tid == 0) g_blocks_producer_records = prec;\n"),
     (PRODUCER, "    const int early = Cfg::tiles_before_q(num_tiles);  // then Q, then the rest\n"
      "    tiles(0, early);\n"
-     "    fill_q_stage<Cfg>(p, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);\n"
+     "    fill_q_stage<Cfg>(p, maps, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);\n"
      "    ++block_n;\n    tiles(early, num_tiles);\n",
      "    const uint32_t pt0 = blocks_clock();\n"
      "    const int early = Cfg::tiles_before_q(num_tiles);  // then Q, then the rest\n"
      "    tiles(0, early);\n"
      "    const uint32_t pt1 = blocks_clock();\n"
-     "    fill_q_stage<Cfg>(p, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);\n"
+     "    fill_q_stage<Cfg>(p, maps, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);\n"
      "    const uint32_t pt3 = blocks_clock();\n"
      "    ++block_n;\n    tiles(early, num_tiles);\n"
      "    if (prec && block_n - 1 < kBlocksMax) {\n"

@@ -68,6 +68,7 @@ struct Problem {
   bool sinks = false;    // random per-query-head attention sinks (AttentionOptions::sinks)
   bool f32_out = false;  // out in f32 instead of q's dtype
   int o_row_pad = 0;     // out's token rows this many elements apart beyond hq * dv (NaN between)
+  int q_row_pad = 0;     // q's token rows this many elements apart beyond hq * dqk (NaN between)
   // fp8 paged K/V: only zeros and subnormals (each byte's exponent bits cleared), so that a
   // kernel that loses fp8 subnormals on the way to 16 bits gives all-zero scores and outputs.
   bool fp8_subnormals = false;
@@ -296,6 +297,22 @@ std::pair<Tensor, Tensor> run_on_gpu(const Problem& pr, const Inputs& in, Prefil
   test::poison(out_h);
   test::poison(lse_h);
   Tensor q = in.q.to(gpu), k = in.k.to(gpu), v = in.v.to(gpu);
+  // q as given to the kernel: its token rows q_row_pad elements apart beyond their own, NaN
+  // between, where the problem asks for that.
+  const int64_t q_row = int64_t{pr.hq} * pr.dqk, q_stride = q_row + pr.q_row_pad;
+  Tensor q_rows;
+  TensorView q_view = q.view();
+  if (pr.q_row_pad > 0) {
+    Tensor q_rows_h = Tensor::empty({tokens, q_stride}, pr.dtype);
+    test::poison(q_rows_h);
+    const size_t elem = dtype_size(pr.dtype);
+    for (int64_t t = 0; t < tokens; ++t)
+      std::memcpy(static_cast<char*>(q_rows_h.data()) + t * q_stride * elem,
+                  static_cast<const char*>(in.q.data()) + t * q_row * elem, q_row * elem);
+    q_rows = q_rows_h.to(gpu);
+    q_view = TensorView(q_rows.data(), pr.dtype, {tokens, pr.hq, pr.dqk}, gpu);
+    q_view.stride[0] = q_stride;
+  }
   Tensor out_rows = out_h.to(gpu), lse = lse_h.to(gpu);
   TensorView out(out_rows.data(), o_dtype, {tokens, pr.hq, pr.dv}, gpu);
   out.stride[0] = o_stride;
@@ -320,10 +337,10 @@ std::pair<Tensor, Tensor> run_on_gpu(const Problem& pr, const Inputs& in, Prefil
         Tensor::from_i32(in.last_page_len.empty() ? std::vector<int32_t>{1} : in.last_page_len)
             .to(gpu);
     PagedKV kv{k, v, kvp, idx, lpl, pr.page_size, pr.k_scale, pr.v_scale};
-    paged_prefill(plan, q, qo, kv, opt, out, lse_view, ws);
+    paged_prefill(plan, q_view, qo, kv, opt, out, lse_view, ws);
   } else {
     FLASHKV_CHECK(pr.k_scale == 1.0f && pr.v_scale == 1.0f, "ragged KV has no scales");
-    ragged_prefill(plan, q, k, v, qo, kvp, opt, out, lse_view, ws);
+    ragged_prefill(plan, q_view, k, v, qo, kvp, opt, out, lse_view, ws);
   }
   if (plan_out) *plan_out = plan;
   // The rows back without their padding, which must still be NaN (nothing written past a row).
@@ -1151,6 +1168,30 @@ TEST(CudaPrefill, StridedOutputRowsOnEveryKernel) {
       pr.f32_out = false;
       pr.plan.fixed_split_size = 64;  // split, merged
       pr.expect_merges = true;
+      check_problem(pr, rng);
+    }
+  });
+}
+
+// Q with token rows apart beyond their own, NaN between (a view of a wider tensor, as a fused QKV
+// projection gives; CUDA prefill takes strides of whole 16-byte chunks): the Hopper kernel's
+// TMA map of Q and the copies of partial blocks both follow the stride. Every kernel, paged and
+// ragged, GQA 4 and 1.
+TEST(CudaPrefill, StridedQueryRowsOnEveryKernel) {
+  FLASHKV_REQUIRE_GPU();
+  for_each_prefill_kernel([&](int dqk, int dv) {
+    FLASHKV_SEEDED_RNG(rng, 1797);
+    for (int pad : {8, 64}) {
+      SCOPED_TRACE(testing::Message() << "q_row_pad " << pad);
+      Problem pr = small_variant_problem();  // paged, page size 16, causal
+      pr.dqk = dqk;
+      pr.dv = dv;
+      pr.q_row_pad = pad;
+      check_problem(pr, rng);
+      pr.paged = false;
+      pr.hkv = pr.hq;  // two whole 128-row blocks in request 1
+      pr.q_lens = {17, 300, 1};
+      pr.kv_lens = {17 + 54, 300 + 97, 1 + 200};
       check_problem(pr, rng);
     }
   });

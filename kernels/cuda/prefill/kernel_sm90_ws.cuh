@@ -6,7 +6,8 @@
 //     mbarriers (full: the bytes landed; empty: every consumer warp is done reading it), and
 //     copies the block's packed Q rows (two Q stages, so the next block's Q arrives while this one
 //     runs; one at head dim 256, whose Q tile is 64 KB, and with 16-bit K/V at 192 / 128; there
-//     the block's first K/V tiles go ahead of its Q). Ragged K/V: one thread
+//     the block's first K/V tiles go ahead of its Q), by TMA where the block has 128 rows and
+//     the group divides 64, else with cp.async (fill_q_stage). Ragged K/V: one thread
 //     issues the tensor-memory-access (TMA) copies of whole tiles, and the warpgroup copies a tile
 //     that runs past the block's keys with zero-filled cp.async copies, so that no key outside the
 //     range can put a NaN into P.V. Paged K/V: the threads gather every tile's rows with cp.async
@@ -111,28 +112,47 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// K or V (16-bit, [num_kv_rows, Hkv, head_dim] with the given element strides) as a TMA tensor
-// map of box_rows-row x 64-dim boxes; false where the layout does not allow one (the caller then
-// runs a kernel that copies with cp.async).
-inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataType type,
-                          const AttentionParams& p, int head_dim, int box_rows, int64_t stride_n,
-                          int64_t stride_h) {
+// A 16-bit [rows, heads, head_dim] tensor (element strides stride_n, stride_h) as a TMA tensor map
+// of boxes of box_rows rows x box_heads heads x 64 dims, with the 128-byte swizzle; false where the
+// layout does not allow one.
+inline bool encode_map(CUtensorMap* map, const void* data, CUtensorMapDataType type, int64_t rows,
+                       int heads, int head_dim, int box_heads, int box_rows, int64_t stride_n,
+                       int64_t stride_h) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr || p.num_kv_rows <= 0 || p.num_kv_rows > (int64_t{1} << 31) - 1)
-    return false;
+  if (encode == nullptr || rows <= 0 || rows > (int64_t{1} << 31) - 1) return false;
   if (reinterpret_cast<uintptr_t>(data) % 16 != 0) return false;
-  const uint64_t dims[3] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(p.num_kv_heads),
-                            static_cast<uint64_t>(p.num_kv_rows)};
+  const uint64_t dims[3] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(heads),
+                            static_cast<uint64_t>(rows)};
   const uint64_t strides[2] = {static_cast<uint64_t>(stride_h) * 2,
                                static_cast<uint64_t>(stride_n) * 2};
   for (const uint64_t st : strides)
     if (st % 16 != 0 || st >= (uint64_t{1} << 40)) return false;
-  const uint32_t box[3] = {64, 1, static_cast<uint32_t>(box_rows)};
+  const uint32_t box[3] = {64, static_cast<uint32_t>(box_heads), static_cast<uint32_t>(box_rows)};
   const uint32_t element_strides[3] = {1, 1, 1};
   return encode(map, type, 3, const_cast<void*>(data), dims, strides, box, element_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// K or V ([num_kv_rows, Hkv, head_dim]) in boxes of box_rows rows of one head; false where the
+// layout does not allow a map (the caller then runs a kernel that copies with cp.async).
+inline bool encode_kv_map(CUtensorMap* map, const void* data, CUtensorMapDataType type,
+                          const AttentionParams& p, int head_dim, int box_rows, int64_t stride_n,
+                          int64_t stride_h) {
+  return encode_map(map, data, type, p.num_kv_rows, p.num_kv_heads, head_dim, 1, box_rows, stride_n,
+                    stride_h);
+}
+
+// Q ([num_qo_tokens, Hq, head_dim]) in boxes of one consumer warpgroup's 64 packed rows: 64 / G
+// tokens x the G query heads of a K/V head; false where G does not divide 64 or the layout allows
+// no map (fill_q_stage then copies Q with cp.async).
+template <typename Cfg>
+bool encode_q_map(CUtensorMap* map, CUtensorMapDataType type, const AttentionParams& p) {
+  const int group = p.num_kv_heads > 0 ? p.num_qo_heads / p.num_kv_heads : 0;
+  if (group <= 0 || Cfg::kWgRows % group != 0) return false;
+  return encode_map(map, p.q, type, p.num_qo_tokens, p.num_qo_heads, Cfg::kDqk, group,
+                    Cfg::kWgRows / group, p.q_stride_n, p.q_stride_h);
 }
 
 // Launches the warp-specialized kernel; false (nothing launched) where it does not apply: paged
@@ -161,6 +181,7 @@ bool launch_prefill_sm90_ws(const AttentionParams& p, cudaStream_t stream) {
         !encode_kv_map(&maps.v, p.v, type, p, DV, Cfg::kKvTile, p.v_stride_n, p.v_stride_h))
       return false;
   }
+  maps.q_by_tma = encode_q_map<Cfg>(&maps.q, type, p);
   auto kernel = p.paged ? prefill_sm90_ws_kernel<QT, D, DV, F, true>
                         : prefill_sm90_ws_kernel<QT, D, DV, F, false>;
   constexpr int smem_bytes = Cfg::kSmemBytes;

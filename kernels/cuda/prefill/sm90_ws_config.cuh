@@ -135,13 +135,17 @@ struct Sm90WsConfig : Sm90Shape<QT, D, DV, ws_kv_tile<D, DV, F>()> {
   static_assert(kSmemBytes <= 227 * 1024, "an SM's shared memory");
 };
 
-// The two tensor maps of the TMA copies: K and V as [rows, Hkv, D] with the 128-byte swizzle,
-// boxes of kKvTile rows x 64 dims (one half of a tile).
+// The tensor maps of the TMA copies, with the 128-byte swizzle: K and V as [rows, Hkv, D], boxes
+// of kKvTile rows x 64 dims (one half of a tile); Q as [tokens, Hq, D], boxes of one consumer
+// warpgroup's 64 packed rows (64 / G tokens x the G query heads of a K/V head) x 64 dims.
 struct Sm90TmaMaps {
-  CUtensorMap k, v;
+  CUtensorMap k, v, q;
   // Paged 16-bit K/V: the page size when k and v map the pool in boxes of one page (whole tiles
   // then come by TMA, see produce_paged_tiles); 0 where paged tiles are gathered with cp.async.
   int paged_box = 0;
+  // Whether q maps Q (the group divides 64 and Q's layout allows a map): a block of 128 rows then
+  // takes its Q by TMA (fill_q_stage).
+  bool q_by_tma = false;
 };
 
 namespace ws {

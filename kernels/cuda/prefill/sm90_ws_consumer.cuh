@@ -266,6 +266,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       store_block_staged<Cfg>(p, b, kv_head, group, warp_row0, lane, q_stage, o, scale, lse);
     else
       store_block<Cfg>(p, b, kv_head, group, warp_row0, lane, q_stage, o, scale, lse);
+    // The stage's next Q may come by TMA (the async proxy), after the epilogue's and
+    // q_rows_to_f16's stores into it (the generic proxy): each lane orders its own before its
+    // warp's release of the stage.
+    sm90::fence_async_shared();
+    __syncwarp();
     if (lane == 0) sm90::mbar_arrive(bars.q_empty(qs));
     tile_n += num_tiles;
   }

@@ -255,25 +255,45 @@ __device__ __forceinline__ void produce_paged_tiles(const AttentionParams& p,
 
 // The CTA's block_n-th row block's Q, once its stage is free: thread 0 arrives on the stage's
 // full barrier (which publishes the block's slot, written earlier, see produce), and the block's
-// 128 packed Q rows go into the stage, 8 threads a row, 16 chunks each; padding rows
-// zero-filled. A block without keys takes its stage too and copies nothing (its epilogue may
-// stage a merge state there), and so does the end mark (a block of no rows). Each thread's copies
-// arrive on the full barrier as they land; the consumers fence them for wgmma.
+// 128 packed Q rows go into the stage. A whole block (128 rows) comes by TMA where Q has a map:
+// thread 0's arrival expects its bytes, and it issues one box a consumer warpgroup's rows and 64
+// dims: a few instructions, where the warpgroup's 16-byte copies stall at issue for thousands of
+// cycles a block (docs/perf/prefill.md, the blocks probe). Otherwise the
+// warpgroup copies the rows, 8 threads a row, 16 chunks each, padding rows zero-filled. A block
+// without keys takes its stage too and copies nothing (its epilogue may stage a merge state
+// there), and so does the end mark (a block of no rows). Each thread's copies arrive on the full
+// barrier as they land; the consumers fence them for wgmma.
 template <typename Cfg>
-__device__ __forceinline__ void fill_q_stage(const AttentionParams& p, unsigned char* smem,
-                                             const WsBarriers<Cfg>& bars, const RowBlock& b,
-                                             int kv_head, int group, int block_n, bool has_keys,
-                                             int tid) {
+__device__ __forceinline__ void fill_q_stage(const AttentionParams& p, const Sm90TmaMaps& maps,
+                                             unsigned char* smem, const WsBarriers<Cfg>& bars,
+                                             const RowBlock& b, int kv_head, int group, int block_n,
+                                             bool has_keys, int tid) {
   using QT = typename Cfg::Q;
   using QRing = ws::Ring<Cfg::kQStages>;
   const int qs = QRing::stage(block_n);
   sm90::mbar_wait(bars.q_empty(qs), QRing::empty_parity(block_n));
+  unsigned char* const q_stage = smem + qs * Cfg::kQTileBytes;
+  const bool by_tma = has_keys && maps.q_by_tma && b.rows == Cfg::kCtaRows;
   // The arrival releases thread 0's store of the block's slot to the consumers, whose wait on
   // the barrier acquires it.
-  if (tid == 0) sm90::mbar_arrive(bars.q_full(qs));
-  unsigned char* const q_stage = smem + qs * Cfg::kQTileBytes;
+  if (tid == 0) {
+    if (by_tma) {
+      ws::arrive_expect_tx(bars.q_full(qs), Cfg::kQTileBytes);
+      // Rows 64 w .. 64 w + 63 of the block: tokens from row0 / G + 64 w / G, all G heads.
+      const int tok = b.q_begin + b.row0 / group;
 #pragma unroll
-  for (int i = 0; i < (has_keys ? Cfg::kCtaRows / 16 : 0); ++i) {
+      for (int w = 0; w < 2; ++w)
+#pragma unroll
+        for (int h = 0; h < Cfg::kQkHalves; ++h)
+          ws::tma_load_3d(
+              smem_addr(q_stage) + w * (Cfg::kWgRows * Cfg::kDqk * 2) + h * (Cfg::kWgRows * 128),
+              &maps.q, 64 * h, kv_head * group, tok + w * Cfg::kWgRows / group, bars.q_full(qs));
+    } else {
+      sm90::mbar_arrive(bars.q_full(qs));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < (has_keys && !by_tma ? Cfg::kCtaRows / 16 : 0); ++i) {
     const int row = (tid >> 3) + 16 * i;
     bool valid;
     const QT* src = q_row_source<QT>(p, b, kv_head, group, row, (tid & 7) * 8, valid);
@@ -391,10 +411,10 @@ struct Fp8Operand {
 // u's staging is widened. Q is copied with cp.async too, its landing counted on the Q stage's
 // full barrier, so the producer never waits for its own copies but through the barriers.
 template <typename Cfg, bool kPaged>
-__device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsigned char* smem,
-                                                  const WsBarriers<Cfg>& bars, const RowBlock& b,
-                                                  int kv_head, int group, int block_n, int& tile_n,
-                                                  int tid) {
+__device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, const Sm90TmaMaps& maps,
+                                                  unsigned char* smem, const WsBarriers<Cfg>& bars,
+                                                  const RowBlock& b, int kv_head, int group,
+                                                  int block_n, int& tile_n, int tid) {
   using Ring = ws::Ring<Cfg::kKvStages>;
   using Staging = ws::Ring<Cfg::kFp8Stages>;
   using KOp = Fp8Operand<Cfg, Cfg::kDqk>;
@@ -450,7 +470,7 @@ __device__ __forceinline__ void produce_fp8_block(const AttentionParams& p, unsi
   }
   const int early = Cfg::tiles_before_q(num_tiles);
   for (int t = 0; t < early; ++t) widen(t);
-  fill_q_stage<Cfg>(p, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);
+  fill_q_stage<Cfg>(p, maps, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);
   for (int t = early; t < num_tiles; ++t) widen(t);
   tile_n += num_tiles;
 }
@@ -464,7 +484,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
     // The block's slot for the consumers, published with its Q (fill_q_stage).
     if (tid == 0) *block_slot<Cfg>(smem, block_n) = b;
     if constexpr (Cfg::kFp8) {
-      produce_fp8_block<Cfg, kPaged>(p, smem, bars, b, kv_head, group, block_n, tile_n, tid);
+      produce_fp8_block<Cfg, kPaged>(p, maps, smem, bars, b, kv_head, group, block_n, tile_n, tid);
       ++block_n;
       return;
     }
@@ -478,7 +498,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
     };
     const int early = Cfg::tiles_before_q(num_tiles);  // then Q, then the rest
     tiles(0, early);
-    fill_q_stage<Cfg>(p, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);
+    fill_q_stage<Cfg>(p, maps, smem, bars, b, kv_head, group, block_n, num_tiles > 0, tid);
     ++block_n;
     tiles(early, num_tiles);
   });
@@ -486,7 +506,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const Sm90TmaM
   RowBlock end{};
   end.rows = 0;
   if (tid == 0) *block_slot<Cfg>(smem, block_n) = end;
-  fill_q_stage<Cfg>(p, smem, bars, end, 0, 1, block_n, false, tid);
+  fill_q_stage<Cfg>(p, maps, smem, bars, end, 0, 1, block_n, false, tid);
 }
 
 }  // namespace flashkv::cuda::prefill_detail
