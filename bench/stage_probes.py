@@ -366,15 +366,17 @@ def summary(lines) -> list[str]:
 
 def source_files(root: Path) -> list[str]:
     """The tree's files: git's list where there is one, else every file outside build trees and
-    hidden directories (a copy of the tree without its history)."""
+    hidden directories (a copy of the tree without its history, which git lists as empty where
+    the copy lies in an ignored folder of another work tree)."""
     try:
         out = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], check=True,
                              capture_output=True).stdout
-        return [f for f in out.decode().split("\0") if f]
+        files = [f for f in out.decode().split("\0") if f]
     except (OSError, subprocess.CalledProcessError):
-        return [str(p.relative_to(root)) for p in root.rglob("*")
-                if p.is_file() and not any(part.startswith((".", "build"))
-                                           for part in p.relative_to(root).parts)]
+        files = []
+    return files or [str(p.relative_to(root)) for p in root.rglob("*")
+                     if p.is_file() and not any(part.startswith((".", "build"))
+                                                for part in p.relative_to(root).parts)]
 
 
 def write(out: Path, probes: list[str], root: Path = ROOT) -> list[Path]:

@@ -7,6 +7,8 @@ refuses otherwise), and the timeline's phases are the differences of its points.
 import csv
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 import tarfile
 
@@ -128,6 +130,21 @@ def test_probe_trees_differ_from_the_tree_in_the_probes_files_only(tmp_path):
         for path, text in sources.items():
             assert (t / path).read_text() == edited.get(path, text)
     assert sp.main([str(tmp_path / "out"), "nosuch"]) == 2
+
+
+def test_a_copy_in_an_ignored_folder_of_a_work_tree_is_listed_from_its_files(tmp_path):
+    sp = load("stage_probes")
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("/copy/\n")
+    root = tmp_path / "copy"
+    (root / "kernels").mkdir(parents=True)
+    (root / "CMakeLists.txt").write_text("project(x)\n")
+    (root / "kernels" / "a.cuh").write_text("// a\n")
+    (root / "build").mkdir()
+    (root / "build" / "big.o").write_text("not listed")
+    assert sorted(sp.source_files(root)) == ["CMakeLists.txt", os.path.join("kernels", "a.cuh")]
 
 
 def test_timeline_summary_takes_each_phase_and_the_period_within_a_block(tmp_path, capsys):
