@@ -11,6 +11,7 @@
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <sstream>
 #include <string>
 
 #include "flashkv/kernels/kernels.h"
@@ -361,7 +362,29 @@ std::pair<Tensor, Tensor> run_on_gpu(const Problem& pr, const Inputs& in, Prefil
   return {std::move(out_dense), lse.to(Device::cpu())};
 }
 
+// A problem's distinguishing settings, for a failure's trace.
+std::string describe(const Problem& pr) {
+  std::ostringstream s;
+  s << (pr.paged ? "paged page size " + std::to_string(pr.page_size) : std::string("ragged"))
+    << ", " << pr.q_lens.size() << " requests, " << pr.hq << "/" << pr.hkv << " heads, " << pr.dqk
+    << "/" << pr.dv << ", q " << dtype_name(pr.dtype) << ", kv " << dtype_name(pr.kv_dtype)
+    << (pr.causal ? ", causal" : "");
+  if (pr.k_scale != 1.0f || pr.v_scale != 1.0f)
+    s << ", k/v scales " << pr.k_scale << "/" << pr.v_scale;
+  if (pr.window_left >= 0) s << ", window " << pr.window_left;
+  if (pr.soft_cap > 0.0f) s << ", soft cap " << pr.soft_cap;
+  if (pr.sm_scale > 0.0f) s << ", sm_scale " << pr.sm_scale;
+  if (pr.custom_mask) s << ", custom mask";
+  if (pr.sinks) s << ", sinks";
+  if (pr.fp8_subnormals) s << ", fp8 subnormals only";
+  if (pr.q_magnitude != 1.0) s << ", q magnitude " << pr.q_magnitude;
+  if (pr.q_mixed_magnitudes) s << ", q of mixed magnitudes";
+  if (pr.plan.fixed_split_size > 0) s << ", split " << pr.plan.fixed_split_size;
+  return s.str();
+}
+
 void check_problem(const Problem& pr, Rng& rng) {
+  SCOPED_TRACE(describe(pr));
   const Inputs in = make_inputs(pr, rng);
   auto [out, lse] = run_on_gpu(pr, in, nullptr);
   AttentionOptions ref_opt = options_of(pr);
