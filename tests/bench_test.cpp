@@ -76,6 +76,25 @@ TEST(Bench, RooflineRunsEveryAvailableMatrixLoop) {
   EXPECT_THROW(measure_roofline(Device::cpu(), bad), Error);
 }
 
+// On a GPU the machine's matrix rate is the fastest single cuBLAS GEMM, and the same GEMM back to
+// back for gemm_sustain_seconds gives the sustained rate (0: not measured; out of range: an error).
+TEST(Bench, CudaRooflineMeasuresTheSustainedGemm) {
+  FLASHKV_REQUIRE_GPU();
+  RooflineOptions o;
+  o.buffer_bytes = size_t{8} << 20;
+  o.repeats = 2;
+  o.gemm_n = 1024;
+  o.gemm_sustain_seconds = 0.02;
+  const Roofline r = measure_roofline(Device::cuda(0), o);
+  EXPECT_GT(r.matmul_gflops, 0);
+  EXPECT_GT(r.matmul_sustained_gflops, 0);
+  EXPECT_TRUE(std::isfinite(r.matmul_sustained_gflops));
+  o.gemm_sustain_seconds = 0;
+  EXPECT_EQ(measure_roofline(Device::cuda(0), o).matmul_sustained_gflops, 0);
+  o.gemm_sustain_seconds = -1;
+  EXPECT_THROW(measure_roofline(Device::cuda(0), o), Error);
+}
+
 TEST(Bench, TinyCpuRunFillsTheJsonContract) {
   const Roofline machine = measure_roofline(Device::cpu(), quick_roofline());
   const std::vector<BenchCase> grid = bench_grid("quick", Device::cpu());
@@ -85,6 +104,7 @@ TEST(Bench, TinyCpuRunFillsTheJsonContract) {
   const std::string json = to_json(report);
   for (const char* key : {"read_gbps", "copy_gbps", "matmul_gflops", "cores", "buffer_bytes"})
     EXPECT_GT(json_number_after(json, key), 0) << key << " in\n" << json;
+  EXPECT_EQ(json_number_after(json, "matmul_sustained_gflops"), 0) << json;  // a GPU's only
   EXPECT_NE(json.find("\"device\": \"cpu\""), std::string::npos);
   EXPECT_NE(json.find("\"sms\": 0"), std::string::npos);
   size_t at = json.find("\"cases\"");

@@ -198,6 +198,7 @@ TEST(Cli, BenchQuickWritesJsonCsvAndRoofline) {
   EXPECT_EQ(m->find("device")->string(), "cpu");
   for (const char* k : {"read_gbps", "copy_gbps", "matmul_gflops"})
     EXPECT_GT(number(*m, k), 0) << k;
+  EXPECT_EQ(number(*m, "matmul_sustained_gflops"), 0);  // measured on a GPU only
   const JsonValue* cases = j.find("cases");
   ASSERT_TRUE(cases && cases->is_array());
   ASSERT_EQ(cases->items().size(), 3u);

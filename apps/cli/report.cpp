@@ -54,7 +54,10 @@ void print_machine(std::ostream& os, const Roofline& m) {
   os << "machine: " << m.name << " (" << m.device.str() << ", " << m.cores_or_sms
      << (m.device.is_cpu() ? " threads" : " SMs") << "): read " << fixed(m.read_gbps, 1)
      << " GB/s, copy " << fixed(m.copy_gbps, 1) << " GB/s, matmul " << fixed(m.matmul_gflops, 0)
-     << " GFLOP/s (" << m.matmul_kind << ")\n";
+     << " GFLOP/s (" << m.matmul_kind << ")";
+  if (m.matmul_sustained_gflops > 0)
+    os << ", " << fixed(m.matmul_sustained_gflops, 0) << " GFLOP/s sustained";
+  os << "\n";
 }
 
 void print_table_header(std::ostream& os) { os << table_header() << "\n"; }
@@ -138,6 +141,7 @@ std::string to_json(const BenchReport& report) {
      << ", \"copy_gbps\": " << json_number(m.copy_gbps)
      << ", \"matmul_gflops\": " << json_number(m.matmul_gflops)
      << ", \"matmul_kind\": " << json_string(m.matmul_kind)
+     << ", \"matmul_sustained_gflops\": " << json_number(m.matmul_sustained_gflops)
      << ", \"buffer_bytes\": " << m.buffer_bytes << "},\n  \"cases\": [";
   for (size_t i = 0; i < report.cases.size(); ++i) {
     const CaseResult& r = report.cases[i];

@@ -1,7 +1,7 @@
 // Output of a benchmark run: a table for people, JSON and CSV for tools. The JSON schema is the
 // output contract of `flashkv bench --json` (documented in the README):
 //   {"machine": {"device", "name", "cores", "sms", "read_gbps", "copy_gbps", "matmul_gflops",
-//                "matmul_kind", "buffer_bytes"},
+//                "matmul_kind", "matmul_sustained_gflops", "buffer_bytes"},
 //    "cases": [{"op", "device", "batch", "qo_len", "kv_len", "prefix_len", "num_qo_heads",
 //               "num_kv_heads", "head_dim", "page_size", "kv_layout", "dtype", "kv_dtype", "us",
 //               "gbps", "tflops", "roofline_fraction", "runs", "cuda_graph", "window_left",

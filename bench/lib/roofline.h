@@ -17,7 +17,12 @@ struct Roofline {
   double copy_gbps = 0;      // bytes read + written
   double matmul_gflops = 0;  // bf16 dot products (CPU) / cuBLAS bf16 GEMM (CUDA)
   std::string matmul_kind;   // which loop or library call produced matmul_gflops
-  size_t buffer_bytes = 0;   // size of the buffer the bandwidths streamed over
+  // CUDA: the same GEMM run back to back for RooflineOptions::gemm_sustain_seconds, its rate
+  // over the second half. A GPU at full load soon reaches its power limit and lowers its clock;
+  // matmul_gflops (the fastest single GEMM) is the rate before that, this the rate after, which
+  // is where a case timed for as long finds the card. 0 on a CPU, or when not measured.
+  double matmul_sustained_gflops = 0;
+  size_t buffer_bytes = 0;  // size of the buffer the bandwidths streamed over
 };
 
 // Sizes and durations of the measurement; the defaults are what `flashkv bench` uses.
@@ -34,6 +39,9 @@ struct RooflineOptions {
   std::string cpu_matmul;
   // CUDA: n of the n x n x n bf16 GEMM.
   int gemm_n = 8192;
+  // CUDA: how long the GEMM also runs back to back for matmul_sustained_gflops (the attention
+  // cases' default timing, BenchOptions::min_seconds); 0: not measured.
+  double gemm_sustain_seconds = 0.25;
 };
 
 Roofline measure_roofline(Device device);
