@@ -17,6 +17,11 @@ One more probe computes right results and records where a tile's time goes:
              count); at the process's exit each kernel file that launched prints its records to
              stderr, a `TIMELINE` line a tile and warpgroup (no synchronisation while it runs, so
              a graph capture is never disturbed)
+  ctas       every CTA's start and end (%globaltimer, ns) and its blocks and K/V tiles, on each
+             launch (the last launch of each kernel file stays); `CTAS` lines at exit, and the
+             summary gives the launch's span against its CTAs' mean time (the imbalance the
+             schedule leaves) and a least-squares fit of a CTA's time to its tiles and blocks
+             (what a tile and a block cost, for the planner's cost model)
   blocks     the same for the row blocks: each consumer warpgroup's thread 0 of CTA (0, 0) reads
              %clock as a block starts, once its Q has landed, once S_0 is in, after the last
              P.V and after the store, and the producer's thread 0 as it starts the block's
@@ -31,7 +36,7 @@ Usage:
   python3 bench/stage_probes.py OUTDIR timeline         # then build OUTDIR/timeline, and:
   OUTDIR/timeline/build/flashkv bench --device cuda --grid full --op prefill 2> timeline.txt
   python3 bench/stage_probes.py --summary timeline.txt  # each phase's median, in SM clocks
-  (the same for `blocks`; --summary reads both kinds of line)
+  (the same for `blocks` and `ctas`; --summary reads every kind of line)
 
 Each edit is a literal replacement that must match exactly once: when the kernel changes so that
 one no longer matches, the script stops and names it.
@@ -252,6 +257,42 @@ BLOCKS = [
              "          std::fprintf(stderr, \" %u\", pr[i][k]);\n"
              "        std::fprintf(stderr, \"\\n\");\n      }\n")
 
+# The ctas probe: a CTA's record is its start and end on the global timer (consumer warpgroup 0's
+# first thread as it starts, warpgroup 1's, which stores last, after its last block), its blocks
+# and its K/V tiles; every launch writes, so the last launch of each kernel file stays.
+_GLOBALTIMER = "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t));"
+CTAS = [
+    (CONSUMER, "// The consumer warpgroups (threads 128..383;",
+     "constexpr int kCtasMax = 4096;\n"
+     "__device__ unsigned long long g_ctas[kCtasMax][4];  // start, end (ns), blocks, tiles\n"
+     "__device__ int g_ctas_n;\n__device__ int g_ctas_paged;\n"
+     "__device__ __forceinline__ unsigned long long ctas_time() {\n"
+     f"  unsigned long long t;\n  {_GLOBALTIMER}\n  return t;\n}}\n\n"
+     "// The consumer warpgroups (threads 128..383;"),
+    (CONSUMER, "  const uint32_t base = smem_addr(smem);\n",
+     "  const uint32_t base = smem_addr(smem);\n"
+     "  const int cta = blockIdx.y * gridDim.x + blockIdx.x;\n"
+     "  if (ctid == 0 && cta < kCtasMax) g_ctas[cta][0] = ctas_time();\n"),
+    (CONSUMER, "  if (wg == 0) take_turn(0);\n",
+     "  if (wg == 0) take_turn(0);\n"
+     "  if (ctid == 128 && cta < kCtasMax) {\n"
+     "    g_ctas[cta][1] = ctas_time();\n    g_ctas[cta][2] = block_n;\n"
+     "    g_ctas[cta][3] = tile_n;\n  }\n"
+     "  if (ctid == 0 && cta == 0) {\n"
+     "    g_ctas_n = gridDim.x * gridDim.y < kCtasMax ? gridDim.x * gridDim.y : kCtasMax;\n"
+     "    g_ctas_paged = kPaged;\n  }\n"),
+] + _at_exit("ctas",
+             "      static unsigned long long h[kCtasMax][4];\n"
+             "      int n = 0, paged = 0;\n"
+             "      if (cudaMemcpyFromSymbol(h, g_ctas, sizeof h) != cudaSuccess ||\n"
+             "          cudaMemcpyFromSymbol(&n, g_ctas_n, sizeof n) != cudaSuccess ||\n"
+             "          cudaMemcpyFromSymbol(&paged, g_ctas_paged, sizeof paged) != cudaSuccess)\n"
+             "        return;\n"
+             "      for (int i = 0; i < n; ++i)\n"
+             "        std::fprintf(stderr, \"CTAS D=%d paged=%d fp8=%d cta=%d start=%llu end=%llu \"\n"
+             "                     \"blocks=%llu tiles=%llu\\n\", D, paged, int(Cfg::kFp8), i, h[i][0],\n"
+             "                     h[i][1], h[i][2], h[i][3]);\n")
+
 PROBES: dict[str, list[tuple[str, str, str]]] = {
     "nosoftmax": [(CONSUMER, "return softmax.update_scores(s, c_blk, corr);",
                    "(void)corr;\n#pragma unroll\n"
@@ -267,6 +308,7 @@ PROBES: dict[str, list[tuple[str, str, str]]] = {
               "          for (int part")],
     "timeline": TIMELINE,
     "blocks": BLOCKS,
+    "ctas": CTAS,
 }
 STAGE_PROBES = ["nosoftmax", "nomask", "nostore", "nopv"]
 
@@ -310,6 +352,9 @@ def summary(lines) -> list[str]:
                                rf"tiles=(\d+) clk=((?: \d+){{{len(BLOCK_POINTS)}}})")
     producer_pattern = re.compile(r"PRODUCER (D=\d+ paged=\d fp8=\d) block=(\d+) "
                                   rf"clk=((?: \d+){{{len(PRODUCER_POINTS)}}})")
+    cta_pattern = re.compile(r"CTAS (D=\d+ paged=\d fp8=\d) cta=(\d+) start=(\d+) end=(\d+) "
+                             r"blocks=(\d+) tiles=(\d+)")
+    ctas: dict[str, list[tuple[int, int, int, int]]] = {}
     for line in lines:
         if m := pattern.search(line):
             clocks = [int(c) for c in m.group(5).split()]
@@ -318,6 +363,8 @@ def summary(lines) -> list[str]:
         elif m := block_pattern.search(line):
             blocks.setdefault((m.group(1), m.group(2)), {})[int(m.group(3))] = (
                 int(m.group(4)), [int(c) for c in m.group(5).split()])
+        elif m := cta_pattern.search(line):
+            ctas.setdefault(m.group(1), []).append(tuple(int(m.group(k)) for k in range(3, 7)))
         elif m := producer_pattern.search(line):
             producer.setdefault(m.group(1), {})[int(m.group(2))] = [
                 int(c) for c in m.group(3).split()]
@@ -361,7 +408,33 @@ def summary(lines) -> list[str]:
             if len(ready) == 2:
                 phases["Q landed"].append(max(_signed(r - c[3]) for r in ready))
         out.append(f"{kernel} producer blocks={len(by_block)}: {_medians(phases)}")
+    for kernel, rows in ctas.items():
+        out.append(f"{kernel} {_ctas_line(rows)}")
     return out
+
+
+def _ctas_line(rows: list[tuple[int, int, int, int]]) -> str:
+    """One launch's CTAs (start, end in ns, blocks, tiles): the span from the first start to the
+    last end against the CTAs' mean time, the spread of their ends, and the least-squares fit of
+    a CTA's time to a * tiles + b * blocks (microseconds)."""
+    us = [(end - start) / 1e3 for start, end, _, _ in rows]
+    span = (max(r[1] for r in rows) - min(r[0] for r in rows)) / 1e3
+    mean = statistics.fmean(us)
+    ends = sorted((r[1] - min(x[0] for x in rows)) / 1e3 for r in rows)
+    line = (f"ctas={len(rows)}: span {span:.1f} us, a CTA's mean {mean:.1f} us "
+            f"(span / mean {span / mean:.3f}), ends from {ends[0]:.1f} to {ends[-1]:.1f} us "
+            f"(median {statistics.median(ends):.1f})")
+    # Normal equations of us ~ a * tiles + b * blocks.
+    tt = sum(r[3] * r[3] for r in rows)
+    tb = sum(r[3] * r[2] for r in rows)
+    bb = sum(r[2] * r[2] for r in rows)
+    ty = sum(r[3] * y for r, y in zip(rows, us))
+    by = sum(r[2] * y for r, y in zip(rows, us))
+    det = tt * bb - tb * tb
+    if det > 0:
+        a, b = (ty * bb - by * tb) / det, (tt * by - tb * ty) / det
+        line += f"; fit: {a * 1e3:.0f} ns a tile, {b * 1e3:.0f} ns a block"
+    return line
 
 
 def source_files(root: Path) -> list[str]:

@@ -103,6 +103,7 @@ def test_every_probe_matches_the_kernel():
             assert old not in edited[path].replace(new, "")
     assert set(sp.patched(sources, "timeline")) == {sp.CONSUMER, sp.LAUNCH}
     assert set(sp.patched(sources, "blocks")) == set(sp.FILES)
+    assert set(sp.patched(sources, "ctas")) == {sp.CONSUMER, sp.LAUNCH}
 
 
 def test_a_probe_that_no_longer_matches_stops_the_script():
@@ -189,4 +190,19 @@ def test_blocks_summary_takes_each_block_phase_and_the_q_copies_landing():
         "finish and store 375 to the next block 121",
         "D=256 paged=0 fp8=0 producer blocks=2: early tiles 51 Q stage free 376 Q issued 46 "
         "tiles issued 30 Q landed 110",
+    ]
+
+
+def test_ctas_summary_takes_the_span_the_imbalance_and_the_cost_fit():
+    sp = load("stage_probes")
+    # Three CTAs whose times (ns) are exactly 2000 a tile + 5000 a block, started 1 us apart.
+    rows = [(0, 3, 10), (1000, 2, 20), (2000, 4, 5)]
+    lines = [f"CTAS D=128 paged=0 fp8=0 cta={i} start={s} end={s + 2000 * t + 5000 * b} "
+             f"blocks={b} tiles={t}\n" for i, (s, b, t) in enumerate(rows)]
+    lines.append("an unrelated line\n")
+    out = sp.summary(lines)
+    # Times 35, 50 and 30 us (mean 38.3); ends at 35, 51 and 32 us after the first start.
+    assert out == [
+        "D=128 paged=0 fp8=0 ctas=3: span 51.0 us, a CTA's mean 38.3 us (span / mean 1.330), "
+        "ends from 32.0 to 51.0 us (median 35.0); fit: 2000 ns a tile, 5000 ns a block"
     ]
