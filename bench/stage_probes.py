@@ -18,8 +18,8 @@ One more probe computes right results and records where a tile's time goes:
              stderr, a `TIMELINE` line a tile and warpgroup (no synchronisation while it runs, so
              a graph capture is never disturbed)
   ctas       every CTA's start and end (%globaltimer, ns) and its blocks and K/V tiles, on each
-             launch (the last launch of each kernel file stays); `CTAS` lines at exit, and the
-             summary gives the launch's span against its CTAs' mean time (the imbalance the
+             launch (the last launch of each case stays: its batch size, query heads, causal or
+             not, paged or ragged); `CTAS` lines at exit, and the summary gives the launch's span against its CTAs' mean time (the imbalance the
              schedule leaves) and a least-squares fit of a CTA's time to its tiles and blocks
              (what a tile and a block cost, for the planner's cost model)
   blocks     the same for the row blocks: each consumer warpgroup's thread 0 of CTA (0, 0) reads
@@ -259,39 +259,54 @@ BLOCKS = [
 
 # The ctas probe: a CTA's record is its start and end on the global timer (consumer warpgroup 0's
 # first thread as it starts, warpgroup 1's, which stores last, after its last block), its blocks
-# and its K/V tiles; every launch writes, so the last launch of each kernel file stays.
+# and its K/V tiles. Each launch writes the slot of its case (batch size, query heads, causal,
+# paged: one of kCtasSlots slots a kernel file, claimed by the first launch of the case), so each
+# case's last launch stays.
 _GLOBALTIMER = "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t));"
 CTAS = [
     (CONSUMER, "// The consumer warpgroups (threads 128..383;",
-     "constexpr int kCtasMax = 4096;\n"
-     "__device__ unsigned long long g_ctas[kCtasMax][4];  // start, end (ns), blocks, tiles\n"
-     "__device__ int g_ctas_n;\n__device__ int g_ctas_paged;\n"
+     "constexpr int kCtasSlots = 8, kCtasMax = 2048;\n"
+     "__device__ unsigned long long g_ctas[kCtasSlots][kCtasMax][4];  // start, end (ns), blocks, tiles\n"
+     "__device__ unsigned long long g_ctas_key[kCtasSlots];\n"
+     "__device__ int g_ctas_n[kCtasSlots];\n"
      "__device__ __forceinline__ unsigned long long ctas_time() {\n"
-     f"  unsigned long long t;\n  {_GLOBALTIMER}\n  return t;\n}}\n\n"
+     f"  unsigned long long t;\n  {_GLOBALTIMER}\n  return t;\n}}\n"
+     "// The slot of the launch's case (-1: all taken by other cases).\n"
+     "__device__ __forceinline__ int ctas_slot(const AttentionParams& p, bool paged) {\n"
+     "  const unsigned long long key = 1ull << 63 | (unsigned long long)p.batch_size << 32 |\n"
+     "                                 (unsigned long long)p.num_qo_heads << 2 |\n"
+     "                                 (p.causal ? 2ull : 0ull) | (paged ? 1ull : 0ull);\n"
+     "  for (int i = 0; i < kCtasSlots; ++i) {\n"
+     "    const unsigned long long old = atomicCAS(&g_ctas_key[i], 0ull, key);\n"
+     "    if (old == 0 || old == key) return i;\n  }\n  return -1;\n}\n\n"
      "// The consumer warpgroups (threads 128..383;"),
     (CONSUMER, "  const uint32_t base = smem_addr(smem);\n",
      "  const uint32_t base = smem_addr(smem);\n"
      "  const int cta = blockIdx.y * gridDim.x + blockIdx.x;\n"
-     "  if (ctid == 0 && cta < kCtasMax) g_ctas[cta][0] = ctas_time();\n"),
+     "  const int cslot = (ctid & 127) == 0 && cta < kCtasMax ? ctas_slot(p, kPaged) : -1;\n"
+     "  if (ctid == 0 && cslot >= 0) g_ctas[cslot][cta][0] = ctas_time();\n"),
     (CONSUMER, "  if (wg == 0) take_turn(0);\n",
      "  if (wg == 0) take_turn(0);\n"
-     "  if (ctid == 128 && cta < kCtasMax) {\n"
-     "    g_ctas[cta][1] = ctas_time();\n    g_ctas[cta][2] = block_n;\n"
-     "    g_ctas[cta][3] = tile_n;\n  }\n"
-     "  if (ctid == 0 && cta == 0) {\n"
-     "    g_ctas_n = gridDim.x * gridDim.y < kCtasMax ? gridDim.x * gridDim.y : kCtasMax;\n"
-     "    g_ctas_paged = kPaged;\n  }\n"),
+     "  if (ctid == 128 && cslot >= 0) {\n"
+     "    g_ctas[cslot][cta][1] = ctas_time();\n    g_ctas[cslot][cta][2] = block_n;\n"
+     "    g_ctas[cslot][cta][3] = tile_n;\n"
+     "    if (cta == 0)\n"
+     "      g_ctas_n[cslot] = gridDim.x * gridDim.y < kCtasMax ? gridDim.x * gridDim.y : kCtasMax;\n"
+     "  }\n"),
 ] + _at_exit("ctas",
-             "      static unsigned long long h[kCtasMax][4];\n"
-             "      int n = 0, paged = 0;\n"
+             "      static unsigned long long h[kCtasSlots][kCtasMax][4], key[kCtasSlots];\n"
+             "      int n[kCtasSlots];\n"
              "      if (cudaMemcpyFromSymbol(h, g_ctas, sizeof h) != cudaSuccess ||\n"
-             "          cudaMemcpyFromSymbol(&n, g_ctas_n, sizeof n) != cudaSuccess ||\n"
-             "          cudaMemcpyFromSymbol(&paged, g_ctas_paged, sizeof paged) != cudaSuccess)\n"
+             "          cudaMemcpyFromSymbol(key, g_ctas_key, sizeof key) != cudaSuccess ||\n"
+             "          cudaMemcpyFromSymbol(n, g_ctas_n, sizeof n) != cudaSuccess)\n"
              "        return;\n"
-             "      for (int i = 0; i < n; ++i)\n"
-             "        std::fprintf(stderr, \"CTAS D=%d paged=%d fp8=%d cta=%d start=%llu end=%llu \"\n"
-             "                     \"blocks=%llu tiles=%llu\\n\", D, paged, int(Cfg::kFp8), i, h[i][0],\n"
-             "                     h[i][1], h[i][2], h[i][3]);\n")
+             "      for (int s = 0; s < kCtasSlots; ++s)\n"
+             "        for (int i = 0; key[s] != 0 && i < n[s]; ++i)\n"
+             "          std::fprintf(stderr, \"CTAS D=%d paged=%d fp8=%d batch=%d heads=%d causal=%d cta=%d \"\n"
+             "                       \"start=%llu end=%llu blocks=%llu tiles=%llu\\n\", D,\n"
+             "                       int(key[s] & 1), int(Cfg::kFp8), int(key[s] >> 32 & 0x7fffffff),\n"
+             "                       int(key[s] >> 2 & 0x3fffffff), int(key[s] >> 1 & 1), i, h[s][i][0],\n"
+             "                       h[s][i][1], h[s][i][2], h[s][i][3]);\n")
 
 PROBES: dict[str, list[tuple[str, str, str]]] = {
     "nosoftmax": [(CONSUMER, "return softmax.update_scores(s, c_blk, corr);",
@@ -352,8 +367,8 @@ def summary(lines) -> list[str]:
                                rf"tiles=(\d+) clk=((?: \d+){{{len(BLOCK_POINTS)}}})")
     producer_pattern = re.compile(r"PRODUCER (D=\d+ paged=\d fp8=\d) block=(\d+) "
                                   rf"clk=((?: \d+){{{len(PRODUCER_POINTS)}}})")
-    cta_pattern = re.compile(r"CTAS (D=\d+ paged=\d fp8=\d) cta=(\d+) start=(\d+) end=(\d+) "
-                             r"blocks=(\d+) tiles=(\d+)")
+    cta_pattern = re.compile(r"CTAS (D=\d+ paged=\d fp8=\d batch=\d+ heads=\d+ causal=\d) cta=(\d+) "
+                             r"start=(\d+) end=(\d+) blocks=(\d+) tiles=(\d+)")
     ctas: dict[str, list[tuple[int, int, int, int]]] = {}
     for line in lines:
         if m := pattern.search(line):
