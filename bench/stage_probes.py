@@ -19,9 +19,10 @@ One more probe computes right results and records where a tile's time goes:
              a graph capture is never disturbed)
   ctas       every CTA's start and end (%globaltimer, ns) and its blocks and K/V tiles, on each
              launch (the last launch of each case stays: its batch size, query heads, causal or
-             not, paged or ragged); `CTAS` lines at exit, and the summary gives the launch's span against its CTAs' mean time (the imbalance the
-             schedule leaves) and a least-squares fit of a CTA's time to its tiles and blocks
-             (what a tile and a block cost, for the planner's cost model)
+             not, paged or ragged); `CTAS` lines at exit, and the summary gives the launch's
+             span against its CTAs' mean time (the imbalance the schedule leaves) and a
+             least-squares fit of a CTA's time to its tiles and blocks (what a tile and a block
+             cost, for the planner's cost model)
   blocks     the same for the row blocks: each consumer warpgroup's thread 0 of CTA (0, 0) reads
              %clock as a block starts, once its Q has landed, once S_0 is in, after the last
              P.V and after the store, and the producer's thread 0 as it starts the block's
@@ -434,7 +435,7 @@ def _ctas_line(rows: list[tuple[int, int, int, int]]) -> str:
     a CTA's time to a * tiles + b * blocks (microseconds)."""
     us = [(end - start) / 1e3 for start, end, _, _ in rows]
     span = (max(r[1] for r in rows) - min(r[0] for r in rows)) / 1e3
-    mean = statistics.fmean(us)
+    mean = max(statistics.fmean(us), 1e-9)  # a launch of empty CTAs still prints
     ends = sorted((r[1] - min(x[0] for x in rows)) / 1e3 for r in rows)
     line = (f"ctas={len(rows)}: span {span:.1f} us, a CTA's mean {mean:.1f} us "
             f"(span / mean {span / mean:.3f}), ends from {ends[0]:.1f} to {ends[-1]:.1f} us "
