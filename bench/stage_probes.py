@@ -434,9 +434,10 @@ def _ctas_line(rows: list[tuple[int, int, int, int]]) -> str:
     last end against the CTAs' mean time, the spread of their ends, and the least-squares fit of
     a CTA's time to a * tiles + b * blocks (microseconds)."""
     us = [(end - start) / 1e3 for start, end, _, _ in rows]
-    span = (max(r[1] for r in rows) - min(r[0] for r in rows)) / 1e3
+    first = min(r[0] for r in rows)
+    ends = sorted((r[1] - first) / 1e3 for r in rows)
+    span = ends[-1]
     mean = max(statistics.fmean(us), 1e-9)  # a launch of empty CTAs still prints
-    ends = sorted((r[1] - min(x[0] for x in rows)) / 1e3 for r in rows)
     line = (f"ctas={len(rows)}: span {span:.1f} us, a CTA's mean {mean:.1f} us "
             f"(span / mean {span / mean:.3f}), ends from {ends[0]:.1f} to {ends[-1]:.1f} us "
             f"(median {statistics.median(ends):.1f})")
