@@ -368,8 +368,8 @@ def summary(lines) -> list[str]:
                                rf"tiles=(\d+) clk=((?: \d+){{{len(BLOCK_POINTS)}}})")
     producer_pattern = re.compile(r"PRODUCER (D=\d+ paged=\d fp8=\d) block=(\d+) "
                                   rf"clk=((?: \d+){{{len(PRODUCER_POINTS)}}})")
-    cta_pattern = re.compile(r"CTAS (D=\d+ paged=\d fp8=\d batch=\d+ heads=\d+ causal=\d) cta=(\d+) "
-                             r"start=(\d+) end=(\d+) blocks=(\d+) tiles=(\d+)")
+    cta_pattern = re.compile(r"CTAS (D=\d+ paged=\d fp8=\d batch=\d+ heads=\d+ causal=\d) "
+                             r"cta=(\d+) start=(\d+) end=(\d+) blocks=(\d+) tiles=(\d+)")
     ctas: dict[str, list[tuple[int, int, int, int]]] = {}
     for line in lines:
         if m := pattern.search(line):

@@ -197,12 +197,14 @@ def test_ctas_summary_takes_the_span_the_imbalance_and_the_cost_fit():
     sp = load("stage_probes")
     # Three CTAs whose times (ns) are exactly 2000 a tile + 5000 a block, started 1 us apart.
     rows = [(0, 3, 10), (1000, 2, 20), (2000, 4, 5)]
-    lines = [f"CTAS D=128 paged=0 fp8=0 batch=4 heads=32 causal=1 cta={i} start={s} end={s + 2000 * t + 5000 * b} "
-             f"blocks={b} tiles={t}\n" for i, (s, b, t) in enumerate(rows)]
+    lines = [f"CTAS D=128 paged=0 fp8=0 batch=4 heads=32 causal=1 cta={i} start={s} "
+             f"end={s + 2000 * t + 5000 * b} blocks={b} tiles={t}\n"
+             for i, (s, b, t) in enumerate(rows)]
     lines.append("an unrelated line\n")
     out = sp.summary(lines)
     # Times 35, 50 and 30 us (mean 38.3); ends at 35, 51 and 32 us after the first start.
     assert out == [
-        "D=128 paged=0 fp8=0 batch=4 heads=32 causal=1 ctas=3: span 51.0 us, a CTA's mean 38.3 us (span / mean 1.330), "
-        "ends from 32.0 to 51.0 us (median 35.0); fit: 2000 ns a tile, 5000 ns a block"
+        "D=128 paged=0 fp8=0 batch=4 heads=32 causal=1 ctas=3: span 51.0 us, a CTA's mean "
+        "38.3 us (span / mean 1.330), ends from 32.0 to 51.0 us (median 35.0); "
+        "fit: 2000 ns a tile, 5000 ns a block"
     ]
