@@ -32,6 +32,7 @@
 #include <climits>
 #include <cstring>
 #include <functional>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 
@@ -144,6 +145,24 @@ int32_t max_workers_of(const BatchShape& b, const DeviceInfo& dev, const PlanOpt
                 dev.device.is_cpu() ? "num_threads" : "num_sms x blocks_per_sm",
                 " / num_kv_heads) exceed the planner's limit of ", kMaxWorkers);
   return static_cast<int32_t>(workers);
+}
+
+// The workers a KV head a CUDA prefill's items are spread over, at the default blocks_per_sm:
+// `workers` (one wave's) rounded up to whole waves. The sm_90a kernels fit one CTA an SM, so a
+// grid of num_sms * 2 - k CTAs leaves k SMs idle through its second wave (256 CTAs at 32 KV
+// heads on 132 SMs), where 33 workers a head (1056 CTAs, 8 waves) keep them busy. Where whole
+// waves would take more than 8 waves of one CTA an SM, the count stays. Only the spreading
+// changes: the KV split is still sized on `workers`. Decode (measured for prefill only), graph
+// mode (a fixed count, which short batches would pay for in empty CTAs) and an explicit
+// blocks_per_sm keep `workers`.
+int32_t spread_workers_of(int32_t workers, const BatchShape& b, const DeviceInfo& dev,
+                          const PlanOptions& o, bool decode) {
+  if (!dev.device.is_cuda() || decode || o.cuda_graph || o.blocks_per_sm > 0) return workers;
+  const int64_t slots = int64_t{dev.num_sms} * kDefaultBlocksPerSm;
+  const int64_t unit = slots / std::gcd<int64_t>(slots, b.num_kv_heads);
+  const int64_t whole = ceil_div(workers, unit) * unit;
+  return whole * b.num_kv_heads <= 4 * slots && whole <= kMaxWorkers ? static_cast<int32_t>(whole)
+                                                                     : workers;
 }
 
 int32_t q_tile_of(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& o, bool decode) {
@@ -588,9 +607,10 @@ void plan_common(const BatchShape& b, const DeviceInfo& dev, const PlanOptions& 
   const int32_t num_items = static_cast<int32_t>(items->size());
 
   // 4. Workers: a fixed count on the CPU and in graph mode, else no more than there are items.
-  p.num_workers = (dev.device.is_cpu() || o.cuda_graph)
-                      ? max_workers
-                      : std::min(max_workers, std::max(num_items, 1));
+  p.num_workers =
+      (dev.device.is_cpu() || o.cuda_graph)
+          ? max_workers
+          : std::min(spread_workers_of(max_workers, b, dev, o, decode), std::max(num_items, 1));
   const int32_t W = p.num_workers;
   if (num_items <= W) {  // one item a worker, in planning order
     p.worker_indptr.resize(W + 1);

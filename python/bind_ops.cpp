@@ -336,7 +336,7 @@ void bind_structs(nb::module_& m) {
       .def_rw("max_kv_len", &PlanOptions::max_kv_len,
               "Graph mode with fixed_split_size: the longest request's KV.")
       .def_rw("blocks_per_sm", &PlanOptions::blocks_per_sm,
-              "CUDA: resident CTAs per SM the kernel is sized for (0: 2).")
+              "CUDA: workers an SM (0: 2, and prefill rounds up to whole waves of CTAs).")
       .def_rw("min_split_size", &PlanOptions::min_split_size,
               "Shortest KV chunk an automatic split makes (0: the planner's default).");
 

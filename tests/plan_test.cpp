@@ -101,11 +101,18 @@ Batch random_batch(Rng& rng, bool decode, int max_batch, int32_t max_q, int32_t 
   return make_batch(decode, q, kv);
 }
 
-int32_t workers_per_kv_head(const DeviceInfo& dev, const PlanOptions& o, int hkv) {
+// The most workers a KV head: num_threads or num_sms x blocks_per_sm over the KV heads, and a
+// CUDA prefill at the default blocks_per_sm (not in graph mode) rounded up to whole waves where
+// that takes at most 8 waves of one CTA an SM: found by search, not by the planner's formula.
+int32_t workers_per_kv_head(const DeviceInfo& dev, const PlanOptions& o, int hkv, bool decode) {
   const int64_t slots = dev.device.is_cpu()
                             ? dev.num_threads
                             : int64_t{dev.num_sms} * (o.blocks_per_sm > 0 ? o.blocks_per_sm : 2);
-  return static_cast<int32_t>(std::max<int64_t>(1, slots / hkv));
+  const int64_t floor = std::max<int64_t>(1, slots / hkv);
+  if (dev.device.is_cpu() || decode || o.cuda_graph || o.blocks_per_sm > 0) return floor;
+  for (int64_t w = floor; w * hkv <= 4 * slots; ++w)
+    if (w * hkv % slots == 0) return static_cast<int32_t>(w);
+  return static_cast<int32_t>(floor);
 }
 
 int64_t cost_of(const WorkItem& it) { return int64_t{it.q_len} * (it.kv_end - it.kv_begin + 16); }
@@ -187,7 +194,7 @@ AssertionResult check_plan(const Plan& p, const Batch& b, const DeviceInfo& dev,
   if (o.q_tile > 0 && !b.decode) PLAN_CHECK(p.q_tile == o.q_tile, "q_tile option ignored");
 
   // Workers and grouping.
-  const int32_t max_workers = workers_per_kv_head(dev, o, s.num_kv_heads);
+  const int32_t max_workers = workers_per_kv_head(dev, o, s.num_kv_heads, b.decode);
   const int32_t W = p.num_workers;
   const int32_t n = static_cast<int32_t>(p.items.size());
   PLAN_CHECK(W >= 1 && W <= max_workers, "num_workers ", W, " (max ", max_workers, ")");
@@ -709,6 +716,57 @@ TEST(Plan, AutomaticChunksOfATileDifferByAtMostOneUnit) {
   ASSERT_TRUE(check_plan(p, b, cpu_like(264), PlanOptions{}));
   for (const WorkItem& it : p.items) EXPECT_EQ(it.kv_end - it.kv_begin, 2048);
   EXPECT_EQ(p.items.size(), 32u);
+}
+
+// A CUDA prefill's grid fills whole waves: at 132 SMs (264 slots at two a SM), 32 KV heads take 33
+// workers a head (1056 CTAs, 8 waves of one CTA an SM) where 8 a head would leave 8 SMs idle
+// through the second wave. Decode, graph mode, an explicit blocks_per_sm and the CPU keep
+// slots / Hkv; where whole waves would take more than 8, so does the prefill.
+TEST(Plan, CudaPrefillWorkersFillWholeWaves) {
+  const DeviceInfo gpu = cuda_like(132);
+  auto workers = [&](int hkv, bool decode, PlanOptions o = {}, const DeviceInfo* dev = nullptr) {
+    // Enough rows that no head runs out of items: 64 requests of 2048 tokens, q_tile 16.
+    Batch b = make_batch(decode, std::vector<int32_t>(64, decode ? 1 : 2048),
+                         std::vector<int32_t>(64, 2048), hkv, hkv, 128);
+    o.q_tile = decode ? 0 : 16;
+    o.enable_split_kv = false;
+    if (o.cuda_graph) {
+      o.max_batch_size = 64;
+      o.max_num_tokens = 64 * 2048;
+    }
+    const DeviceInfo& d = dev ? *dev : gpu;
+    if (decode) {
+      const DecodePlan p = plan_decode(b.shape, d, o);
+      EXPECT_TRUE(check_plan(p, b, d, o));
+      return p.num_workers;
+    }
+    const PrefillPlan p = plan_prefill(b.shape, d, o);
+    EXPECT_TRUE(check_plan(p, b, d, o));
+    return p.num_workers;
+  };
+  EXPECT_EQ(workers(32, false), 33);  // 1056 CTAs: 8 waves
+  EXPECT_EQ(workers(16, false), 33);  // 528: 4 waves
+  EXPECT_EQ(workers(8, false), 33);   // 264: 2 waves, as slots / Hkv
+  EXPECT_EQ(workers(12, false), 22);  // 264
+  EXPECT_EQ(workers(64, false), 4);   // whole waves would take 16: 256 CTAs
+  EXPECT_EQ(workers(32, true), 8);
+  PlanOptions two;
+  two.blocks_per_sm = 2;
+  EXPECT_EQ(workers(32, false, two), 8);
+  PlanOptions graph;
+  graph.cuda_graph = true;
+  EXPECT_EQ(workers(32, false, graph), 8);
+  const DeviceInfo a100 = cuda_like(108);  // 216 slots: 27 a head at 32 heads, 864 CTAs
+  EXPECT_EQ(workers(32, false, {}, &a100), 27);
+  const DeviceInfo cpu = cpu_like(64);
+  EXPECT_EQ(workers(32, false, {}, &cpu), 2);
+  // The KV split is still sized on one wave's count: a 1 x 2048 prefill at 32 KV heads keeps its
+  // 16 tiles a head whole (33 workers would split them), one a worker.
+  Batch one = make_batch(false, {2048}, {2048}, 32, 32, 128);
+  const PrefillPlan p = plan_prefill(one.shape, gpu, PlanOptions{});
+  ASSERT_TRUE(check_plan(p, one, gpu, PlanOptions{}));
+  EXPECT_EQ(p.num_workers, 16);
+  EXPECT_TRUE(p.merges.empty());
 }
 
 // Decode on CUDA: where whole tiles or equal parts leave a few workers streaming alone at the

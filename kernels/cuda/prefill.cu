@@ -5,8 +5,12 @@
 // What callers pass: any PrefillPlan is computed correctly, but the kernel is fastest when an
 // item's packed rows (q_tile tokens x G query heads) fill the CTA's row tile exactly:
 // PlanOptions.q_tile = prefill_cta_rows(D_qk, D_v) / G, i.e. 128 / G for D_v <= 128 (the
-// planner's CUDA default) and 64 / G for D_v = 256; blocks_per_sm = 2 (the default) matches the
-// kernel's two CTAs per SM. Larger items are run in several row blocks by one CTA.
+// planner's CUDA default) and 64 / G for D_v = 256. blocks_per_sm = 2 (the default) matches the
+// sm_80 kernel's two CTAs per SM; the sm_90a kernels fit one CTA an SM, so their grid runs in
+// waves (two, or more where the planner rounds the workers up to whole waves), and the hardware
+// hands an SM its next worker when one is done, which balances uneven workers better than one
+// wave of half as many (docs/perf/prefill.md). Larger items are run in several row blocks by one
+// CTA.
 #include <cuda_runtime.h>
 
 #include <string>

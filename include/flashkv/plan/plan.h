@@ -126,8 +126,12 @@ struct PlanOptions {
   int32_t max_batch_size = 0;  // graph mode capacity
   int32_t max_num_tokens = 0;  // graph mode capacity (query rows)
   int32_t max_kv_len = 0;      // graph mode with fixed_split_size: longest request's KV
-  // CUDA: resident CTAs per SM the kernel is sized for (0: 2). The grid's x extent is at most
-  // num_sms * blocks_per_sm / Hkv workers (grid.y runs the KV heads), so one wave fills the GPU.
+  // CUDA: workers an SM (0: 2). The grid's x extent is at most num_sms * blocks_per_sm / Hkv
+  // workers (grid.y runs the KV heads): one wave where the kernel fits that many CTAs an SM (the
+  // sm_80 prefill kernel), else waves the hardware fills as CTAs finish. At 0 a prefill plan
+  // (not in graph mode) spreads its items over that count rounded up to whole waves where it
+  // takes at most 4x the CTAs, e.g. 33 workers a head at 32 KV heads on 132 SMs rather than 8
+  // (256 CTAs leave 8 SMs idle); its KV split is sized on the count before rounding.
   int32_t blocks_per_sm = 0;
   // Shortest KV chunk an automatic split makes (0: 256 tokens; where no tile is longer than
   // 1024, 128 for prefill and 64 for decode; decode where none is longer than 4096: 128); smaller
