@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """flashkv's prefill and extend against PyTorch's scaled_dot_product_attention backends (cuDNN,
-FlashAttention-2, memory-efficient), on the shapes of `flashkv bench --grid full`, in one run.
+FlashAttention-2, memory-efficient) and, where it can be imported, FlashInfer's prefill kernels
+(its Hopper FA3 ones and its FA2 ones), on the shapes of `flashkv bench --grid full`, in one run.
 
 Per case it prints flashkv's time, TFLOP/s and fraction of the bf16 GEMM ceiling (torch.matmul,
 8192^3, measured in the same run), then each peer's time and TFLOP/s and flashkv's speed against
@@ -18,6 +19,16 @@ query heads (same FLOPs; the case line says so); extend's prefix is dense too, w
 mask aligned to the bottom right (each new token sees the whole prefix), as flashkv's is: native
 in FlashAttention, a dense boolean mask for the other backends (their line says so).
 
+FlashInfer (peers fi-fa3 and fi-fa2: its wrappers with backend="fa3" or "fa2") takes exactly
+flashkv's inputs, through the same wrappers: causal and non-causal prefill by
+BatchPrefillWithRaggedKVCacheWrapper on the same [tokens, heads, dim] tensors, extend by
+BatchPrefillWithPagedKVCacheWrapper on the same pool of page size 1 with the same shuffled slot
+table (the pool's [slots, heads, dim] tensors seen as FlashInfer's NHD [pages, 1, heads, dim],
+without a copy); plan() runs before timing, as flashkv's does. The FlashInfer peers join the
+default peers on CUDA when `import flashinfer` succeeds (a FlashInfer without its kernels built
+ahead of time compiles them at the first plan(), before timing); otherwise they are left out, and
+reported as unavailable only where --peers names them.
+
 FLOPs, as `flashkv bench` counts them: 4 * Hq * D * (new * prefix + new * (new + 1) / 2) per
 request with causal masking, 4 * Hq * D * n * n without.
 
@@ -26,7 +37,9 @@ one's back-to-back launches with CUDA events for at least --min-seconds (at leas
 the figure is the median of the rounds' medians.
 
 Usage: PYTHONPATH=build/python python3 bench/peers.py [--grid full|quick] [--device cuda|cpu]
-       [--rounds N] [--min-seconds S] [--json FILE]
+       [--peers cudnn,flash,efficient,math,fi-fa3,fi-fa2] [--rounds N] [--min-seconds S] [--json FILE]
+FlashInfer is found as any module is: installed, or on the path,
+`PYTHONPATH=build/python:<dir holding flashinfer> python3 bench/peers.py ...`.
 --device cpu (with --grid quick) runs flashkv's CPU kernels against the math backend: a check
 that the script works, not a measurement.
 """
@@ -228,6 +241,57 @@ def peer_runner(c: Case, x: Inputs, backend: str) -> Callable[[], torch.Tensor]:
     return run
 
 
+# FlashInfer's peers: the backend its wrappers are asked for.
+FLASHINFER = {"fi-fa3": "fa3", "fi-fa2": "fa2"}
+_flashinfer: Dict[str, object] = {}
+
+
+def flashinfer_module():
+    """FlashInfer, imported once; raises, saying why, where it cannot be."""
+    if "module" not in _flashinfer:
+        try:
+            import flashinfer
+            if flashinfer is flashkv:  # flashkv.as_flashinfer's alias: it would time flashkv twice
+                raise ImportError("`flashinfer` is flashkv under that name (flashkv.as_flashinfer)")
+            _flashinfer["module"] = flashinfer
+        except Exception as e:  # not installed, or a dependency missing
+            _flashinfer["module"] = None
+            _flashinfer["why"] = f"flashinfer not importable ({type(e).__name__}: {e})"
+    if _flashinfer["module"] is None:
+        raise RuntimeError(_flashinfer["why"])
+    return _flashinfer["module"]
+
+
+def flashinfer_runner(c: Case, x: Inputs, backend: str) -> Callable[[], torch.Tensor]:
+    """FlashInfer's wrapper under one backend, planned here (outside the timed function) and
+    called on flashkv's own tensors: the ragged ones for prefill, the pool of page size 1 with
+    its shuffled slot table for extend. Returns [tokens, heads, dim], as flashkv does."""
+    fi = flashinfer_module()
+    dev = x.q.device
+    if dev.type != "cuda":
+        raise RuntimeError("FlashInfer runs on CUDA only")
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    out = torch.empty_like(x.q_tokens)
+    if c.prefix:
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+        w.plan(x.qo_indptr.to(dev), x.kv_indptr.to(dev), x.kv_indices.to(dev), x.last_page_len.to(dev),
+               c.hq, c.hkv, c.dim, 1, causal=c.causal, q_data_type=x.q.dtype, kv_data_type=x.k_pool.dtype)
+        cache = (x.k_pool.unsqueeze(1), x.v_pool.unsqueeze(1))  # NHD pages of one token: views
+
+        def run() -> torch.Tensor:
+            return w.run(x.q_tokens, cache, out=out)
+    else:
+        w = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
+        w.plan(x.qo_indptr.to(dev), x.kv_indptr.to(dev), c.hq, c.hkv, c.dim, causal=c.causal,
+               q_data_type=x.q.dtype, kv_data_type=x.k_tokens.dtype)
+
+        def run() -> torch.Tensor:
+            return w.run(x.q_tokens, x.k_tokens, x.v_tokens, out=out)
+    run()
+    run.tokens = True  # type: ignore[attr-defined]
+    return run
+
+
 # The largest difference between two outputs taken as the same attention: bf16 outputs of
 # magnitude up to about 1 round at 2^-8.
 MISMATCH = 0.05
@@ -246,15 +310,20 @@ def run_case(c: Case, device: str, dtype: torch.dtype, peers: List[str], timer: 
     x = Inputs(c, device, dtype)
     results: Dict[str, Result] = {"flashkv": Result()}
     runners: Dict[str, Callable[[], torch.Tensor]] = {"flashkv": flashkv_runner(c, x, device)}
-    ours = runners["flashkv"]().reshape(c.batch, c.new, c.hq, c.dim).transpose(1, 2)
+
+    def dense(out: torch.Tensor) -> torch.Tensor:  # [tokens, heads, dim] as [batch, heads, tokens, dim]
+        return out.reshape(c.batch, c.new, c.hq, c.dim).transpose(1, 2)
+
+    ours = dense(runners["flashkv"]())
     for p in peers:
         r = results[p] = Result()
         try:
-            runners[p] = peer_runner(c, x, p)
+            runners[p] = flashinfer_runner(c, x, FLASHINFER[p]) if p in FLASHINFER else peer_runner(c, x, p)
         except Exception as e:  # the backend cannot run the case: say why
             r.note = "n/a: " + ((str(e).strip().splitlines() or [type(e).__name__])[0])[:110]
             continue
-        r.max_diff = max_diff(runners[p](), ours)
+        theirs = runners[p]()
+        r.max_diff = max_diff(dense(theirs) if getattr(runners[p], "tokens", False) else theirs, ours)
         notes = list(getattr(runners[p], "notes", []))
         if r.max_diff > MISMATCH:
             notes.append(f"MISMATCH: outputs differ by more than {MISMATCH}")
@@ -272,8 +341,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--grid", choices=["quick", "full"], default="full")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--peers", default=None, help="comma-separated SDPA backends (default: cudnn,flash,efficient "
-                    "on CUDA, math on the CPU)")
+    ap.add_argument("--peers", default=None, help="comma-separated SDPA backends and FlashInfer backends "
+                    "(fi-fa3, fi-fa2) (default: cudnn,flash,efficient on CUDA, and fi-fa3,fi-fa2 where "
+                    "flashinfer imports; math on the CPU)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-seconds", type=float, default=0.25)
     ap.add_argument("--json", default=None, help="write the machine and every case as JSON")
@@ -286,18 +356,38 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("peers: --device cuda: no CUDA device", file=sys.stderr)
         return 2
-    peers = a.peers.split(",") if a.peers else (["cudnn", "flash", "efficient"] if a.device == "cuda" else ["math"])
+    if a.peers:
+        peers = a.peers.split(",")
+    elif a.device == "cuda":
+        peers = ["cudnn", "flash", "efficient"]
+        try:
+            flashinfer_module()
+            peers += list(FLASHINFER)
+        except RuntimeError:  # no FlashInfer here: the SDPA peers only
+            pass
+    else:
+        peers = ["math"]
     for p in peers:
-        if p not in BACKENDS:
-            print(f"peers: --peers: unknown backend '{p}' (expected {', '.join(BACKENDS)})", file=sys.stderr)
+        if p not in BACKENDS and p not in FLASHINFER:
+            print(f"peers: --peers: unknown backend '{p}' (expected {', '.join([*BACKENDS, *FLASHINFER])})",
+                  file=sys.stderr)
             return 2
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     timer = Timer(a.device, a.min_seconds)
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     gemm = gemm_tflops(a.device, timer)
-    print(f"machine: {name}; torch {torch.__version__}; GEMM ceiling {gemm:.1f} TFLOP/s "
-          f"({'bf16 8192^3' if a.device == 'cuda' else 'f32 1024^3'}, this run)")
+    fi_version = None
+    if any(p in FLASHINFER for p in peers):
+        try:
+            fi_version = getattr(flashinfer_module(), "__version__", "?")
+        except RuntimeError:  # each case's line says why
+            pass
+    print(f"machine: {name}; torch {torch.__version__}; "
+          + (f"flashinfer {fi_version}; " if fi_version else "")
+          + f"GEMM ceiling {gemm:.1f} TFLOP/s ({'bf16 8192^3' if a.device == 'cuda' else 'f32 1024^3'}, this run)")
     report = {"machine": name, "torch": torch.__version__, "gemm_tflops": gemm, "cases": []}
+    if fi_version:
+        report["flashinfer"] = fi_version
     for c in grid(a.grid):
         res = run_case(c, a.device, dtype, peers, timer, a.rounds)
         ours = res["flashkv"]

@@ -55,3 +55,17 @@ def test_flops_follow_the_bench():
 def test_unknown_peer_is_refused(capsys):
     assert load_peers().main(["--device", "cpu", "--grid", "quick", "--peers", "fa9"]) == 2
     assert "unknown backend 'fa9'" in capsys.readouterr().err
+
+
+def test_flashinfer_peer_says_why_it_cannot_run(tmp_path):
+    """A FlashInfer peer named on the CPU (or where FlashInfer is not importable) is reported as
+    not run, with the reason, and the other peers still run."""
+    peers = load_peers()
+    out = tmp_path / "peers.json"
+    assert peers.main(["--device", "cpu", "--grid", "quick", "--rounds", "1", "--min-seconds", "0",
+                       "--peers", "math,fi-fa3", "--json", str(out)]) == 0
+    for c in json.loads(out.read_text())["cases"]:
+        fi = c["peers"]["fi-fa3"]
+        assert fi["note"].startswith("n/a: "), fi
+        assert "CUDA only" in fi["note"] or "not importable" in fi["note"], fi
+        assert c["peers"]["math"]["us"] > 0
