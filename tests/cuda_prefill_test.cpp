@@ -667,6 +667,25 @@ TEST(CudaPrefill, HeadDimsAndGroups) {
   }
 }
 
+// 32 and 16 KV heads: the plan spreads more row blocks a head than one wave's workers (8 and 16 on
+// 132 SMs) over workers rounded up to whole waves; a non-causal row makes the blocks equal.
+TEST(CudaPrefill, WorkersInWholeWaves) {
+  FLASHKV_REQUIRE_GPU();
+  for (const int h : {32, 16}) {
+    SCOPED_TRACE(testing::Message() << "hq=hkv=" << h);
+    FLASHKV_SEEDED_RNG(rng, 790 + h);
+    Problem pr;
+    pr.hq = pr.hkv = h;
+    pr.dqk = pr.dv = h == 32 ? 64 : 256;
+    pr.paged = false;
+    pr.q_lens = {600, 1100, 77};
+    pr.kv_lens = pr.q_lens;
+    check_problem(pr, rng);
+    pr.causal = false;
+    check_problem(pr, rng);
+  }
+}
+
 TEST(CudaPrefill, AnyQueryTile) {
   FLASHKV_REQUIRE_GPU();
   for (int q_tile : {7, 64, 200}) {  // items of fewer or more rows than the CTA tile
