@@ -38,6 +38,10 @@ the figure is the median of the rounds' medians.
 
 Usage: PYTHONPATH=build/python python3 bench/peers.py [--grid full|quick] [--device cuda|cpu]
        [--peers cudnn,flash,efficient,math,fi-fa3,fi-fa2] [--rounds N] [--min-seconds S] [--json FILE]
+       [--case TEXT ...] [--profile]
+--case keeps the cases whose name contains TEXT; --profile times nothing, and after the output
+check runs each library once more inside an NVTX range named after it, for a profiler:
+`ncu --nvtx --nvtx-include "fi-fa3/" --set full python3 bench/peers.py --case 32/32/64 --profile`.
 FlashInfer is found as any module is: installed, or on the path,
 `PYTHONPATH=build/python:<dir holding flashinfer> python3 bench/peers.py ...`.
 --device cpu (with --grid quick) runs flashkv's CPU kernels against the math backend: a check
@@ -305,8 +309,22 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def run_case(c: Case, device: str, dtype: torch.dtype, peers: List[str], timer: Timer, rounds: int
-             ) -> Dict[str, Result]:
+def profile_once(runners: Dict[str, Callable[[], torch.Tensor]], device: str) -> None:
+    """Each library's launches once more, alone, inside an NVTX range named after it (a profiler's
+    filter: `ncu --nvtx --nvtx-include "fi-fa3/"`, or the ranges of an nsys timeline)."""
+    for name, fn in runners.items():
+        fn()  # warm: the first launch of a shape may plan, allocate or autotune
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push(name)
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+
+
+def run_case(c: Case, device: str, dtype: torch.dtype, peers: List[str], timer: Timer, rounds: int,
+             profile: bool = False) -> Dict[str, Result]:
     x = Inputs(c, device, dtype)
     results: Dict[str, Result] = {"flashkv": Result()}
     runners: Dict[str, Callable[[], torch.Tensor]] = {"flashkv": flashkv_runner(c, x, device)}
@@ -328,6 +346,9 @@ def run_case(c: Case, device: str, dtype: torch.dtype, peers: List[str], timer: 
         if r.max_diff > MISMATCH:
             notes.append(f"MISMATCH: outputs differ by more than {MISMATCH}")
         r.note = "; ".join(notes)
+    if profile:
+        profile_once(runners, device)
+        return results
     for _ in range(rounds):
         for name, fn in runners.items():
             results[name].rounds.append(timer(fn))
@@ -347,6 +368,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-seconds", type=float, default=0.25)
     ap.add_argument("--json", default=None, help="write the machine and every case as JSON")
+    ap.add_argument("--case", action="append", default=None,
+                    help="only the grid's cases whose name contains this (repeatable)")
+    ap.add_argument("--profile", action="store_true",
+                    help="no timing: after the check, each library runs once more inside an NVTX range "
+                    "named after it, for a profiler")
     a = ap.parse_args(argv)
     # SDPA warns at each call that a backend pinned by sdpa_kernel does not take the case; the
     # case line already says why the peer could not run it.
@@ -388,8 +414,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     report = {"machine": name, "torch": torch.__version__, "gemm_tflops": gemm, "cases": []}
     if fi_version:
         report["flashinfer"] = fi_version
-    for c in grid(a.grid):
-        res = run_case(c, a.device, dtype, peers, timer, a.rounds)
+    cases = [c for c in grid(a.grid) if not a.case or any(part in c.name for part in a.case)]
+    if not cases:
+        print(f"peers: --case: no case of the {a.grid} grid matches {a.case}", file=sys.stderr)
+        return 2
+    for c in cases:
+        res = run_case(c, a.device, dtype, peers, timer, a.rounds, a.profile)
+        if a.profile:
+            ran = [name for name in res if not res[name].note.startswith("n/a")]
+            print(f"{c.name}: profiled once each: {', '.join(ran)}")
+            continue
         ours = res["flashkv"]
         tf = c.flops / (ours.us * 1e-6) / 1e12
         spread = (max(ours.rounds) - min(ours.rounds)) / ours.us * 100

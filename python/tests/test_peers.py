@@ -69,3 +69,15 @@ def test_flashinfer_peer_says_why_it_cannot_run(tmp_path):
         assert fi["note"].startswith("n/a: "), fi
         assert "CUDA only" in fi["note"] or "not importable" in fi["note"], fi
         assert c["peers"]["math"]["us"] > 0
+
+
+def test_profile_runs_the_chosen_cases_once_and_times_nothing(tmp_path, capsys):
+    """--case keeps the cases whose name holds the text; --profile runs each library once after
+    the check and prints no timing; a --case that matches nothing is refused."""
+    peers = load_peers()
+    assert peers.main(["--device", "cpu", "--grid", "quick", "--case", "extend", "--profile"]) == 0
+    printed = capsys.readouterr().out
+    assert "extend 2 x (64 + 33), 4/2/64: profiled once each: flashkv, math" in printed
+    assert "prefill" not in printed and "flashkv x" not in printed
+    assert peers.main(["--device", "cpu", "--grid", "quick", "--case", "decode"]) == 2
+    assert "--case: no case" in capsys.readouterr().err
