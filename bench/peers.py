@@ -311,9 +311,9 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def profile_once(runners: Dict[str, Callable[[], torch.Tensor]], device: str) -> None:
     """Each library's launches once more, alone, inside an NVTX range named after it (a profiler's
-    filter: `ncu --nvtx --nvtx-include "fi-fa3/"`, or the ranges of an nsys timeline)."""
+    filter: `ncu --nvtx --nvtx-include "fi-fa3/"`, or the ranges of an nsys timeline). Every
+    runner has already run once, for the output check, so none of them plans or warms up here."""
     for name, fn in runners.items():
-        fn()  # warm: the first launch of a shape may plan, allocate or autotune
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_push(name)

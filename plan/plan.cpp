@@ -152,12 +152,12 @@ int32_t max_workers_of(const BatchShape& b, const DeviceInfo& dev, const PlanOpt
 // grid of num_sms * 2 - k CTAs leaves k SMs idle through its second wave (256 CTAs at 32 KV
 // heads on 132 SMs), where 33 workers a head (1056 CTAs, 8 waves) keep them busy. Where whole
 // waves would take more than 8 waves of one CTA an SM, the count stays. Only the spreading
-// changes: the KV split is still sized on `workers`. Decode (measured for prefill only), graph
-// mode (a fixed count, which short batches would pay for in empty CTAs) and an explicit
-// blocks_per_sm keep `workers`.
+// changes: the KV split is still sized on `workers`. Decode (measured for prefill only) and an
+// explicit blocks_per_sm keep `workers`; the caller asks on CUDA outside graph mode only (graph
+// mode has a fixed count, which short batches would pay for in empty CTAs).
 int32_t spread_workers_of(int32_t workers, const BatchShape& b, const DeviceInfo& dev,
                           const PlanOptions& o, bool decode) {
-  if (!dev.device.is_cuda() || decode || o.cuda_graph || o.blocks_per_sm > 0) return workers;
+  if (decode || o.blocks_per_sm > 0) return workers;
   const int64_t slots = int64_t{dev.num_sms} * kDefaultBlocksPerSm;
   const int64_t unit = slots / std::gcd<int64_t>(slots, b.num_kv_heads);
   const int64_t whole = ceil_div(workers, unit) * unit;
