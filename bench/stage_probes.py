@@ -87,10 +87,10 @@ def _at_exit(name: str, printer: str) -> list[tuple[str, str, str]]:
 
 # The timeline's points, in the order a turn of the tile loop passes them (a name each, for the
 # summary): the turn's start; after the late wait's finish of the tile before (kLateWait; else at
-# once); after the V wait; after the turn; K ready (inside the issue); after issuing S_t and
+# once); after the K wait; after the turn; after issuing S_t and the V wait; after issuing
 # P_{t-1}.V_{t-1} and passing the turn; after the wait for S_t; after the mask and softmax; after
 # the early wait's finish (without kLateWait; else at once).
-POINTS = ["start", "late finish", "V ready", "turn", "K ready", "issued", "S ready", "softmax",
+POINTS = ["start", "late finish", "K ready", "turn", "V ready", "issued", "S ready", "softmax",
           "early finish"]
 TIMELINE_TILES = 96
 # A tile's record: the clock at each point, then its block and tile (block << 16 | tile).
@@ -108,14 +108,11 @@ TIMELINE = [
      "// The consumer warpgroups (threads 128..383;"),
     (CONSUMER, "  const uint32_t base = smem_addr(smem);\n",
      "  const uint32_t base = smem_addr(smem);\n"
-     f"  uint32_t ev[kTimelineTiles][{_WIDTH}];\n  int nrec = 0;\n  uint32_t kready = 0;\n"
+     f"  uint32_t ev[kTimelineTiles][{_WIDTH}];\n  int nrec = 0;\n"
      "  bool rec = false;\n"
      "  if (blockIdx.x == 0 && blockIdx.y == 0 && (ctid & 127) == 0)\n"
      f"    rec = {_fourth_launch('g_timeline_launch[wg]')};\n"
      f"  const auto clk = [] {{\n    uint32_t c;\n    {_CLOCK}\n    return c;\n  }};\n"),
-    (CONSUMER, "    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));\n",
-     "    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));\n"
-     "    kready = clk();\n"),
     (CONSUMER, "        const int n = tile_n + t;\n"
      "        if constexpr (kLateWait) finish_tile(t - 1, late_moved, late_corr);\n",
      "        const int n = tile_n + t;\n"
@@ -123,16 +120,19 @@ TIMELINE = [
      + _REC.format(0) +
      "        if constexpr (kLateWait) finish_tile(t - 1, late_moved, late_corr);\n"
      + _REC.format(1)),
-    (CONSUMER, "        if constexpr (kGenericWrites) sm90::fence_async_shared();\n"
-     "        take_turn(wg);\n        issue_qk(s_acc, n, q_tile, t == num_tiles - 1);\n"
+    (CONSUMER, "        wait_k(n, t == num_tiles - 1);\n        take_turn(wg);\n"
+     "        issue_qk(s_acc, n, q_tile);\n",
+     "        wait_k(n, t == num_tiles - 1);\n" + _REC.format(POINTS.index("K ready")) +
+     "        take_turn(wg);\n" + _REC.format(POINTS.index("turn")) +
+     "        issue_qk(s_acc, n, q_tile);\n"),
+    (CONSUMER, "        sm90::fence();  // P_{t-1}'s registers, across the wait's loop\n"
      "        issue_pv(n - 1);\n        pass_turn(wg);\n        sm90::wait<1>();  // S_t\n"
      "        sm90::pin(s_acc);\n",
-     "        if constexpr (kGenericWrites) sm90::fence_async_shared();\n"
-     + _REC.format(2) + "        take_turn(wg);\n" + _REC.format(3) +
-     "        issue_qk(s_acc, n, q_tile, t == num_tiles - 1);\n"
-     "        issue_pv(n - 1);\n        pass_turn(wg);\n" + _REC.format(5) +
-     "        sm90::wait<1>();  // S_t\n        sm90::pin(s_acc);\n" + _REC.format(6) +
-     f"        ev[ri][{POINTS.index('K ready')}] = kready;\n"
+     _REC.format(POINTS.index("V ready")) +
+     "        sm90::fence();  // P_{t-1}'s registers, across the wait's loop\n"
+     "        issue_pv(n - 1);\n        pass_turn(wg);\n" + _REC.format(POINTS.index("issued")) +
+     "        sm90::wait<1>();  // S_t\n        sm90::pin(s_acc);\n"
+     + _REC.format(POINTS.index("S ready")) +
      f"        ev[ri][{_ID}] = (block_n << 16) | t;\n"),
     (CONSUMER, "          late_moved = scores(t, late_corr);\n",
      "          late_moved = scores(t, late_corr);\n" + _REC.format(7) +

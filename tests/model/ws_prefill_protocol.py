@@ -237,8 +237,8 @@ class Kernel:
                 break
             assert tiles == blocks[block_n]
             if tiles > 0:
-                yield from self.take_turn(wg)
                 yield from self.wait_full(self.k_full[tile_n % 2], tile_n)
+                yield from self.take_turn(wg)
                 self.issue(wg, [("Q", qs, block_n), ("K", tile_n % 2, tile_n)])
                 self.pass_turn(wg)
                 self.wait_group(wg, 0)
@@ -250,10 +250,11 @@ class Kernel:
                         self.wait_group(wg, 1 if bug == "late wait skipped" else 0)
                         if n - 1 > tile_n:
                             self.v_empty[(n - 2) % 2].arrive(4)
-                    yield from self.wait_full(self.v_full[(n - 1) % 2], n - 1)
-                    yield from self.take_turn(wg)
+                    # K_t before the turn, V_{t-1} inside it, once S_t is issued.
                     yield from self.wait_full(self.k_full[n % 2], n)
+                    yield from self.take_turn(wg)
                     self.issue(wg, [("Q", qs, block_n), ("K", n % 2, n)])
+                    yield from self.wait_full(self.v_full[(n - 1) % 2], n - 1)
                     self.issue(wg, [("V", (n - 1) % 2, n - 1)])
                     self.pass_turn(wg)
                     self.wait_group(wg, 1)  # S_t

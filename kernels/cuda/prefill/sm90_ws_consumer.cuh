@@ -111,11 +111,15 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   // With a custom mask, where the producer hands over a verdict on each tile (tile_hides_none):
   // whether the mask hides none of its keys from the block's rows.
   constexpr bool kMaskVerdicts = kPaged && Cfg::kPagedMaskVerdicts;
-  // S_t = Q.K_t^T into s_acc (K stage n, once it has landed; Q: the warpgroup's tile at q_tile;
-  // `last`: the block's last tile).
-  const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile, bool last) {
+  // Waits for K stage n to land (`last`: the block's last tile, whose K the producer's threads
+  // copy where it runs past the block's keys). A warpgroup waits before it takes its turn, so
+  // that it holds the turn only to issue.
+  const auto wait_k = [&](int n, bool last) {
     sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
     if (kGenericWrites || last) sm90::fence_async_shared();
+  };
+  // S_t = Q.K_t^T into s_acc (K stage n, landed: wait_k; Q: the warpgroup's tile at q_tile).
+  const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile) {
     const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes;
     const uint64_t q_desc = sm90::k_major(q_tile, Cfg::kWgRows, 0, 0);
     const uint64_t k_desc = sm90::k_major(k_tile, Cfg::kKvTile, 0, 0);
@@ -209,8 +213,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       bool late_moved = false;
 
       // Tile 0: S_0 alone.
+      wait_k(tile_n, num_tiles == 1);
       take_turn(wg);
-      issue_qk(s_acc, tile_n, q_tile, num_tiles == 1);
+      issue_qk(s_acc, tile_n, q_tile);
       pass_turn(wg);
       sm90::wait<0>();
       sm90::pin(s_acc);
@@ -221,14 +226,17 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         if constexpr (!kLateWait) pack_p<Cfg, typename Cfg::Mma>(s, pf);
       }
       // Tile t: S_t, then P_{t-1}.V_{t-1} behind it, which runs while S_t is read, and under
-      // the other warpgroup's softmax.
+      // the other warpgroup's softmax. V_{t-1} is waited for once S_t is issued, so that its wait
+      // runs under S_t rather than before it.
       for (int t = 1; t < num_tiles; ++t) {
         const int n = tile_n + t;
         if constexpr (kLateWait) finish_tile(t - 1, late_moved, late_corr);
+        wait_k(n, t == num_tiles - 1);
+        take_turn(wg);
+        issue_qk(s_acc, n, q_tile);
         sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
         if constexpr (kGenericWrites) sm90::fence_async_shared();
-        take_turn(wg);
-        issue_qk(s_acc, n, q_tile, t == num_tiles - 1);
+        sm90::fence();  // P_{t-1}'s registers, across the wait's loop
         issue_pv(n - 1);
         pass_turn(wg);
         sm90::wait<1>();  // S_t
