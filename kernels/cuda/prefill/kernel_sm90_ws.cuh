@@ -20,9 +20,10 @@
 //   - two consumers of 64 packed query rows each (the plan's 128-row tile), issuing as
 //     kernel_sm90.cuh does S_t = Q.K_t^T with P_{t-1}.V_{t-1} behind it. They take turns to issue
 //     their products (two named barriers), so one warpgroup's softmax runs under the other's
-//     products. With ragged K/V at head dim 128 a warpgroup also runs its softmax under its own
-//     P.V, waiting for it at its next turn (kLateWait in consume); elsewhere it waits for it
-//     after the softmax's mask, where ptxas places the wait.
+//     products. A warpgroup waits for K_t before its turn and for V_{t-1} between its two
+//     issues, so that it holds the turn only to issue. With ragged K/V at head dim 128 a warpgroup
+//     also runs its softmax under its own P.V, waiting for it at its next turn (kLateWait in
+//     consume); elsewhere it waits for it after the softmax's mask, where ptxas places the wait.
 // No barrier spans the CTA inside the KV loop: the warpgroups only meet through the rings.
 // Masks, the online softmax and the epilogue are the sm_80 kernel's, one 16-row tile a warp.
 //
