@@ -1,8 +1,10 @@
 """bench/compare_builds.py (builds timed against each other in alternating rounds) and
 bench/stage_probes.py (the Hopper consumer with one stage of the steady tile left out, or with a
-per-tile timeline): the parts that run without a GPU. The summary's ratios are per round, the
-sources a variant names are found, every probe's edit still matches the kernel (the script
-refuses otherwise), and the timeline's phases are the differences of its points."""
+per-tile timeline) and bench/ncu_source.py (ncu's per-instruction source page summarised): the
+parts that run without a GPU. The summary's ratios are per round, the sources a variant names
+are found, every probe's edit still matches the kernel (the script refuses otherwise), the
+timeline's phases are the differences of its points, and the source page's kernels, opcodes,
+stretches and mbarrier retry loops are read as ncu writes them."""
 
 import csv
 import importlib.util
@@ -208,3 +210,54 @@ def test_ctas_summary_takes_the_span_the_imbalance_and_the_cost_fit():
         "38.3 us (span / mean 1.330), ends from 32.0 to 51.0 us (median 35.0); "
         "fit: 2000 ns a tile, 5000 ns a block"
     ]
+
+
+def source_page(kernels):
+    """ncu's source page as CSV: per kernel its name row, the header, one row per instruction
+    (address, SASS, samples, executed, two stall reasons)."""
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)",
+              "Warp Stall Sampling (Not-issued Samples)", "Instructions Executed", "stall_wait",
+              "stall_barrier", "stall_wait (Not Issued)"]
+    lines = []
+    for name, base, rows in kernels:
+        lines.append(f'"Kernel Name","{name}",\n')
+        lines.append(",".join(f'"{h}"' for h in header) + "\n")
+        for offset, sass, samples, executed, wait, barrier in rows:
+            lines.append(",".join(f'"{v}"' for v in [hex(base + offset), sass, samples, samples,
+                                                      executed, wait, barrier, 0]) + "\n")
+    return lines
+
+
+def test_ncu_source_reads_kernels_opcodes_regions_and_retry_loops(tmp_path):
+    ns = load("ncu_source")
+    base = 0x7F0000001000
+    spin = [(0x00, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24", 30, 100, 10, 0),
+            (0x10, "@!P0  BRA 0x%x" % (base + 0x100), 0, 100, 0, 0),
+            (0x20, "MUFU.EX2 R1, R1", 50, 6400, 40, 0),
+            (0xF0, "YIELD", 5, 900, 0, 5),
+            (0x100, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3+URZ+0x50], R2", 10, 900, 0, 10),
+            (0x110, "@!P0  BRA 0x%x" % (base + 0xF0), 5, 900, 0, 5),
+            (0x120, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3+URZ+0x30], R2", 1, 7, 0, 1),
+            (0x130, "@!P0  BRA 0x%x" % (base + 0x200), 0, 7, 0, 0)]  # forward: not a retry loop
+    sleep = [(0x00, "SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [R14+URZ+0x28020], R19", 2, 40, 0, 2),
+             (0x10, "@!P2  NANOSLEEP.SYNCS 0x989680", 8, 40, 0, 8),
+             (0x20, "@!P2  SYNCS.PHASECHK.TRANS64 P2, [R14+URZ+0x28020], R19", 0, 40, 0, 0),
+             (0x30, "@!P2  BRA 0x%x" % (base + 0x5000), 0, 40, 0, 0)]
+    kernels = ns.read(source_page([("spinner", base, spin), ("sleeper", base + 0x5000, sleep)]))
+    assert [k.name for k in kernels] == ["spinner", "sleeper"]
+    spinner, sleeper = kernels
+    assert [i.offset for i in spinner.instrs] == [r[0] for r in spin]
+    assert spinner.instrs[1].opcode == "BRA" and spinner.instrs[0].opcode == "HGMMA"
+    assert spinner.instrs[2].stalls == {"wait": 40, "barrier": 0}
+    assert [(w.offset, runs) for w, runs in ns.retries(spinner)] == [(0x100, 900)]
+    assert [(w.offset, runs) for w, runs in ns.retries(sleeper)] == [(0x00, 40)]
+    out = ns.summary([spinner], [("loop", 0x0, 0x30)], top=3)
+    assert out[0] == "spinner"
+    assert out[1].startswith("  9314 warp instructions, 101 samples: wait 50%, barrier 21%")
+    assert any(line.startswith("  MUFU") and "49.5% of samples" in line for line in out)
+    assert "  [loop] 0-30:  79.2% of samples, 6600 executed: wait 62%" in out
+    assert out[-1].startswith("  retry loop at 100: 900 runs")
+    path = tmp_path / "src.csv"
+    path.write_text("".join(source_page([("spinner", base, spin)])))
+    assert ns.main([str(path), "--kernel", "sleeper"]) == 1
+    assert ns.main([str(path), "--region", "loop=0-30"]) == 0
