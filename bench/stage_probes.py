@@ -120,9 +120,10 @@ TIMELINE = [
      + _REC.format(0) +
      "        if constexpr (kLateWait) finish_tile(t - 1, late_moved, late_corr);\n"
      + _REC.format(1)),
-    (CONSUMER, "        wait_k(n, t == num_tiles - 1);\n        take_turn(wg);\n"
-     "        issue_qk(s_acc, n, q_tile);\n",
-     "        wait_k(n, t == num_tiles - 1);\n" + _REC.format(POINTS.index("K ready")) +
+    (CONSUMER, "        wait_landed(bars.k_full(Ring::stage(n)), n, t == num_tiles - 1);\n"
+     "        take_turn(wg);\n        issue_qk(s_acc, n, q_tile);\n",
+     "        wait_landed(bars.k_full(Ring::stage(n)), n, t == num_tiles - 1);\n"
+     + _REC.format(POINTS.index("K ready")) +
      "        take_turn(wg);\n" + _REC.format(POINTS.index("turn")) +
      "        issue_qk(s_acc, n, q_tile);\n"),
     (CONSUMER, "        sm90::fence();  // P_{t-1}'s registers, across the wait's loop\n"

@@ -111,14 +111,13 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
   // With a custom mask, where the producer hands over a verdict on each tile (tile_hides_none):
   // whether the mask hides none of its keys from the block's rows.
   constexpr bool kMaskVerdicts = kPaged && Cfg::kPagedMaskVerdicts;
-  // Waits for K stage n to land (`last`: the block's last tile, whose K the producer's threads
-  // copy where it runs past the block's keys). A warpgroup waits before it takes its turn, so
-  // that it holds the turn only to issue.
-  const auto wait_k = [&](int n, bool last) {
-    sm90::mbar_wait(bars.k_full(Ring::stage(n)), Ring::full_parity(n));
+  // Waits for use n of the K or V ring to land (`full`: its stage's full barrier; `last`: the
+  // block's last tile, which the producer's threads copy where it runs past the block's keys).
+  const auto wait_landed = [&](uint32_t full, int n, bool last) {
+    sm90::mbar_wait(full, Ring::full_parity(n));
     if (kGenericWrites || last) sm90::fence_async_shared();
   };
-  // S_t = Q.K_t^T into s_acc (K stage n, landed: wait_k; Q: the warpgroup's tile at q_tile).
+  // S_t = Q.K_t^T into s_acc (K stage n, landed; Q: the warpgroup's tile at q_tile).
   const auto issue_qk = [&](ScoresAcc& s_acc, int n, uint32_t q_tile) {
     const uint32_t k_tile = base + Cfg::kKOffset + Ring::stage(n) * Cfg::kKTileBytes;
     const uint64_t q_desc = sm90::k_major(q_tile, Cfg::kWgRows, 0, 0);
@@ -213,7 +212,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       bool late_moved = false;
 
       // Tile 0: S_0 alone.
-      wait_k(tile_n, num_tiles == 1);
+      // K is waited for before the turn, so that a warpgroup holds the turn only to issue.
+      wait_landed(bars.k_full(Ring::stage(tile_n)), tile_n, num_tiles == 1);
       take_turn(wg);
       issue_qk(s_acc, tile_n, q_tile);
       pass_turn(wg);
@@ -231,11 +231,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       for (int t = 1; t < num_tiles; ++t) {
         const int n = tile_n + t;
         if constexpr (kLateWait) finish_tile(t - 1, late_moved, late_corr);
-        wait_k(n, t == num_tiles - 1);
+        wait_landed(bars.k_full(Ring::stage(n)), n, t == num_tiles - 1);
         take_turn(wg);
         issue_qk(s_acc, n, q_tile);
-        sm90::mbar_wait(bars.v_full(Ring::stage(n - 1)), Ring::full_parity(n - 1));
-        if constexpr (kGenericWrites) sm90::fence_async_shared();
+        wait_landed(bars.v_full(Ring::stage(n - 1)), n - 1, false);
         sm90::fence();  // P_{t-1}'s registers, across the wait's loop
         issue_pv(n - 1);
         pass_turn(wg);
@@ -253,8 +252,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       if constexpr (kLateWait) finish_tile(num_tiles - 1, late_moved, late_corr);
       // The last tile's P.V.
       const int n = tile_n + num_tiles - 1;
-      sm90::mbar_wait(bars.v_full(Ring::stage(n)), Ring::full_parity(n));
-      sm90::fence_async_shared();  // the last tile: copied by the producer's threads where partial
+      wait_landed(bars.v_full(Ring::stage(n)), n, true);
       take_turn(wg);
       sm90::fence();
       issue_pv(n);
