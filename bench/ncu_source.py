@@ -2,8 +2,8 @@
 """Summarises ncu's per-instruction source page (`ncu -i REPORT --page source --csv --print-source
 sass`, plain or gzipped) of one or more kernels: per kernel, the warp instructions executed, the
 stall samples and their reasons, then the same by opcode, by stretches of the SASS named on the
-command line, and the mbarrier waits that retried (a wait whose retry loop ran more often than
-the wait itself spins, taking issue slots from the warps that share its scheduler).
+command line, and how often each mbarrier wait's retry loop ran (a wait that retries many times
+spins, taking issue slots from the warps that share its scheduler).
 
 Addresses are offsets from the kernel's first instruction, as `cuobjdump -sass` prints them, so
 stretches can be read off a local disassembly of the same build.
@@ -19,7 +19,6 @@ import argparse
 import collections
 import csv
 import gzip
-import io
 import sys
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Tuple
@@ -157,7 +156,7 @@ def main(argv: List[str] | None = None) -> int:
     args = ap.parse_args(argv)
     opener = gzip.open if args.csv.endswith(".gz") else open
     with opener(args.csv, "rt", newline="") as f:
-        kernels = [k for k in read(io.StringIO(f.read())) if args.kernel in k.name]
+        kernels = [k for k in read(f) if args.kernel in k.name]
     if not kernels:
         print(f"ncu_source: no kernel in {args.csv}" + (f" holds '{args.kernel}'" if args.kernel else ""),
               file=sys.stderr)
