@@ -36,8 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # The CSV columns `flashkv bench` measures; the others name the case.
-MEASURED = {"us", "gbps", "tflops", "roofline_fraction", "runs", "vs_twin", "vs_twin_min",
-            "vs_twin_max", "rounds"}
+MEASURED = {"us", "gbps", "tflops", "roofline_fraction", "sustained_fraction", "runs", "vs_twin",
+            "vs_twin_min", "vs_twin_max", "rounds"}
 CSV_NAME = re.compile(r"r(\d+)_(.+)_([a-z]+)\.csv$")
 
 

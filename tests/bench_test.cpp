@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <set>
@@ -134,6 +135,51 @@ TEST(Bench, TinyCpuRunFillsTheJsonContract) {
   const std::string csv = to_csv(report);
   EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 4);
   EXPECT_EQ(csv.rfind("op,device,batch,qo_len,kv_len,prefix_len,", 0), 0u);
+}
+
+// sustained_fraction: roofline_fraction's bound with the GEMM timed back to back in place of the
+// single one (prefill, extend, verify); 0 for decode and where no sustained rate was measured.
+TEST(Bench, SustainedFractionDividesByTheSustainedGemm) {
+  Roofline machine;
+  machine.read_gbps = 100;
+  machine.matmul_gflops = 1000;
+  machine.matmul_sustained_gflops = 800;
+  const auto rates = [&](const BenchCase& c, double scale = 1) {
+    CaseResult r;
+    r.c = c;
+    r.us = 50;
+    set_rates(r, machine, scale);
+    return r;
+  };
+  const CaseResult pre = rates(prefill_case(1, 96, Device::cpu(), 4, 2, 64));
+  EXPECT_NEAR(pre.roofline_fraction, pre.tflops * 1e3 / 1000, 1e-12);
+  EXPECT_NEAR(pre.sustained_fraction, pre.tflops * 1e3 / 800, 1e-12);
+  const CaseResult ext = rates(extend_case(2, 64, 33, Device::cpu(), 4, 2, 64), 2);
+  EXPECT_NEAR(ext.sustained_fraction, ext.tflops * 1e3 / 1600, 1e-12);  // of 2 x the machine
+  const CaseResult ver = rates(verify_case(3, 45, 8, Device::cpu(), 4, 2, 64));
+  EXPECT_DOUBLE_EQ(ver.sustained_fraction,
+                   std::max(ver.gbps / machine.read_gbps, ver.tflops * 1e3 / 800));
+  EXPECT_EQ(rates(decode_case(2, 300, Device::cpu(), 4, 2, 64)).sustained_fraction, 0);
+  machine.matmul_sustained_gflops = 0;  // not measured (a CPU)
+  const CaseResult cpu = rates(prefill_case(1, 96, Device::cpu(), 4, 2, 64));
+  EXPECT_EQ(cpu.sustained_fraction, 0);
+  EXPECT_GT(cpu.roofline_fraction, 0);
+  // The outputs carry it: a column of the table ("-" when 0), a JSON key, a CSV column.
+  BenchReport report;
+  report.machine = machine;
+  report.cases = {cpu, pre};
+  std::ostringstream table;
+  print_table(table, report);
+  EXPECT_NE(table.str().find(" sust"), std::string::npos) << table.str();
+  EXPECT_NE(table.str().find("%      -\n"), std::string::npos) << table.str();
+  char pre_sust[16];
+  std::snprintf(pre_sust, sizeof pre_sust, "%5.1f%%\n", 100 * pre.sustained_fraction);
+  EXPECT_NE(table.str().find(pre_sust), std::string::npos) << table.str();
+  const std::string json = to_json(report);
+  const size_t second = json.find("{\"op\"", json.find("{\"op\"") + 1);
+  EXPECT_NEAR(json_number_after(json, "sustained_fraction", second), pre.sustained_fraction, 1e-6);
+  const std::string csv = to_csv(report);
+  EXPECT_NE(csv.find(",roofline_fraction,sustained_fraction,runs,"), std::string::npos) << csv;
 }
 
 TEST(Bench, WorkCountsFollowTheIssueFormulas) {

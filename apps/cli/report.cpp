@@ -22,22 +22,26 @@ std::string fixed(double x, int decimals) {
 
 std::string table_header() {
   char buf[160];
-  std::snprintf(buf, sizeof buf, "%-8s %5s %6s %7s %-11s %3s %-8s %-14s %11s %9s %8s %6s", "op",
+  std::snprintf(buf, sizeof buf, "%-8s %5s %6s %7s %-11s %3s %-8s %-14s %11s %9s %8s %6s %6s", "op",
                 "batch", "qo_len", "kv_len", "Hq/Hkv/D", "P", "slots", "dtype/kv", "us", "GB/s",
-                "TFLOP/s", "roof");
+                "TFLOP/s", "roof", "sust");
   return buf;
 }
 
-// A case's columns, up to the roofline fraction.
+// A case's columns, up to the roofline fractions (single and sustained GEMM; "-" where the
+// sustained one is not measured).
 std::string table_columns(const CaseResult& r) {
   const BenchCase& c = r.c;
   const std::string heads = str_cat(c.num_qo_heads, "/", c.num_kv_heads, "/", c.head_dim);
   const std::string types = str_cat(dtype_name(c.dtype), "/", dtype_name(c.kv_dtype));
-  char buf[200];
-  std::snprintf(buf, sizeof buf, "%-8s %5d %6d %7d %-11s %3d %-8s %-14s %11.1f %9.1f %8.3f %5.1f%%",
-                op_name(c.op), c.batch, c.qo_len, c.kv_len, heads.c_str(), c.page_size,
-                c.layout_name(), types.c_str(), r.us, r.gbps, r.tflops,
-                100.0 * r.roofline_fraction);
+  char sustained[16] = "     -";
+  if (r.sustained_fraction > 0)
+    std::snprintf(sustained, sizeof sustained, "%5.1f%%", 100.0 * r.sustained_fraction);
+  char buf[220];
+  std::snprintf(
+      buf, sizeof buf, "%-8s %5d %6d %7d %-11s %3d %-8s %-14s %11.1f %9.1f %8.3f %5.1f%% %s",
+      op_name(c.op), c.batch, c.qo_len, c.kv_len, heads.c_str(), c.page_size, c.layout_name(),
+      types.c_str(), r.us, r.gbps, r.tflops, 100.0 * r.roofline_fraction, sustained);
   return buf;
 }
 
@@ -157,6 +161,7 @@ std::string to_json(const BenchReport& report) {
        << ", \"us\": " << json_number(r.us) << ", \"gbps\": " << json_number(r.gbps)
        << ", \"tflops\": " << json_number(r.tflops)
        << ", \"roofline_fraction\": " << json_number(r.roofline_fraction)
+       << ", \"sustained_fraction\": " << json_number(r.sustained_fraction)
        << ", \"runs\": " << r.runs << ", \"cuda_graph\": " << (r.cuda_graph ? "true" : "false")
        << ", \"window_left\": " << c.window_left << ", \"logit_cap\": " << json_number(c.logit_cap)
        << ", \"sinks\": " << (c.sinks ? "true" : "false")
@@ -187,6 +192,7 @@ std::string to_json(const BenchReport& report) {
       os << "{\"us\": " << json_number(r.us) << ", \"gbps\": " << json_number(r.gbps)
          << ", \"tflops\": " << json_number(r.tflops)
          << ", \"roofline_fraction\": " << json_number(r.roofline_fraction)
+         << ", \"sustained_fraction\": " << json_number(r.sustained_fraction)
          << ", \"runs\": " << r.runs << ", \"phases\": [";
       for (size_t s = 0; s < phases.size(); ++s)
         os << (s ? ", " : "") << "{\"rank\": " << s
@@ -228,7 +234,8 @@ std::string to_json(const BenchReport& report) {
 std::string to_csv(const BenchReport& report) {
   std::ostringstream os;
   os << "op,device,batch,qo_len,kv_len,prefix_len,num_qo_heads,num_kv_heads,head_dim,page_size,"
-        "kv_layout,dtype,kv_dtype,us,gbps,tflops,roofline_fraction,runs,cuda_graph,window_left,"
+        "kv_layout,dtype,kv_dtype,us,gbps,tflops,roofline_fraction,sustained_fraction,runs,"
+        "cuda_graph,window_left,"
         "logit_cap,sinks,one_paged_pass,mask,env,vs_twin,vs_twin_min,vs_twin_max,rounds\n";
   for (const CaseResult& r : report.cases) {
     const BenchCase& c = r.c;
@@ -236,10 +243,10 @@ std::string to_csv(const BenchReport& report) {
        << c.kv_len << ',' << c.prefix_len() << ',' << c.num_qo_heads << ',' << c.num_kv_heads << ','
        << c.head_dim << ',' << c.page_size << ',' << c.layout_name() << ',' << dtype_name(c.dtype)
        << ',' << dtype_name(c.kv_dtype) << ',' << json_number(r.us) << ',' << json_number(r.gbps)
-       << ',' << json_number(r.tflops) << ',' << json_number(r.roofline_fraction) << ',' << r.runs
-       << ',' << (r.cuda_graph ? 1 : 0) << ',' << c.window_left << ',' << json_number(c.logit_cap)
-       << ',' << (c.sinks ? 1 : 0) << ',' << (c.one_paged_pass ? 1 : 0) << ',' << c.mask_name()
-       << ',' << c.env;
+       << ',' << json_number(r.tflops) << ',' << json_number(r.roofline_fraction) << ','
+       << json_number(r.sustained_fraction) << ',' << r.runs << ',' << (r.cuda_graph ? 1 : 0) << ','
+       << c.window_left << ',' << json_number(c.logit_cap) << ',' << (c.sinks ? 1 : 0) << ','
+       << (c.one_paged_pass ? 1 : 0) << ',' << c.mask_name() << ',' << c.env;
     // A paired case's ratio to its twin (empty for the others, as the JSON leaves them out).
     if (c.paired)
       os << ',' << json_number(r.vs_twin) << ',' << json_number(r.vs_twin_min) << ','

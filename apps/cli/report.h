@@ -4,15 +4,16 @@
 //                "matmul_kind", "matmul_sustained_gflops", "buffer_bytes"},
 //    "cases": [{"op", "device", "batch", "qo_len", "kv_len", "prefix_len", "num_qo_heads",
 //               "num_kv_heads", "head_dim", "page_size", "kv_layout", "dtype", "kv_dtype", "us",
-//               "gbps", "tflops", "roofline_fraction", "runs", "cuda_graph", "window_left",
-//               "logit_cap", "sinks", "mask"}],
+//               "gbps", "tflops", "roofline_fraction", "sustained_fraction", "runs", "cuda_graph",
+//               "window_left", "logit_cap", "sinks", "mask"}],
 //    "plans": [{"kind", "device", "batch", "max_new", "max_prefix", "median_us", "min_us",
 //               "plans", "items", "merges", "workers"}],
 //    "cp": {"ranks", "communicator",                                  (bench --cp only)
 //           "cases": [{"op", "device", "batch", "qo_len", "kv_len", "prefix_len", "num_qo_heads",
 //                      "num_kv_heads", "head_dim", "page_size", "kv_layout", "dtype", "kv_dtype",
 //                      "mask", "layout", "block", "exchange", "kv_pass", "speedup",
-//                      "one_rank": {"us", "gbps", "tflops", "roofline_fraction", "runs",
+//                      "one_rank": {"us", "gbps", "tflops", "roofline_fraction",
+//                                   "sustained_fraction", "runs",
 //                                   "phases": [{"rank", "local_us", "comm_us", "merge_us"}]},
 //                      "sharded": {... the same, "phases" with one entry a rank}}]}}
 // kv_len is the KV each query row attends to in total, prefix_len = kv_len - qo_len; kv_layout is

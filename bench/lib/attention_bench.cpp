@@ -657,6 +657,11 @@ void set_rates(CaseResult& r, const Roofline& machine, double scale) {
   r.roofline_fraction = c.op == BenchOp::decode   ? of_bandwidth
                         : c.op == BenchOp::verify ? std::max(of_bandwidth, of_matmul)
                                                   : of_matmul;
+  const double sustained = scale * machine.matmul_sustained_gflops;
+  const double of_sustained = sustained > 0 ? r.tflops * 1e3 / sustained : 0;
+  r.sustained_fraction = sustained <= 0 || c.op == BenchOp::decode ? 0
+                         : c.op == BenchOp::verify ? std::max(of_bandwidth, of_sustained)
+                                                   : of_sustained;
 }
 
 BenchReport run_cases(const std::vector<BenchCase>& cases, const Roofline& machine,

@@ -130,6 +130,11 @@ struct CaseResult {
   // which may sit on either side of the ridge) the roofline at its arithmetic intensity, i.e.
   // the larger of the two fractions.
   double roofline_fraction = 0;
+  // The same bound with the GEMM timed back to back (Roofline::matmul_sustained_gflops) in place
+  // of the single one, for prefill, extend and verify: the bench times each case for as long, so
+  // both run at the clock the card's power limit leaves them. 0 where no sustained rate is
+  // measured (a CPU) and for decode (a bandwidth bound).
+  double sustained_fraction = 0;
   int runs = 0;             // timed runs (CUDA: total runs over all graph replays)
   bool cuda_graph = false;  // CUDA: timed as CUDA-graph replays
   // A paired case (BenchCase::paired): its time over its twin's, the median of the rounds'
