@@ -22,6 +22,7 @@
 #include "json.h"
 #include "report.h"
 #include "roofline.h"
+#include "roofline_svg.h"
 #include "test_util.h"
 
 namespace flashkv::bench {
@@ -180,6 +181,13 @@ TEST(Bench, SustainedFractionDividesByTheSustainedGemm) {
   EXPECT_NEAR(json_number_after(json, "sustained_fraction", second), pre.sustained_fraction, 1e-6);
   const std::string csv = to_csv(report);
   EXPECT_NE(csv.find(",roofline_fraction,sustained_fraction,runs,"), std::string::npos) << csv;
+  // The plot draws the sustained ceiling (dashed) where one was measured, and names it.
+  EXPECT_EQ(app::roofline_svg(report).find("stroke-dasharray"), std::string::npos);
+  report.machine.matmul_sustained_gflops = 800;
+  const std::string svg = app::roofline_svg(report);
+  EXPECT_NE(svg.find("stroke-dasharray"), std::string::npos);
+  EXPECT_NE(svg.find("matmul sustained 800 GFLOP/s"), std::string::npos);
+  EXPECT_NE(svg.find("% of the sustained one"), std::string::npos);
 }
 
 TEST(Bench, WorkCountsFollowTheIssueFormulas) {

@@ -131,6 +131,19 @@ std::string roofline_svg(const bench::BenchReport& report) {
      << "</text>\n";
   os << "<text x=\"" << num(f.x(x_lo) + 6) << "\" y=\"" << num(f.y(bw * x_lo) - 8)
      << "\" fill=\"#555555\">" << xml_escape("read " + num(m.read_gbps) + " GB/s") << "</text>\n";
+  // On a GPU, the matrix rate the same GEMM sustains back to back (the card's power limit),
+  // dashed, from its own ridge: the ceiling of a case timed as long.
+  const double sustained = m.matmul_sustained_gflops;
+  if (sustained > 0 && sustained < peak) {
+    const double s_ridge = std::max(sustained / bw, std::pow(10.0, f.lx0));
+    os << "<polyline fill=\"none\" stroke=\"#555555\" stroke-width=\"1.5\" "
+          "stroke-dasharray=\"6 4\" points=\""
+       << num(f.x(s_ridge)) << "," << num(f.y(sustained)) << " " << num(f.x(x_hi)) << ","
+       << num(f.y(sustained)) << "\"/>\n";
+    os << "<text x=\"" << num(f.x(x_hi) - 6) << "\" y=\"" << num(f.y(sustained) + 16)
+       << "\" text-anchor=\"end\" fill=\"#555555\">"
+       << xml_escape("matmul sustained " + num(sustained, "%.0f") + " GFLOP/s") << "</text>\n";
+  }
   // One point per case, with its figures as a tooltip.
   for (const Point& p : points) {
     const bench::CaseResult& r = *p.r;
@@ -138,7 +151,10 @@ std::string roofline_svg(const bench::BenchReport& report) {
        << "\" r=\"5\" fill=\"" << op_colour(r.c.op) << "\" fill-opacity=\"0.8\"><title>"
        << xml_escape(r.c.str() + ": " + num(r.us) + " us, " + num(r.gbps) + " GB/s, " +
                      num(r.tflops, "%.3f") + " TFLOP/s, " + num(100 * r.roofline_fraction) +
-                     "% of roofline")
+                     "% of roofline" +
+                     (r.sustained_fraction > 0
+                          ? ", " + num(100 * r.sustained_fraction) + "% of the sustained one"
+                          : std::string()))
        << "</title></circle>\n";
   }
   // Legend.
