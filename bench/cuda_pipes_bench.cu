@@ -2,6 +2,8 @@
 // exponential (ex2.approx, the special-function unit), the fp8 -> f16 widening the fp8 producer
 // issues (cvt e4m3x2 -> f16x2), the f32 -> bf16 pack of P, and exp2 as a cubic on the FMA pipe.
 // The first three go through the kernels' own helpers (common/ptx.cuh, common/convert.cuh).
+// Also the packed exponential of two bf16 values (ex2.approx.ftz.bf16x2, which sm_90a issues as
+// two 16-bit MUFU.EX2): whether it retires exponentials faster than the f32 form.
 // Each case runs one such step per chain on 8 independent chains a thread; a pair case runs two
 // kinds of step a chain. A pair that takes as long as its two parts one after the other shares
 // a pipe; one that takes as long as the slower part does not.
@@ -37,7 +39,18 @@ using flashkv::cuda::ptx::exp2_fast;
 using flashkv::detail::cuda_check;
 constexpr auto kE4M3 = flashkv::cuda::KvFormat::kE4M3;
 
-enum Step : int { kEx2, kCvt, kPack, kPoly, kEx2Cvt, kEx2Pack, kEx2Poly8, kFfma, kSteps };
+enum Step : int {
+  kEx2,
+  kCvt,
+  kPack,
+  kPoly,
+  kEx2Cvt,
+  kEx2Pack,
+  kEx2Poly8,
+  kFfma,
+  kEx2Bf16x2,
+  kSteps
+};
 const char* const kNames[kSteps] = {"ex2.approx.f32 (MUFU)",
                                     "cvt e4m3x2 -> f16x2",
                                     "cvt f32x2 -> bf16x2 (pack)",
@@ -45,7 +58,8 @@ const char* const kNames[kSteps] = {"ex2.approx.f32 (MUFU)",
                                     "ex2 + cvt e4m3x2, a step each",
                                     "ex2 + pack, a step each",
                                     "ex2, one chain in 8 by the cubic",
-                                    "ffma"};
+                                    "ffma",
+                                    "ex2.approx.bf16x2 (2 exps a step)"};
 
 // 2^x: x = j + f, |f| <= 1/2, 2^f by a cubic, 2^j in the exponent field (x >= -127).
 __device__ __forceinline__ float exp2_cubic(float x) {
@@ -91,6 +105,11 @@ __global__ void steps(float* out, int iters, long long* cycles) {
       }
       if constexpr (kStep == kEx2Poly8) a[i] = (i == 7 ? exp2_cubic(a[i]) : exp2_fast(a[i])) - 1.5f;
       if constexpr (kStep == kFfma) a[i] = fmaf(a[i], 0.999f, 0.5f);
+      if constexpr (kStep == kEx2Bf16x2) {
+        // 2^x of both halves, then both signs flipped: the values stay in (-1, 1).
+        asm("ex2.approx.ftz.bf16x2 %0, %1;" : "=r"(w[i]) : "r"(w[i]));
+        w[i] ^= 0x80008000u;
+      }
     }
   }
   const long long t1 = clock64();
@@ -165,6 +184,7 @@ int main(int argc, char** argv) {
   r[kEx2Pack] = measure<kEx2Pack>(sms, threads, iters, out, cycles);
   r[kEx2Poly8] = measure<kEx2Poly8>(sms, threads, iters, out, cycles);
   r[kFfma] = measure<kFfma>(sms, threads, iters, out, cycles);
+  r[kEx2Bf16x2] = measure<kEx2Bf16x2>(sms, threads, iters, out, cycles);
   std::printf("%-34s %10s %14s %10s %14s %14s\n", "step", "us", "steps/SM clk", "of SFU",
               "if one pipe", "if two pipes");
   const auto pair = [&](int a, int b, double& shared, double& apart) {
