@@ -235,8 +235,8 @@ std::string to_csv(const BenchReport& report) {
   std::ostringstream os;
   os << "op,device,batch,qo_len,kv_len,prefix_len,num_qo_heads,num_kv_heads,head_dim,page_size,"
         "kv_layout,dtype,kv_dtype,us,gbps,tflops,roofline_fraction,sustained_fraction,runs,"
-        "cuda_graph,window_left,"
-        "logit_cap,sinks,one_paged_pass,mask,env,vs_twin,vs_twin_min,vs_twin_max,rounds\n";
+        "cuda_graph,window_left,logit_cap,sinks,one_paged_pass,mask,env,vs_twin,vs_twin_min,"
+        "vs_twin_max,rounds\n";
   for (const CaseResult& r : report.cases) {
     const BenchCase& c = r.c;
     os << op_name(c.op) << ',' << c.device.str() << ',' << c.batch << ',' << c.qo_len << ','

@@ -651,17 +651,18 @@ void set_rates(CaseResult& r, const Roofline& machine, double scale) {
   const BenchCase& c = r.c;
   r.gbps = case_bytes(c) / (r.us * 1e-6) / 1e9;
   r.tflops = case_flops(c) / (r.us * 1e-6) / 1e12;
-  const double read = scale * machine.read_gbps, matmul = scale * machine.matmul_gflops;
+  const double read = scale * machine.read_gbps;
   const double of_bandwidth = read > 0 ? r.gbps / read : 0;
-  const double of_matmul = matmul > 0 ? r.tflops * 1e3 / matmul : 0;
-  r.roofline_fraction = c.op == BenchOp::decode   ? of_bandwidth
-                        : c.op == BenchOp::verify ? std::max(of_bandwidth, of_matmul)
-                                                  : of_matmul;
+  // The fraction of the bound that applies, with `matmul` as the matrix rate.
+  const auto of_bound = [&](double matmul) {
+    const double of_matmul = matmul > 0 ? r.tflops * 1e3 / matmul : 0;
+    return c.op == BenchOp::decode   ? of_bandwidth
+           : c.op == BenchOp::verify ? std::max(of_bandwidth, of_matmul)
+                                     : of_matmul;
+  };
+  r.roofline_fraction = of_bound(scale * machine.matmul_gflops);
   const double sustained = scale * machine.matmul_sustained_gflops;
-  const double of_sustained = sustained > 0 ? r.tflops * 1e3 / sustained : 0;
-  r.sustained_fraction = sustained <= 0 || c.op == BenchOp::decode ? 0
-                         : c.op == BenchOp::verify ? std::max(of_bandwidth, of_sustained)
-                                                   : of_sustained;
+  r.sustained_fraction = sustained > 0 && c.op != BenchOp::decode ? of_bound(sustained) : 0;
 }
 
 BenchReport run_cases(const std::vector<BenchCase>& cases, const Roofline& machine,

@@ -30,8 +30,9 @@ def load(name):
 
 FIELDS = ["op", "device", "batch", "qo_len", "kv_len", "prefix_len", "num_qo_heads",
           "num_kv_heads", "head_dim", "page_size", "kv_layout", "dtype", "kv_dtype", "us", "gbps",
-          "tflops", "roofline_fraction", "sustained_fraction", "runs", "cuda_graph", "window_left", "logit_cap", "sinks",
-          "one_paged_pass", "mask", "env", "vs_twin", "vs_twin_min", "vs_twin_max", "rounds"]
+          "tflops", "roofline_fraction", "sustained_fraction", "runs", "cuda_graph", "window_left",
+          "logit_cap", "sinks", "one_paged_pass", "mask", "env", "vs_twin", "vs_twin_min",
+          "vs_twin_max", "rounds"]
 
 
 def write_csv(path, rows):
