@@ -79,6 +79,11 @@ struct Problem {
   // rounding of near-tied logits moves it).
   double q_magnitude = 1.0;
   bool q_mixed_magnitudes = false;
+  // Each request's key j times 2^(j / 64) (every K/V head, every dim), so that the logits' scale
+  // quadruples from one 128-key tile to the next: most rows' maxima rise past their running
+  // reference in later tiles, some do not, so both the softmax's exact update and the one that
+  // takes the exponentials against the running reference run, in the same warps.
+  bool k_rising = false;
 };
 
 // Host inputs of a problem.
@@ -156,6 +161,18 @@ Inputs make_inputs(const Problem& pr, Rng& rng) {
     poison_rows(in.k, rows - 16, rows);
     poison_rows(in.v, rows - 16, rows);
   }
+  if (pr.k_rising)
+    for (int i = 0; i < batch; ++i)
+      for (int j = 0; j < pr.kv_lens[i]; ++j) {
+        const int64_t row =
+            pr.paged ? int64_t{in.indices[in.kv_indptr[i] + j / pr.page_size]} * pr.page_size +
+                           j % pr.page_size
+                     : int64_t{in.kv_indptr[i]} + j;
+        const double scale = std::ldexp(1.0, j / 64);
+        for (int64_t e = row * pr.hkv * pr.dqk; e < (row + 1) * pr.hkv * pr.dqk; ++e)
+          store_from_double(in.k.data(), pr.kv_dtype, e,
+                            load_as_double(in.k.data(), pr.kv_dtype, e) * scale);
+      }
   if ((pr.nan_k || pr.nan_v) && batch > 0 && pr.kv_lens[0] > 0)
     test::put_nan_in_kv_row(in.k, in.v, pr.paged ? int64_t{in.indices[0]} * pr.page_size : 0,
                             pr.nan_k);
@@ -1183,6 +1200,38 @@ TEST(CudaPrefill, AllKernelsAtEveryHeadDim) {
     many.kv_lens = many.q_lens;
     many.samples = 4;
     check_problem(many, rng);
+  });
+}
+
+// Logits whose scale grows along the keys (Problem::k_rising), so that rows raise their softmax
+// reference in later tiles as well as in the first: every kernel and head dim, paged and ragged,
+// causal and not, 16-bit and fp8 K/V.
+TEST(CudaPrefill, RisingLogitsOnEveryKernel) {
+  FLASHKV_REQUIRE_GPU();
+  for_each_prefill_kernel([&](int dqk, int dv) {
+    FLASHKV_SEEDED_RNG(rng, 1801);
+    Problem pr;
+    pr.dqk = dqk;
+    pr.dv = dv;
+    pr.q_lens = {300, 1, 129};
+    pr.kv_lens = {300 + 150, 1 + 400, 129 + 5};
+    pr.hq = 16;
+    pr.hkv = 4;
+    pr.k_rising = true;
+    check_problem(pr, rng);  // paged, page size 16
+    pr.page_size = 1;
+    pr.causal = false;
+    check_problem(pr, rng);
+    pr.paged = false;
+    pr.causal = true;
+    pr.kv_lens = pr.q_lens;
+    check_problem(pr, rng);
+    if (dqk == dv) {
+      pr.paged = true;
+      pr.kv_lens = {300 + 50, 1 + 300, 129 + 5};  // keys times 2^5 at most: inside e4m3's range
+      pr.kv_dtype = DType::fp8_e4m3;
+      check_problem(pr, rng);
+    }
   });
 }
 

@@ -177,8 +177,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
                 sm90::advance(v_desc, part * 2 * Cfg::kKvTile * 128 + sm90::n_major_step(kk)));
         sm90::commit();
       };
-      // The soft cap, the mask and the online softmax of tile t: s becomes P (in place).
-      const auto scores = [&](int t, float(&corr)[1][2]) {
+      // The soft cap and the mask of tile t.
+      const auto cap_and_mask = [&](int t) {
         const int j0 = b.kv_lo + t * Cfg::kKvTile;
         if (soft_cap) apply_soft_cap<Cfg>(s, p.logits_soft_cap, scale_over_cap_blk);
         const bool full = kMaskVerdicts && p.custom_mask
@@ -186,6 +186,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
                                     tile_is_full_unmasked(b, j0, Cfg::kKvTile)
                               : tile_is_full(p, b, j0, Cfg::kKvTile);
         if (!full) apply_mask<1, kNTiles>(s, p, b, group, warp_row0, j0, lane);
+      };
+      // The soft cap, the mask and the online softmax of tile t: s becomes P (in place).
+      const auto scores = [&](int t, float(&corr)[1][2]) {
+        cap_and_mask(t);
         return softmax.update_scores(s, c_blk, corr);
       };
 
@@ -244,9 +248,23 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         if constexpr (kLateWait) {
           late_moved = scores(t, late_corr);
         } else {
-          float corr[1][2];
-          const bool moved = scores(t, corr);
-          finish_tile(t, moved, corr);
+          // The own P_{t-1}.V_{t-1} is waited for first (where ptxas places that wait anyway), so
+          // that P_t's fragments are free and the exponentials can go into them against the
+          // running reference before the tile's row maxima are known (update_scores_ahead). Where
+          // a row of the warp raises its reference, the exact update from s, as before.
+          cap_and_mask(t);
+          sm90::wait<0>();
+          sm90::pin(o_acc);
+          if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));
+          const bool ahead =
+              softmax.update_scores_ahead(s, c_blk, [&](int nt, int h, float p0, float p1) {
+                pf[0][nt / 2][(nt % 2) * 2 + h] = pack2<typename Cfg::Mma>(p0, p1);
+              });
+          if (!ahead) {
+            float corr[1][2];
+            if (softmax.update_scores(s, c_blk, corr)) softmax.rescale(o, corr);
+            pack_p<Cfg, typename Cfg::Mma>(s, pf);
+          }
         }
       }
       if constexpr (kLateWait) finish_tile(num_tiles - 1, late_moved, late_corr);

@@ -85,6 +85,43 @@ struct OnlineSoftmax {
     return __any_sync(0xffffffffu, raise_any);
   }
 
+  // update_scores for a tile whose P goes straight into its 16-bit fragments, with s left as it
+  // was: pack(nt, h, p0, p1) takes the numerators of logits s[0][nt][2h] and s[0][nt][2h + 1]. The
+  // exponentials are taken against the running references at once, without the tile's row maxima:
+  // where every thread's share of each row sums to at most 2^kRescaleLog2, no numerator exceeds
+  // it, so update_scores would not raise a reference either (up to the rounding of its test at
+  // the threshold, where both results are exact), and its numerators, sums and fragments are these.
+  // Then true is returned. Else (a larger numerator, a NaN, or a row that has seen no key yet,
+  // whose first visible key sets its reference) nothing is changed and false is returned: the
+  // caller runs update_scores on s.
+  template <int kNTiles, typename Pack>
+  __device__ __forceinline__ bool update_scores_ahead(const float (&s)[1][kNTiles][4], float c,
+                                                      Pack&& pack) {
+    static_assert(kMTiles == 1, "one 16-row tile a warp");
+    const float neg_inf = -__int_as_float(0x7f800000);
+    if (!__all_sync(0xffffffffu, row_max[0][0] != neg_inf && row_max[0][1] != neg_inf))
+      return false;
+    float sum[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_scaled = row_max[0][h] * c;
+      sum[h] = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        const float p0 = exp2_fast(fmaf(s[0][nt][2 * h], c, -m_scaled));
+        const float p1 = exp2_fast(fmaf(s[0][nt][2 * h + 1], c, -m_scaled));
+        sum[h] += p0 + p1;
+        pack(nt, h, p0, p1);
+      }
+    }
+    constexpr float kBound = static_cast<float>(1 << static_cast<int>(kRescaleLog2));
+    if (!__all_sync(0xffffffffu, sum[0] <= kBound && sum[1] <= kBound)) return false;
+      // update_scores' row_sum * corr + sum, with corr 1.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_sum[0][h] += sum[h];
+    return true;
+  }
+
   template <int kDvTiles>
   static __device__ __forceinline__ void rescale(float (&o)[kMTiles][kDvTiles][4],
                                                  const float (&corr)[kMTiles][2]) {
