@@ -79,10 +79,10 @@ struct Problem {
   // rounding of near-tied logits moves it).
   double q_magnitude = 1.0;
   bool q_mixed_magnitudes = false;
-  // Each request's key j times 2^(j / 64) (every K/V head, every dim), so that the logits' scale
-  // quadruples from one 128-key tile to the next: most rows' maxima rise past their running
-  // reference in later tiles, some do not, so both the softmax's exact update and the one that
-  // takes the exponentials against the running reference run, in the same warps.
+  // Each request's key j times 2^floor(j / 128) (every K/V head, every dim), so that the logits'
+  // scale doubles from one 128-key tile to the next: in later tiles some rows' maxima rise past
+  // their running reference and others do not, so both the softmax's exact update and the one
+  // that takes the exponentials against the running reference run, in the same warps.
   bool k_rising = false;
 };
 
@@ -168,7 +168,7 @@ Inputs make_inputs(const Problem& pr, Rng& rng) {
             pr.paged ? int64_t{in.indices[in.kv_indptr[i] + j / pr.page_size]} * pr.page_size +
                            j % pr.page_size
                      : int64_t{in.kv_indptr[i]} + j;
-        const double scale = std::ldexp(1.0, j / 64);
+        const double scale = std::ldexp(1.0, j / 128);
         for (int64_t e = row * pr.hkv * pr.dqk; e < (row + 1) * pr.hkv * pr.dqk; ++e)
           store_from_double(in.k.data(), pr.kv_dtype, e,
                             load_as_double(in.k.data(), pr.kv_dtype, e) * scale);
@@ -1228,7 +1228,7 @@ TEST(CudaPrefill, RisingLogitsOnEveryKernel) {
     check_problem(pr, rng);
     if (dqk == dv) {
       pr.paged = true;
-      pr.kv_lens = {300 + 50, 1 + 300, 129 + 5};  // keys times 2^5 at most: inside e4m3's range
+      pr.kv_lens = {300 + 150, 1 + 400, 129 + 5};
       pr.kv_dtype = DType::fp8_e4m3;
       check_problem(pr, rng);
     }

@@ -19,8 +19,8 @@ the consumers at the tile's softmax, after they released the stage). The
 configurations are the kernel's:
 two Q stages, or one (the block's first K/V tiles go ahead of its Q), with 16-bit K/V or with an
 fp8 staging ring of one or two stages (two Q stages and one staging stage at head dim 128), and
-the consumers' wait for their own P.V after each tile's softmax or, with ragged K/V at head dim
-128 (`late`), at the top of the next turn.
+the consumers' wait for their own P.V before each tile's softmax (after its mask) or, with ragged
+K/V at head dim 128 (`late`), at the top of the next turn.
 Checked:
   - no deadlock;
   - every parity wait passes on exactly the phase it means (a parity tells apart only neighbouring
@@ -259,11 +259,15 @@ class Kernel:
                     self.pass_turn(wg)
                     self.wait_group(wg, 1)  # S_t
                     self.k_empty[n % 2].arrive(4)
-                    yield  # the softmax
-                    self.read_verdict(n)
+                    if cfg.late:
+                        yield  # the softmax
+                    self.read_verdict(n)  # the mask
                     if not cfg.late:
-                        self.wait_group(wg, 0)  # P_{t-1}.V_{t-1}
+                        # P_{t-1}.V_{t-1} before the softmax, whose exponentials go into P_t's
+                        # fragments at once.
+                        self.wait_group(wg, 0)
                         self.v_empty[(n - 1) % 2].arrive(4)
+                        yield  # the softmax
                 if cfg.late:
                     self.wait_group(wg, 0)
                     if tiles >= 2:

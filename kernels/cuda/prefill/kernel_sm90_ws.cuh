@@ -23,7 +23,9 @@
 //     products. A warpgroup waits for K_t before its turn and for V_{t-1} between its two
 //     issues, so that it holds the turn only to issue. With ragged K/V at head dim 128 a warpgroup
 //     also runs its softmax under its own P.V, waiting for it at its next turn (kLateWait in
-//     consume); elsewhere it waits for it after the softmax's mask, where ptxas places the wait.
+//     consume); elsewhere it waits for it after the tile's mask, then takes the exponentials
+//     straight into P's fragments against the running reference, without the tile's row maxima
+//     (OnlineSoftmax::update_scores_ahead), and runs the exact update only where that fails.
 // No barrier spans the CTA inside the KV loop: the warpgroups only meet through the rings.
 // Masks, the online softmax and the epilogue are the sm_80 kernel's, one 16-row tile a warp.
 //

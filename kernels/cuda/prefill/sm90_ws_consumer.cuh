@@ -193,13 +193,14 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         return softmax.update_scores(s, c_blk, corr);
       };
 
-      // When a warpgroup waits for its own P_{t-1}.V_{t-1}. Where the wait follows tile t's
-      // softmax in one basic block, ptxas hoists it above the softmax's exponentials, so the
-      // softmax runs only after the warpgroup's own P.V. With kLateWait the wait (with the V
-      // stage's release, O's rescale and the packing of P_t) comes at the top of the next turn
-      // instead, a block of its own after the softmax, which then runs under the P.V. That is
-      // faster with ragged K/V at head dim 128, and slower with paged K/V, whose gather needs the
-      // V stage back a softmax sooner (docs/perf/prefill.md, History, "The own P.V wait").
+      // When a warpgroup waits for its own P_{t-1}.V_{t-1}. By default before tile t's softmax
+      // (after its mask): P_t's fragments are then free, and the softmax takes its exponentials
+      // into them at once, against the running reference (update_scores_ahead in the loop). With
+      // kLateWait the wait (with the V stage's release, O's rescale and the packing of P_t) comes
+      // at the top of the next turn instead, a block of its own after the softmax, which then
+      // runs under the P.V. That is faster with ragged K/V at head dim 128, and slower with paged
+      // K/V, whose gather needs the V stage back a softmax sooner (docs/perf/prefill.md, History,
+      // "The own P.V wait").
       constexpr bool kLateWait = !kPaged && Cfg::kDqk == 128;
       // After tile t's softmax (its row maxima moved: `moved`, by `corr`): waits for
       // P_{t-1}.V_{t-1} (nothing is in flight at t = 0), frees its V stage, rescales O and packs
@@ -248,10 +249,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
         if constexpr (kLateWait) {
           late_moved = scores(t, late_corr);
         } else {
-          // The own P_{t-1}.V_{t-1} is waited for first (where ptxas places that wait anyway), so
-          // that P_t's fragments are free and the exponentials can go into them against the
-          // running reference before the tile's row maxima are known (update_scores_ahead). Where
-          // a row of the warp raises its reference, the exact update from s, as before.
+          // The own P_{t-1}.V_{t-1} first, so that P_t's fragments are free and the exponentials
+          // can go into them against the running reference without the tile's row maxima
+          // (update_scores_ahead); where that does not stand, the exact update from s.
           cap_and_mask(t);
           sm90::wait<0>();
           sm90::pin(o_acc);
