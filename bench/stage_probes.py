@@ -88,10 +88,11 @@ def _at_exit(name: str, printer: str) -> list[tuple[str, str, str]]:
 # The timeline's points, in the order a turn of the tile loop passes them (a name each, for the
 # summary): the turn's start; after the late wait's finish of the tile before (kLateWait; else at
 # once); after the K wait; after the turn; after issuing S_t and the V wait; after issuing
-# P_{t-1}.V_{t-1} and passing the turn; after the wait for S_t; after the mask and softmax; after
-# the early wait's finish (without kLateWait; else at once).
-POINTS = ["start", "late finish", "K ready", "turn", "V ready", "issued", "S ready", "softmax",
-          "early finish"]
+# P_{t-1}.V_{t-1} and passing the turn; after the wait for S_t; without kLateWait after the mask
+# and the early wait for the own P.V (with it at once); after the softmax (with kLateWait the
+# mask's too).
+POINTS = ["start", "late finish", "K ready", "turn", "V ready", "issued", "S ready",
+          "early finish", "softmax"]
 TIMELINE_TILES = 96
 # A tile's record: the clock at each point, then its block and tile (block << 16 | tile).
 _WIDTH = len(POINTS) + 1
@@ -136,11 +137,14 @@ TIMELINE = [
      + _REC.format(POINTS.index("S ready")) +
      f"        ev[ri][{_ID}] = (block_n << 16) | t;\n"),
     (CONSUMER, "          late_moved = scores(t, late_corr);\n",
-     "          late_moved = scores(t, late_corr);\n" + _REC.format(7) +
-     "          ev[ri][8] = ev[ri][7];\n"),
-    (CONSUMER, "          const bool moved = scores(t, corr);\n          finish_tile(t, moved, corr);\n",
-     "          const bool moved = scores(t, corr);\n" + _REC.format(7) +
-     "          finish_tile(t, moved, corr);\n" + _REC.format(8)),
+     "          ev[ri][7] = ev[ri][6];\n          late_moved = scores(t, late_corr);\n"
+     + _REC.format(8)),
+    (CONSUMER, "          if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));\n"
+     "          const bool ahead =\n",
+     "          if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));\n"
+     + _REC.format(7) + "          const bool ahead =\n"),
+    (CONSUMER, "            pack_p<Cfg, typename Cfg::Mma>(s, pf);\n          }\n",
+     "            pack_p<Cfg, typename Cfg::Mma>(s, pf);\n          }\n" + _REC.format(8)),
     (CONSUMER, "  if (wg == 0) take_turn(0);\n",
      "  if (wg == 0) take_turn(0);\n  if (rec) {\n"
      "    for (int i = 0; i < (nrec < kTimelineTiles ? nrec : kTimelineTiles); ++i)\n"
