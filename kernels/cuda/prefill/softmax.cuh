@@ -116,9 +116,8 @@ struct OnlineSoftmax {
     }
     constexpr float kBound = static_cast<float>(1 << static_cast<int>(kRescaleLog2));
     if (!__all_sync(0xffffffffu, sum[0] <= kBound && sum[1] <= kBound)) return false;
-      // update_scores' row_sum * corr + sum, with corr 1.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) row_sum[0][h] += sum[h];
+    for (int h = 0; h < 2; ++h) row_sum[0][h] += sum[h];  // update_scores' with corr 1
     return true;
   }
 
