@@ -92,18 +92,23 @@ __device__ __forceinline__ void zero_output(float (&o)[kMTiles][kDvTiles][4]) {
 template <typename Cfg>
 using PFragments = uint32_t[Cfg::kMTiles][Cfg::kKvTile / 16][4];
 
+// The fragment word of P tile mt that holds the numerators of C-fragment elements 2h and 2h + 1
+// of key tile nt.
+template <typename Cfg>
+__device__ __forceinline__ uint32_t& p_word(PFragments<Cfg>& pf, int mt, int nt, int h) {
+  return pf[mt][nt / 2][(nt % 2) * 2 + h];
+}
+
 template <typename Cfg, typename QT = typename Cfg::Q>
 __device__ __forceinline__ void pack_p(const float (&s)[Cfg::kMTiles][Cfg::kKvTile / 8][4],
                                        PFragments<Cfg>& pf) {
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
-    for (int kk = 0; kk < Cfg::kKvTile / 16; ++kk) {
-      pf[mt][kk][0] = pack2<QT>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-      pf[mt][kk][1] = pack2<QT>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-      pf[mt][kk][2] = pack2<QT>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-      pf[mt][kk][3] = pack2<QT>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-    }
+    for (int nt = 0; nt < Cfg::kKvTile / 8; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        p_word<Cfg>(pf, mt, nt, h) = pack2<QT>(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
 }
 
 // o[mt][dt] += P[warp rows of tile mt, all keys of the tile] . V[keys, dims dt*8 .. dt*8+7].

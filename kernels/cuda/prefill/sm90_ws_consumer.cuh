@@ -202,13 +202,16 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
       // K/V, whose gather needs the V stage back a softmax sooner (docs/perf/prefill.md, History,
       // "The own P.V wait").
       constexpr bool kLateWait = !kPaged && Cfg::kDqk == 128;
-      // After tile t's softmax (its row maxima moved: `moved`, by `corr`): waits for
-      // P_{t-1}.V_{t-1} (nothing is in flight at t = 0), frees its V stage, rescales O and packs
-      // P_t.
-      const auto finish_tile = [&](int t, bool moved, const float(&corr)[1][2]) {
+      // Waits for P_{t-1}.V_{t-1} (nothing is in flight at t = 0) and frees its V stage.
+      const auto wait_own_pv = [&](int t) {
         sm90::wait<0>();
         sm90::pin(o_acc);
         if (t >= 1 && lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(tile_n + t - 1)));
+      };
+      // After tile t's softmax (its row maxima moved: `moved`, by `corr`): waits for
+      // P_{t-1}.V_{t-1}, frees its V stage, rescales O and packs P_t.
+      const auto finish_tile = [&](int t, bool moved, const float(&corr)[1][2]) {
+        wait_own_pv(t);
         if (moved) softmax.rescale(o, corr);
         pack_p<Cfg, typename Cfg::Mma>(s, pf);
       };
@@ -253,12 +256,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, unsigned char*
           // can go into them against the running reference without the tile's row maxima
           // (update_scores_ahead); where that does not stand, the exact update from s.
           cap_and_mask(t);
-          sm90::wait<0>();
-          sm90::pin(o_acc);
-          if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));
+          wait_own_pv(t);
           const bool ahead =
               softmax.update_scores_ahead(s, c_blk, [&](int nt, int h, float p0, float p1) {
-                pf[0][nt / 2][(nt % 2) * 2 + h] = pack2<typename Cfg::Mma>(p0, p1);
+                p_word<Cfg>(pf, 0, nt, h) = pack2<typename Cfg::Mma>(p0, p1);
               });
           if (!ahead) {
             float corr[1][2];
