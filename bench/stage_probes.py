@@ -139,10 +139,8 @@ TIMELINE = [
     (CONSUMER, "          late_moved = scores(t, late_corr);\n",
      "          ev[ri][7] = ev[ri][6];\n          late_moved = scores(t, late_corr);\n"
      + _REC.format(8)),
-    (CONSUMER, "          if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));\n"
-     "          const bool ahead =\n",
-     "          if (lane == 0) sm90::mbar_arrive(bars.v_empty(Ring::stage(n - 1)));\n"
-     + _REC.format(7) + "          const bool ahead =\n"),
+    (CONSUMER, "          wait_own_pv(t);\n          const bool ahead =\n",
+     "          wait_own_pv(t);\n" + _REC.format(7) + "          const bool ahead =\n"),
     (CONSUMER, "            pack_p<Cfg, typename Cfg::Mma>(s, pf);\n          }\n",
      "            pack_p<Cfg, typename Cfg::Mma>(s, pf);\n          }\n" + _REC.format(8)),
     (CONSUMER, "  if (wg == 0) take_turn(0);\n",
